@@ -1,0 +1,374 @@
+/*
+ * qjlkv.h — compressed LLM key/value cache with attention computed on the
+ * compressed form.
+ *
+ * This header is the manual. Read "Conventions" once; each function then
+ * documents its contract, its errors and its thread rules.
+ *
+ * ---------------------------------------------------------------------------
+ * What the library does
+ * ---------------------------------------------------------------------------
+ * A cache holds, per layer and per sequence, the key and value vectors of every
+ * kv head, appended token by token (or many tokens at once for a prefill). The
+ * newest tokens stay exact in a "tail"; whenever the tail holds at least
+ * residual_tokens + block_tokens tokens, its oldest block_tokens tokens are
+ * quantized as one block:
+ *   - keys with QJL (1-bit signs of a random orthogonalized sketch plus the
+ *     key norms, with a second sketch for the few outlier channels of each
+ *     block), or KIVI (per-channel 2/4/8-bit), or OTT (KIVI plus tracing of
+ *     outlier tokens), or kept exact in 16 bits;
+ *   - values per token in groups of value_group_size channels with 2, 4 or 8
+ *     bits (or kept exact in 16 bits).
+ * qjlkv_cache_attend() then computes decode attention softmax(scale·q·Kᵀ)·V
+ * for the query heads of a layer directly on the compressed bytes.
+ *
+ * ---------------------------------------------------------------------------
+ * Conventions
+ * ---------------------------------------------------------------------------
+ * Status. Every fallible function returns a qjlkv_status; QJLKV_OK is 0. On
+ *   failure nothing is half-done: the cache is left exactly as it was (same
+ *   length, same stored bytes, same statistics), output buffers may have been
+ *   written, and qjlkv_last_error_message() returns a human-readable reason
+ *   that names the argument and the values that were wrong.
+ * Handles. qjlkv_sketch and qjlkv_cache are opaque. qjlkv_*_destroy(NULL) is a
+ *   no-op.
+ * Tensors. Keys, values, queries and outputs are dense, row-major, contiguous
+ *   arrays in the cache's dtype (config.dtype); their shapes are given at each
+ *   function. On a CUDA cache (config.device >= 0) they are device pointers.
+ * Validation. Every argument is checked before anything changes: NULL
+ *   pointers, dimensions, ranges, sizes that overflow, and the data itself
+ *   (keys, values and queries must be finite; for quantized storage they must
+ *   also lie within the fp16 range |x| <= 65504, because scales, minima and
+ *   norms are stored in fp16).
+ * Threads. One cache handle is used by one thread at a time (the caller
+ *   serializes); distinct handles are fully independent. A sketch is immutable
+ *   and may be shared by any number of threads. qjlkv_last_error_message() is
+ *   thread-local. A cache may use several worker threads internally
+ *   (config.num_threads); results do not depend on their number.
+ * Memory. All memory is owned by the handles; a failed allocation returns
+ *   QJLKV_ERROR_OUT_OF_MEMORY and leaves the cache unchanged.
+ */
+#ifndef QJLKV_H
+#define QJLKV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#  if defined(QJLKV_BUILDING)
+#    define QJLKV_API __declspec(dllexport)
+#  elif defined(QJLKV_STATIC)
+#    define QJLKV_API
+#  else
+#    define QJLKV_API __declspec(dllimport)
+#  endif
+#elif defined(__GNUC__) && __GNUC__ >= 4
+#  define QJLKV_API __attribute__((visibility("default")))
+#else
+#  define QJLKV_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ===========================================================================
+ * Version
+ * ======================================================================== */
+#define QJLKV_VERSION_MAJOR 0
+#define QJLKV_VERSION_MINOR 1
+#define QJLKV_VERSION_PATCH 0
+/* MAJOR*10000 + MINOR*100 + PATCH, as zstd does. */
+#define QJLKV_VERSION_NUMBER \
+  (QJLKV_VERSION_MAJOR * 10000 + QJLKV_VERSION_MINOR * 100 + QJLKV_VERSION_PATCH)
+
+/* The version of the library linked at run time (compare with
+ * QJLKV_VERSION_NUMBER to detect a header/library mismatch). Never fails. */
+QJLKV_API unsigned qjlkv_version_number(void);
+/* "MAJOR.MINOR.PATCH" of the library linked at run time; a static string. */
+QJLKV_API const char *qjlkv_version_string(void);
+
+/* ===========================================================================
+ * Errors
+ * ======================================================================== */
+/* Append-only: values never change meaning. */
+typedef enum qjlkv_status {
+  QJLKV_OK = 0,
+  QJLKV_ERROR_INVALID_ARGUMENT, /* a bad pointer, size, range, config or data */
+  QJLKV_ERROR_OUT_OF_MEMORY,    /* an allocation failed; nothing changed      */
+  QJLKV_ERROR_UNSUPPORTED,      /* valid, but not available in this build or
+                                   on this machine (e.g. no CUDA device)     */
+  QJLKV_ERROR_DEVICE,           /* the CUDA runtime reported an error        */
+  QJLKV_ERROR_CORRUPT_DATA,     /* internal state failed a consistency check */
+  QJLKV_ERROR_INTERNAL          /* a bug in the library: please report it    */
+} qjlkv_status;
+
+/* A static, constant name for a status ("QJLKV_OK", ...); "unknown status"
+ * for values outside the enum. Never returns NULL. */
+QJLKV_API const char *qjlkv_status_string(qjlkv_status s);
+
+/* The reason for the last failure of a qjlkv_* call made by this thread, or ""
+ * if none failed yet. The string stays valid until the next failing call on
+ * the same thread. Successful calls do not clear it. Never returns NULL. */
+QJLKV_API const char *qjlkv_last_error_message(void);
+
+/* ===========================================================================
+ * Types
+ * ======================================================================== */
+/* Element type of keys, values, queries and outputs. Computation is fp32. */
+typedef enum qjlkv_dtype {
+  QJLKV_DTYPE_F32 = 0,
+  QJLKV_DTYPE_F16,  /* IEEE binary16 */
+  QJLKV_DTYPE_BF16  /* bfloat16      */
+} qjlkv_dtype;
+
+/* How keys are stored once their block is quantized. */
+typedef enum qjlkv_key_method {
+  QJLKV_KEYS_QJL = 0, /* sign bits of a JL sketch + norms (SPEC §3)         */
+  QJLKV_KEYS_KIVI,    /* per-channel asymmetric key_bits quantization        */
+  QJLKV_KEYS_OTT,     /* KIVI + outlier-token tracing                        */
+  QJLKV_KEYS_EXACT    /* 16-bit keys, no quantization                        */
+} qjlkv_key_method;
+
+/* ===========================================================================
+ * Sketch
+ * ======================================================================== */
+/* The QJL sketch: an m x d float32 matrix (m = sketch_dim, d = head_dim).
+ *
+ * Entries start as i.i.d. N(0,1) drawn from a Philox4x32-10 counter-based
+ * generator keyed by (seed, stream 0), in float64 on the host. With
+ * QJLKV_SKETCH_ORTHOGONAL, the m rows are cut into ceil(m/d) blocks of at
+ * most d rows; each block is made orthonormal by a float64 Householder QR
+ * (signs fixed so that diag(R) > 0) and every row is scaled to norm sqrt(d).
+ * Without the flag the Gaussian rows are used as drawn.
+ *
+ * A cache's layer l uses the same construction with stream l; layer 0 of a
+ * cache with seed s and sketch_flags f uses exactly
+ * qjlkv_sketch_create(d, m_0, s, f), where m_0 is that layer's sketch row
+ * count (see qjlkv_cache_sketch()). */
+typedef struct qjlkv_sketch qjlkv_sketch;
+
+#define QJLKV_SKETCH_ORTHOGONAL 1u
+
+/* Creates a sketch. head_dim in [1, 1024]; sketch_dim a positive multiple of
+ * 8, at most 65536; flags 0 or QJLKV_SKETCH_ORTHOGONAL.
+ * Errors: INVALID_ARGUMENT (out == NULL, bad sizes, unknown flags),
+ * OUT_OF_MEMORY. On failure *out is set to NULL (when out != NULL).
+ * Thread-safe. */
+QJLKV_API qjlkv_status qjlkv_sketch_create(uint32_t head_dim, uint32_t sketch_dim,
+                                           uint64_t seed, uint32_t flags,
+                                           qjlkv_sketch **out);
+
+/* Copies the matrix the kernels use, row-major m x d, into out.
+ * out_len is the number of floats available and must be >= m*d.
+ * Errors: INVALID_ARGUMENT (NULL s or out, out_len too small). Thread-safe. */
+QJLKV_API qjlkv_status qjlkv_sketch_matrix(const qjlkv_sketch *s, float *out,
+                                           size_t out_len);
+
+/* Rows (m) and columns (d) of a sketch. Errors: INVALID_ARGUMENT (NULL). */
+QJLKV_API qjlkv_status qjlkv_sketch_shape(const qjlkv_sketch *s, uint32_t *rows,
+                                          uint32_t *cols);
+
+/* Frees a sketch created by qjlkv_sketch_create(); NULL is a no-op. Must not
+ * be called while another thread uses the sketch. Never call it on the
+ * borrowed sketch returned by qjlkv_cache_sketch(). */
+QJLKV_API void qjlkv_sketch_destroy(qjlkv_sketch *s);
+
+/* ===========================================================================
+ * Configuration
+ * ======================================================================== */
+/* Always start from qjlkv_config_init(), then change fields. struct_size comes
+ * first so the struct can grow without breaking the ABI: a caller compiled
+ * against an older header passes its smaller size. Fields are append-only. */
+typedef struct qjlkv_config {
+  uint32_t struct_size;          /* sizeof(qjlkv_config) of the caller        */
+  uint32_t num_layers;           /* >= 1                                      */
+  uint32_t num_q_heads;          /* Hq >= 1, a multiple of num_kv_heads       */
+  uint32_t num_kv_heads;         /* Hkv >= 1 (Hq/Hkv = GQA group; 1 kv = MQA) */
+  uint32_t head_dim;             /* d: a multiple of 8 in [8, 256]            */
+  qjlkv_dtype dtype;             /* dtype of keys, values, queries, outputs   */
+  int32_t device;                /* -1 = CPU, >= 0 = CUDA device ordinal      */
+  uint64_t seed;                 /* sketch seed (layer l uses stream l)       */
+  uint32_t sketch_flags;         /* QJLKV_SKETCH_ORTHOGONAL in every preset   */
+  qjlkv_key_method key_method;
+  uint32_t block_tokens;         /* B: tokens quantized together; a multiple
+                                    of 8 in [8, 4096]                         */
+  uint32_t residual_tokens;      /* R: newest tokens always exact, <= 65536   */
+  /* QJL (key_method == QJLKV_KEYS_QJL) */
+  uint32_t key_sketch_dim;       /* m: multiple of 8 in [8, 65536]            */
+  uint32_t outlier_channels;     /* c: outlier channels per block, [0, d)     */
+  uint32_t outlier_sketch_dim;   /* m_out: multiple of 8 in [0, 65536]; must
+                                    be > 0 when c > 0                         */
+  uint32_t initial_layers;       /* layers [0, initial_layers) use the two
+                                    sizes below instead of m and m_out        */
+  uint32_t initial_key_sketch_dim;
+  uint32_t initial_outlier_sketch_dim;
+  /* KIVI / OTT */
+  uint32_t key_bits;             /* 2, 4 or 8                                 */
+  /* OTT */
+  uint32_t outlier_tokens;       /* P: pool size per (sequence, kv head),
+                                    [0, block_tokens]                         */
+  uint32_t outlier_spill_tokens; /* spill area size, [0, 4096]                */
+  uint32_t outlier_skip_layers;  /* layers [0, n) do no tracing               */
+  /* values */
+  uint32_t value_bits;           /* 2, 4, 8, or 16 = exact 16-bit values      */
+  uint32_t value_group_size;     /* g: divides head_dim                       */
+  /* --- fields added after the first draft of API.md --- */
+  uint32_t num_threads;          /* CPU worker threads; 0 = cores available   */
+} qjlkv_config;
+
+/* Fills every field of *cfg with the defaults of the named preset and the
+ * given shape, and sets cfg->struct_size = sizeof(qjlkv_config).
+ *
+ * Presets (bits per number measured by the library's own statistics, see
+ * README.md for the table):
+ *   "qjl"   (also preset NULL or ""): QJL keys, m = 2d sketch rows,
+ *           c = 8 outlier channels with m_out = d/2, B = 32, R = 32;
+ *           2-bit values in groups of 32.
+ *   "kivi"  KIVI keys, 2-bit, B = 128, R = 32; 2-bit values in groups of 32.
+ *   "ott"   "kivi" + outlier-token tracing, P = 3, spill 32, first 2 layers
+ *           untraced.
+ *   "exact" 16-bit keys and values, no quantization (fp16 for fp32/fp16
+ *           inputs, bf16 for bf16 inputs): the baseline for comparisons.
+ * dtype defaults to F32, device to -1, seed to 0, num_threads to 0.
+ *
+ * Errors: INVALID_ARGUMENT (cfg == NULL, unknown preset, or a shape that no
+ * config can accept: zero sizes, Hq not a multiple of Hkv, d not a multiple
+ * of 8 or > 256). On failure *cfg is unchanged. Thread-safe. */
+QJLKV_API qjlkv_status qjlkv_config_init(qjlkv_config *cfg, const char *preset,
+                                         uint32_t num_layers, uint32_t num_q_heads,
+                                         uint32_t num_kv_heads, uint32_t head_dim);
+
+/* Checks a configuration without creating anything; the message of a failure
+ * names the first field that is wrong. Errors: INVALID_ARGUMENT. */
+QJLKV_API qjlkv_status qjlkv_config_validate(const qjlkv_config *cfg);
+
+/* ===========================================================================
+ * Cache
+ * ======================================================================== */
+typedef struct qjlkv_cache qjlkv_cache;
+
+/* Creates an empty cache for cfg (validated as by qjlkv_config_validate).
+ * The sketches of all layers are generated here, once.
+ * Errors: INVALID_ARGUMENT, OUT_OF_MEMORY, UNSUPPORTED (device >= 0 in a
+ * build without CUDA, or no CUDA device present), DEVICE. On failure *out is
+ * set to NULL (when out != NULL). */
+QJLKV_API qjlkv_status qjlkv_cache_create(const qjlkv_config *cfg, qjlkv_cache **out);
+
+/* Frees a cache and everything it holds; NULL is a no-op. */
+QJLKV_API void qjlkv_cache_destroy(qjlkv_cache *c);
+
+/* A copy of the configuration the cache was created with (struct_size is
+ * sizeof(qjlkv_config)). Errors: INVALID_ARGUMENT (NULL). */
+QJLKV_API qjlkv_status qjlkv_cache_config(const qjlkv_cache *c, qjlkv_config *out);
+
+/* Orders all work of a CUDA cache on the given cudaStream_t (NULL = default
+ * stream). On a CPU cache only NULL is accepted (a no-op).
+ * Errors: INVALID_ARGUMENT (c == NULL), UNSUPPORTED (non-NULL on CPU). */
+QJLKV_API qjlkv_status qjlkv_cache_set_stream(qjlkv_cache *c, void *cuda_stream);
+
+/* Appends n_tokens tokens to sequence seq of layer `layer`.
+ * keys, values: [n_tokens][num_kv_heads][head_dim] in cfg.dtype.
+ * A sequence id is any uint32; a sequence is created on its first append.
+ * Blocks are quantized as described at the top; appending n tokens at once
+ * stores exactly what appending them one at a time would.
+ * Errors: INVALID_ARGUMENT (NULL c/keys/values, n_tokens == 0, layer out of
+ * range, n_tokens * num_kv_heads * head_dim overflowing, non-finite data or
+ * data outside the fp16 range where stored quantized), OUT_OF_MEMORY.
+ * On failure the sequence is unchanged. */
+QJLKV_API qjlkv_status qjlkv_cache_append(qjlkv_cache *c, uint32_t layer, uint32_t seq,
+                                          uint32_t n_tokens, const void *keys,
+                                          const void *values);
+
+/* Attention of the last n_queries appended positions of sequence seq.
+ * queries, out: [n_queries][num_q_heads][head_dim] in cfg.dtype.
+ * Query i (0-based) sits at position length - n_queries + i and attends to
+ * positions <= its own (causal). Query head h uses kv head
+ * h / (num_q_heads / num_kv_heads). Quantized keys contribute their estimated
+ * scores, tail (and OTT pool/spill) tokens their exact scores; one joint
+ * softmax per query head in fp32 with max subtraction. scale <= 0 means
+ * 1/sqrt(head_dim).
+ * Errors: INVALID_ARGUMENT (NULL pointers, layer out of range, unknown or
+ * empty sequence, n_queries == 0 or > length, NaN/Inf scale, non-finite
+ * queries), OUT_OF_MEMORY. The cache is never modified. */
+QJLKV_API qjlkv_status qjlkv_cache_attend(qjlkv_cache *c, uint32_t layer, uint32_t seq,
+                                          uint32_t n_queries, const void *queries,
+                                          float scale, void *out);
+
+/* The batched decode step: one token for each of n_seqs distinct sequences.
+ * keys, values: [n_seqs][num_kv_heads][head_dim]. Equivalent to n_seqs calls
+ * of qjlkv_cache_append with n_tokens = 1, but all-or-nothing: if any check
+ * fails (duplicate ids included), no sequence changes. Errors: as append. */
+QJLKV_API qjlkv_status qjlkv_cache_append_batch(qjlkv_cache *c, uint32_t layer,
+                                                uint32_t n_seqs, const uint32_t *seqs,
+                                                const void *keys, const void *values);
+
+/* One query token for each of n_seqs sequences (not necessarily distinct).
+ * queries, out: [n_seqs][num_q_heads][head_dim]. Equivalent to n_seqs calls
+ * of qjlkv_cache_attend with n_queries = 1. Errors: as attend. */
+QJLKV_API qjlkv_status qjlkv_cache_attend_batch(qjlkv_cache *c, uint32_t layer,
+                                                uint32_t n_seqs, const uint32_t *seqs,
+                                                const void *queries, float scale,
+                                                void *out);
+
+/* Diagnostic: the raw logits <q,k> (no scale, no softmax) of one query token
+ * (query: [num_q_heads][head_dim], cfg.dtype, device memory on a CUDA cache)
+ * against every cached position of the sequence, in position order:
+ * out[h * length + t], float32, host memory, out_len >= num_q_heads*length.
+ * Quantized positions give the estimate the attention uses; exact positions
+ * the exact product. OTT: positions whose token moved to the outlier pool
+ * give -INFINITY (their exact score is not part of this listing); tokens in the
+ * pool or spill area are not listed.
+ * Errors: INVALID_ARGUMENT (NULL, layer, unknown sequence, out_len too small,
+ * non-finite query), OUT_OF_MEMORY. */
+QJLKV_API qjlkv_status qjlkv_cache_scores(qjlkv_cache *c, uint32_t layer, uint32_t seq,
+                                          const void *query, float *out, size_t out_len);
+
+/* Number of positions appended to (layer, seq); 0 for a sequence never
+ * appended to or cleared. Errors: INVALID_ARGUMENT (NULL, layer range). */
+QJLKV_API qjlkv_status qjlkv_cache_length(const qjlkv_cache *c, uint32_t layer,
+                                          uint32_t seq, uint64_t *out);
+
+/* The sketch layer `layer` uses: max(m, m_out) rows of that layer (m and m_out
+ * being the initial-layer sizes for layer < initial_layers); the inlier part
+ * uses its first m rows, the outlier part its first m_out rows. Borrowed: it
+ * lives as long as the cache; do not destroy it.
+ * Errors: INVALID_ARGUMENT (NULL, layer out of range), UNSUPPORTED (the key
+ * method is not QJL: such caches have no sketch). */
+QJLKV_API qjlkv_status qjlkv_cache_sketch(const qjlkv_cache *c, uint32_t layer,
+                                          const qjlkv_sketch **out);
+
+/* Drops every layer of sequence seq and releases its memory. Clearing an id
+ * that holds nothing is OK. Errors: INVALID_ARGUMENT (c == NULL). */
+QJLKV_API qjlkv_status qjlkv_cache_clear_sequence(qjlkv_cache *c, uint32_t seq);
+
+/* Memory accounting. Every stored byte is counted: sign bits, norms, outlier
+ * indices, key/value codes, scales and minima, full-precision tails, OTT pools
+ * and spill areas, per-block metadata. Capacity held but unused is counted
+ * apart in bytes_reserved (>= bytes_used). */
+typedef struct qjlkv_stats {
+  uint32_t struct_size;          /* set by the caller: sizeof(qjlkv_stats)    */
+  uint64_t tokens;               /* cached positions, all layers and seqs     */
+  uint64_t bytes_used;           /* bytes that hold cache data                */
+  uint64_t bytes_reserved;       /* bytes allocated for cache data            */
+  uint64_t bytes_fp16_equivalent;/* tokens * Hkv * d * 2 (K and V) * 2 bytes  */
+  double bits_per_number;        /* bytes_used * 8 / (tokens * Hkv * d * 2)   */
+  /* --- per-component byte counts (bytes_used = their sum) --- */
+  uint64_t bytes_keys_quantized; /* sign bits, norms, outlier indices, codes,
+                                    scales/minima of quantized key blocks     */
+  uint64_t bytes_values_quantized;
+  uint64_t bytes_full_precision; /* tails, OTT pools and spill areas          */
+  uint64_t bytes_metadata;       /* per-sequence bookkeeping                  */
+} qjlkv_stats;
+
+/* Fills *out. out->struct_size must be set by the caller to the size it knows
+ * (the leading fields of an older, smaller struct are filled).
+ * Errors: INVALID_ARGUMENT (NULL, struct_size too small or larger than the
+ * library's). */
+QJLKV_API qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* QJLKV_H */

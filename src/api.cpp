@@ -1,0 +1,283 @@
+// The C ABI: checks every argument that needs no tensor data, then calls the backend; every
+// exception becomes a status plus the thread-local message.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <vector>
+
+#include "cache.hpp"
+#include "config.hpp"
+#include "error.hpp"
+#include "qjlkv/qjlkv.h"
+
+using qjlkv::fail;
+using qjlkv::guarded;
+
+namespace {
+
+#define QJLKV_STR2(x) #x
+#define QJLKV_STR(x) QJLKV_STR2(x)
+constexpr const char kVersionString[] =
+    QJLKV_STR(QJLKV_VERSION_MAJOR) "." QJLKV_STR(QJLKV_VERSION_MINOR) "." QJLKV_STR(QJLKV_VERSION_PATCH);
+
+void require_pointer(const void *p, const char *name) {
+  QJLKV_REQUIRE(p != nullptr, "%s is NULL", name);
+}
+
+void require_layer(const qjlkv_cache *c, uint32_t layer) {
+  QJLKV_REQUIRE(layer < c->spec().cfg.num_layers, "layer is %u, the cache has %u layers (0..%u)", layer,
+                c->spec().cfg.num_layers, c->spec().cfg.num_layers - 1);
+}
+
+// Elements of `count` items of `per_item` elements, refusing sizes whose byte count overflows.
+size_t checked_elements(const char *what, uint64_t count, uint64_t per_item, size_t elem_bytes) {
+  const uint64_t limit = uint64_t(PTRDIFF_MAX) / elem_bytes;
+  if (per_item != 0 && count > limit / per_item)
+    fail(QJLKV_ERROR_INVALID_ARGUMENT, "%s: %llu x %llu elements overflow the address space", what,
+         (unsigned long long)count, (unsigned long long)per_item);
+  return size_t(count * per_item);
+}
+
+// A sequence holds at most 2^32 - 1 positions (positions are 32-bit in the kernels).
+void require_room(const qjlkv_cache *c, uint32_t layer, uint32_t seq, uint32_t n_tokens) {
+  const uint64_t length = c->length(layer, seq);
+  QJLKV_REQUIRE(length + n_tokens <= UINT32_MAX,
+                "n_tokens is %u: seq %u of layer %u would exceed 2^32 - 1 tokens (it holds %llu)", n_tokens, seq,
+                layer, (unsigned long long)length);
+}
+
+float resolve_scale(const qjlkv_cache *c, float scale) {
+  QJLKV_REQUIRE(std::isfinite(scale), "scale is %g, must be finite (<= 0 selects 1/sqrt(head_dim))", double(scale));
+  return scale > 0.0f ? scale : 1.0f / std::sqrt(float(c->spec().cfg.head_dim));
+}
+
+}  // namespace
+
+extern "C" {
+
+unsigned qjlkv_version_number(void) { return QJLKV_VERSION_NUMBER; }
+const char *qjlkv_version_string(void) { return kVersionString; }
+
+const char *qjlkv_status_string(qjlkv_status s) {
+  switch (s) {
+    case QJLKV_OK: return "QJLKV_OK";
+    case QJLKV_ERROR_INVALID_ARGUMENT: return "QJLKV_ERROR_INVALID_ARGUMENT";
+    case QJLKV_ERROR_OUT_OF_MEMORY: return "QJLKV_ERROR_OUT_OF_MEMORY";
+    case QJLKV_ERROR_UNSUPPORTED: return "QJLKV_ERROR_UNSUPPORTED";
+    case QJLKV_ERROR_DEVICE: return "QJLKV_ERROR_DEVICE";
+    case QJLKV_ERROR_CORRUPT_DATA: return "QJLKV_ERROR_CORRUPT_DATA";
+    case QJLKV_ERROR_INTERNAL: return "QJLKV_ERROR_INTERNAL";
+  }
+  return "unknown status";
+}
+
+const char *qjlkv_last_error_message(void) { return qjlkv::last_error_message(); }
+
+qjlkv_status qjlkv_sketch_create(uint32_t head_dim, uint32_t sketch_dim, uint64_t seed, uint32_t flags,
+                                 qjlkv_sketch **out) {
+  if (out) *out = nullptr;
+  return guarded([&] {
+    require_pointer(out, "out");
+    QJLKV_REQUIRE(head_dim >= 1 && head_dim <= 1024, "head_dim is %u, must be in [1, 1024]", head_dim);
+    QJLKV_REQUIRE(sketch_dim >= 8 && sketch_dim <= 65536 && sketch_dim % 8 == 0,
+                  "sketch_dim is %u, must be a multiple of 8 in [8, 65536]", sketch_dim);
+    QJLKV_REQUIRE((flags & ~QJLKV_SKETCH_ORTHOGONAL) == 0,
+                  "flags is 0x%x, only QJLKV_SKETCH_ORTHOGONAL (0x1) is defined", flags);
+    *out = new qjlkv_sketch{
+        qjlkv::make_sketch(head_dim, sketch_dim, seed, 0, (flags & QJLKV_SKETCH_ORTHOGONAL) != 0)};
+  });
+}
+
+qjlkv_status qjlkv_sketch_matrix(const qjlkv_sketch *s, float *out, size_t out_len) {
+  return guarded([&] {
+    require_pointer(s, "s");
+    require_pointer(out, "out");
+    const size_t needed = s->matrix.data.size();
+    QJLKV_REQUIRE(out_len >= needed, "out_len is %zu, the %u x %u sketch needs %zu floats", out_len,
+                  s->matrix.rows, s->matrix.cols, needed);
+    std::copy(s->matrix.data.begin(), s->matrix.data.end(), out);
+  });
+}
+
+qjlkv_status qjlkv_sketch_shape(const qjlkv_sketch *s, uint32_t *rows, uint32_t *cols) {
+  return guarded([&] {
+    require_pointer(s, "s");
+    require_pointer(rows, "rows");
+    require_pointer(cols, "cols");
+    *rows = s->matrix.rows;
+    *cols = s->matrix.cols;
+  });
+}
+
+void qjlkv_sketch_destroy(qjlkv_sketch *s) { delete s; }
+
+qjlkv_status qjlkv_config_init(qjlkv_config *cfg, const char *preset, uint32_t num_layers, uint32_t num_q_heads,
+                               uint32_t num_kv_heads, uint32_t head_dim) {
+  return guarded([&] {
+    require_pointer(cfg, "cfg");
+    qjlkv::init_preset(*cfg, preset, num_layers, num_q_heads, num_kv_heads, head_dim);
+  });
+}
+
+qjlkv_status qjlkv_config_validate(const qjlkv_config *cfg) {
+  return guarded([&] {
+    require_pointer(cfg, "cfg");
+    qjlkv::validate_config(*cfg);
+  });
+}
+
+qjlkv_status qjlkv_cache_create(const qjlkv_config *cfg, qjlkv_cache **out) {
+  if (out) *out = nullptr;
+  return guarded([&] {
+    require_pointer(out, "out");
+    require_pointer(cfg, "cfg");
+    qjlkv::CacheSpec spec = qjlkv::make_cache_spec(*cfg);
+    std::unique_ptr<qjlkv_cache> cache =
+        cfg->device < 0 ? qjlkv::make_cpu_cache(std::move(spec)) : qjlkv::make_cuda_cache(std::move(spec));
+    *out = cache.release();
+  });
+}
+
+void qjlkv_cache_destroy(qjlkv_cache *c) { delete c; }
+
+qjlkv_status qjlkv_cache_config(const qjlkv_cache *c, qjlkv_config *out) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    require_pointer(out, "out");
+    *out = c->spec().cfg;
+  });
+}
+
+qjlkv_status qjlkv_cache_set_stream(qjlkv_cache *c, void *cuda_stream) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    c->set_stream(cuda_stream);
+  });
+}
+
+qjlkv_status qjlkv_cache_append(qjlkv_cache *c, uint32_t layer, uint32_t seq, uint32_t n_tokens, const void *keys,
+                                const void *values) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    require_pointer(keys, "keys");
+    require_pointer(values, "values");
+    require_layer(c, layer);
+    QJLKV_REQUIRE(n_tokens > 0, "n_tokens is 0, must be >= 1");
+    const qjlkv_config &cfg = c->spec().cfg;
+    checked_elements("n_tokens", n_tokens, uint64_t(cfg.num_kv_heads) * cfg.head_dim, c->spec().io_elem);
+    require_room(c, layer, seq, n_tokens);
+    c->append(layer, &seq, 1, n_tokens, keys, values);
+  });
+}
+
+qjlkv_status qjlkv_cache_append_batch(qjlkv_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+                                      const void *keys, const void *values) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    require_pointer(seqs, "seqs");
+    require_pointer(keys, "keys");
+    require_pointer(values, "values");
+    require_layer(c, layer);
+    QJLKV_REQUIRE(n_seqs > 0, "n_seqs is 0, must be >= 1");
+    const qjlkv_config &cfg = c->spec().cfg;
+    checked_elements("n_seqs", n_seqs, uint64_t(cfg.num_kv_heads) * cfg.head_dim, c->spec().io_elem);
+    std::vector<uint32_t> sorted(seqs, seqs + n_seqs);
+    std::sort(sorted.begin(), sorted.end());
+    const auto duplicate = std::adjacent_find(sorted.begin(), sorted.end());
+    QJLKV_REQUIRE(duplicate == sorted.end(), "seqs lists sequence %u twice: a batch appends one token per sequence",
+                  duplicate == sorted.end() ? 0u : *duplicate);
+    for (uint32_t i = 0; i < n_seqs; ++i) require_room(c, layer, seqs[i], 1);
+    c->append(layer, seqs, n_seqs, 1, keys, values);
+  });
+}
+
+qjlkv_status qjlkv_cache_attend(qjlkv_cache *c, uint32_t layer, uint32_t seq, uint32_t n_queries,
+                                const void *queries, float scale, void *out) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    require_pointer(queries, "queries");
+    require_pointer(out, "out");
+    require_layer(c, layer);
+    QJLKV_REQUIRE(n_queries > 0, "n_queries is 0, must be >= 1");
+    const qjlkv_config &cfg = c->spec().cfg;
+    checked_elements("n_queries", n_queries, uint64_t(cfg.num_q_heads) * cfg.head_dim, c->spec().io_elem);
+    c->attend(layer, &seq, 1, n_queries, queries, resolve_scale(c, scale), out);
+  });
+}
+
+qjlkv_status qjlkv_cache_attend_batch(qjlkv_cache *c, uint32_t layer, uint32_t n_seqs, const uint32_t *seqs,
+                                      const void *queries, float scale, void *out) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    require_pointer(seqs, "seqs");
+    require_pointer(queries, "queries");
+    require_pointer(out, "out");
+    require_layer(c, layer);
+    QJLKV_REQUIRE(n_seqs > 0, "n_seqs is 0, must be >= 1");
+    const qjlkv_config &cfg = c->spec().cfg;
+    checked_elements("n_seqs", n_seqs, uint64_t(cfg.num_q_heads) * cfg.head_dim, c->spec().io_elem);
+    c->attend(layer, seqs, n_seqs, 1, queries, resolve_scale(c, scale), out);
+  });
+}
+
+qjlkv_status qjlkv_cache_scores(qjlkv_cache *c, uint32_t layer, uint32_t seq, const void *query, float *out,
+                                size_t out_len) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    require_pointer(query, "query");
+    require_pointer(out, "out");
+    require_layer(c, layer);
+    const uint64_t length = c->length(layer, seq);
+    QJLKV_REQUIRE(length > 0, "seq %u holds no tokens in layer %u", seq, layer);
+    const uint64_t needed = length * c->spec().cfg.num_q_heads;
+    QJLKV_REQUIRE(out_len >= needed, "out_len is %zu, need num_q_heads (%u) x length (%llu) = %llu floats", out_len,
+                  c->spec().cfg.num_q_heads, (unsigned long long)length, (unsigned long long)needed);
+    c->scores(layer, seq, query, out);
+  });
+}
+
+qjlkv_status qjlkv_cache_length(const qjlkv_cache *c, uint32_t layer, uint32_t seq, uint64_t *out) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    require_pointer(out, "out");
+    require_layer(c, layer);
+    *out = c->length(layer, seq);
+  });
+}
+
+qjlkv_status qjlkv_cache_sketch(const qjlkv_cache *c, uint32_t layer, const qjlkv_sketch **out) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    require_pointer(out, "out");
+    require_layer(c, layer);
+    const qjlkv_sketch *sketch = c->spec().layers[layer].sketch.get();
+    if (!sketch) fail(QJLKV_ERROR_UNSUPPORTED, "the cache's key_method is not QJL: it has no sketch");
+    *out = sketch;
+  });
+}
+
+qjlkv_status qjlkv_cache_clear_sequence(qjlkv_cache *c, uint32_t seq) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    c->clear(seq);
+  });
+}
+
+qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    require_pointer(out, "out");
+    const uint32_t size = out->struct_size;
+    constexpr size_t kFirstSize = offsetof(qjlkv_stats, bytes_keys_quantized);
+    QJLKV_REQUIRE(size >= kFirstSize && size <= sizeof(qjlkv_stats),
+                  "out->struct_size is %u, must be in [%zu, %zu] (set it to sizeof(qjlkv_stats))", size, kFirstSize,
+                  sizeof(qjlkv_stats));
+    qjlkv_stats full{};
+    c->stats(full);
+    full.struct_size = size;
+    std::memcpy(out, &full, size);
+  });
+}
+
+}  // extern "C"

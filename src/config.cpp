@@ -1,0 +1,233 @@
+#include "config.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string_view>
+
+#include "error.hpp"
+
+namespace qjlkv {
+
+size_t dtype_size(qjlkv_dtype dtype) { return dtype == QJLKV_DTYPE_F32 ? 4 : 2; }
+
+namespace {
+
+void check_shape(uint32_t num_layers, uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim) {
+  QJLKV_REQUIRE(num_layers >= 1 && num_layers <= 65536, "num_layers is %u, must be in [1, 65536]", num_layers);
+  QJLKV_REQUIRE(num_kv_heads >= 1 && num_kv_heads <= 4096, "num_kv_heads is %u, must be in [1, 4096]",
+                num_kv_heads);
+  QJLKV_REQUIRE(num_q_heads >= 1 && num_q_heads <= 4096, "num_q_heads is %u, must be in [1, 4096]", num_q_heads);
+  QJLKV_REQUIRE(num_q_heads % num_kv_heads == 0,
+                "num_q_heads (%u) is not a multiple of num_kv_heads (%u): GQA needs an integer group size",
+                num_q_heads, num_kv_heads);
+  QJLKV_REQUIRE(head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0,
+                "head_dim is %u, must be a multiple of 8 in [8, 256]", head_dim);
+}
+
+void check_sketch_dim(const char *field, uint32_t value, bool allow_zero) {
+  QJLKV_REQUIRE(value % 8 == 0 && value <= 65536 && (allow_zero || value > 0),
+                "%s is %u, must be a multiple of 8 in [%u, 65536]", field, value, allow_zero ? 0u : 8u);
+}
+
+bool is_bits(uint32_t b) { return b == 2 || b == 4 || b == 8; }
+
+}  // namespace
+
+void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uint32_t num_q_heads,
+                 uint32_t num_kv_heads, uint32_t head_dim) {
+  check_shape(num_layers, num_q_heads, num_kv_heads, head_dim);
+  const std::string_view name = preset ? preset : "";
+  qjlkv_config cfg;
+  std::memset(&cfg, 0, sizeof cfg);  // padding too, so configs compare bytewise
+  cfg.struct_size = sizeof cfg;
+  cfg.num_layers = num_layers;
+  cfg.num_q_heads = num_q_heads;
+  cfg.num_kv_heads = num_kv_heads;
+  cfg.head_dim = head_dim;
+  cfg.dtype = QJLKV_DTYPE_F32;
+  cfg.device = -1;
+  cfg.seed = 0;
+  cfg.sketch_flags = QJLKV_SKETCH_ORTHOGONAL;
+  // QJL fields are filled in every preset so that switching key_method gives sane sizes.
+  cfg.key_sketch_dim = 2 * head_dim;
+  cfg.outlier_channels = head_dim >= 16 ? 8 : 0;
+  cfg.outlier_sketch_dim = cfg.outlier_channels ? ((head_dim / 2 + 7) / 8) * 8 : 0;
+  cfg.initial_layers = 0;
+  cfg.initial_key_sketch_dim = cfg.key_sketch_dim;
+  cfg.initial_outlier_sketch_dim = cfg.outlier_sketch_dim;
+  cfg.key_bits = 2;
+  cfg.outlier_tokens = 3;
+  cfg.outlier_spill_tokens = 32;
+  cfg.outlier_skip_layers = std::min(2u, num_layers);
+  cfg.value_bits = 2;
+  cfg.value_group_size = head_dim % 32 == 0 ? 32 : head_dim % 16 == 0 ? 16 : 8;
+  cfg.num_threads = 0;
+  if (name.empty() || name == "qjl") {
+    cfg.key_method = QJLKV_KEYS_QJL;
+    cfg.block_tokens = 32;
+    cfg.residual_tokens = 32;
+  } else if (name == "kivi" || name == "ott") {
+    cfg.key_method = name == "kivi" ? QJLKV_KEYS_KIVI : QJLKV_KEYS_OTT;
+    cfg.block_tokens = 128;
+    cfg.residual_tokens = 32;
+  } else if (name == "exact") {
+    cfg.key_method = QJLKV_KEYS_EXACT;
+    cfg.block_tokens = 32;
+    cfg.residual_tokens = 0;
+    cfg.value_bits = 16;
+  } else {
+    fail(QJLKV_ERROR_INVALID_ARGUMENT, "preset \"%.64s\" is unknown; known presets: qjl, kivi, ott, exact",
+         preset);
+  }
+  out = cfg;
+}
+
+void validate_config(const qjlkv_config &cfg) {
+  QJLKV_REQUIRE(cfg.struct_size == sizeof(qjlkv_config),
+                "config.struct_size is %u, expected %zu (initialize the config with qjlkv_config_init)",
+                cfg.struct_size, sizeof(qjlkv_config));
+  check_shape(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim);
+  const uint32_t d = cfg.head_dim;
+  QJLKV_REQUIRE(cfg.dtype == QJLKV_DTYPE_F32 || cfg.dtype == QJLKV_DTYPE_F16 || cfg.dtype == QJLKV_DTYPE_BF16,
+                "config.dtype is %d, must be QJLKV_DTYPE_F32, _F16 or _BF16", int(cfg.dtype));
+  QJLKV_REQUIRE(cfg.device >= -1, "config.device is %d, must be -1 (CPU) or a CUDA device ordinal >= 0",
+                cfg.device);
+  QJLKV_REQUIRE((cfg.sketch_flags & ~QJLKV_SKETCH_ORTHOGONAL) == 0,
+                "config.sketch_flags is 0x%x, only QJLKV_SKETCH_ORTHOGONAL (0x1) is defined", cfg.sketch_flags);
+  QJLKV_REQUIRE(cfg.block_tokens >= 8 && cfg.block_tokens <= 4096 && cfg.block_tokens % 8 == 0,
+                "config.block_tokens is %u, must be a multiple of 8 in [8, 4096]", cfg.block_tokens);
+  QJLKV_REQUIRE(cfg.residual_tokens <= 65536, "config.residual_tokens is %u, must be <= 65536",
+                cfg.residual_tokens);
+  switch (cfg.key_method) {
+    case QJLKV_KEYS_QJL: {
+      check_sketch_dim("config.key_sketch_dim", cfg.key_sketch_dim, false);
+      QJLKV_REQUIRE(cfg.outlier_channels < d, "config.outlier_channels is %u, must be below head_dim (%u)",
+                    cfg.outlier_channels, d);
+      check_sketch_dim("config.outlier_sketch_dim", cfg.outlier_sketch_dim, true);
+      QJLKV_REQUIRE(cfg.outlier_channels == 0 || cfg.outlier_sketch_dim > 0,
+                    "config.outlier_sketch_dim is 0 but config.outlier_channels is %u: outlier channels need "
+                    "an outlier sketch",
+                    cfg.outlier_channels);
+      QJLKV_REQUIRE(cfg.initial_layers <= cfg.num_layers, "config.initial_layers is %u, must be <= num_layers (%u)",
+                    cfg.initial_layers, cfg.num_layers);
+      if (cfg.initial_layers > 0) {
+        check_sketch_dim("config.initial_key_sketch_dim", cfg.initial_key_sketch_dim, false);
+        check_sketch_dim("config.initial_outlier_sketch_dim", cfg.initial_outlier_sketch_dim, true);
+        QJLKV_REQUIRE(cfg.outlier_channels == 0 || cfg.initial_outlier_sketch_dim > 0,
+                      "config.initial_outlier_sketch_dim is 0 but config.outlier_channels is %u",
+                      cfg.outlier_channels);
+      }
+      break;
+    }
+    case QJLKV_KEYS_OTT:
+      QJLKV_REQUIRE(cfg.outlier_tokens <= cfg.block_tokens,
+                    "config.outlier_tokens is %u, must be <= block_tokens (%u)", cfg.outlier_tokens,
+                    cfg.block_tokens);
+      QJLKV_REQUIRE(cfg.outlier_spill_tokens <= 4096, "config.outlier_spill_tokens is %u, must be <= 4096",
+                    cfg.outlier_spill_tokens);
+      QJLKV_REQUIRE(cfg.outlier_skip_layers <= cfg.num_layers,
+                    "config.outlier_skip_layers is %u, must be <= num_layers (%u)", cfg.outlier_skip_layers,
+                    cfg.num_layers);
+      [[fallthrough]];
+    case QJLKV_KEYS_KIVI:
+      QJLKV_REQUIRE(is_bits(cfg.key_bits), "config.key_bits is %u, must be 2, 4 or 8", cfg.key_bits);
+      break;
+    case QJLKV_KEYS_EXACT:
+      break;
+    default:
+      fail(QJLKV_ERROR_INVALID_ARGUMENT, "config.key_method is %d, must be a qjlkv_key_method",
+           int(cfg.key_method));
+  }
+  QJLKV_REQUIRE(is_bits(cfg.value_bits) || cfg.value_bits == 16, "config.value_bits is %u, must be 2, 4, 8 or 16",
+                cfg.value_bits);
+  QJLKV_REQUIRE(cfg.value_group_size >= 1 && d % cfg.value_group_size == 0,
+                "config.value_group_size is %u, must divide head_dim (%u)", cfg.value_group_size, d);
+  QJLKV_REQUIRE(cfg.num_threads <= 1024, "config.num_threads is %u, must be <= 1024 (0 = cores available)",
+                cfg.num_threads);
+}
+
+namespace {
+
+BlockLayout make_layout(const qjlkv_config &cfg, const LayerSpec &layer) {
+  BlockLayout l;
+  const size_t B = cfg.block_tokens, d = cfg.head_dim;
+  size_t at = 0;
+  const auto take = [&at](size_t bytes) {
+    const size_t offset = at;
+    at += bytes;
+    return offset;
+  };
+  switch (cfg.key_method) {
+    case QJLKV_KEYS_QJL:
+      l.key_bytes_per_token_bits_in = layer.m / 8;
+      l.key_bytes_per_token_bits_out = layer.m_out / 8;
+      l.key_norm_in = take(2 * B);
+      l.key_norm_out = take(layer.m_out ? 2 * B : 0);
+      l.key_bits_in = take(B * l.key_bytes_per_token_bits_in);
+      l.key_bits_out = take(B * l.key_bytes_per_token_bits_out);
+      l.key_outlier_idx = take(layer.m_out ? cfg.outlier_channels : 0);
+      break;
+    case QJLKV_KEYS_KIVI:
+    case QJLKV_KEYS_OTT:
+      l.key_bytes_per_token_codes = d * cfg.key_bits / 8;
+      l.key_scale = take(2 * d);
+      l.key_min = take(2 * d);
+      l.key_codes = take(B * l.key_bytes_per_token_codes);
+      l.key_mask = take(cfg.key_method == QJLKV_KEYS_OTT ? B / 8 : 0);
+      break;
+    case QJLKV_KEYS_EXACT:
+      l.key_bytes_per_token_codes = 2 * d;
+      l.key_codes = take(B * l.key_bytes_per_token_codes);
+      break;
+  }
+  l.key_bytes = at;
+  at = (at + 7) & ~size_t(7);
+  const size_t value_start = at;
+  if (cfg.value_bits == 16) {
+    l.value_bytes_per_token_codes = 2 * d;
+  } else {
+    const size_t groups = d / cfg.value_group_size;
+    l.value_bytes_per_token_codes = d * cfg.value_bits / 8;
+    l.value_scale = take(2 * B * groups);
+    l.value_min = take(2 * B * groups);
+  }
+  l.value_codes = take(B * l.value_bytes_per_token_codes);
+  l.value_bytes = at - value_start;
+  l.stride = (at + 7) & ~size_t(7);
+  return l;
+}
+
+}  // namespace
+
+CacheSpec make_cache_spec(const qjlkv_config &cfg) {
+  validate_config(cfg);
+  CacheSpec spec;
+  spec.cfg = cfg;
+  spec.group_size = cfg.num_q_heads / cfg.num_kv_heads;
+  spec.io_elem = dtype_size(cfg.dtype);
+  spec.stored_dtype = cfg.dtype == QJLKV_DTYPE_BF16 ? QJLKV_DTYPE_BF16 : QJLKV_DTYPE_F16;
+  spec.tail_elem = spec.io_elem;
+  const bool orthogonal = cfg.sketch_flags & QJLKV_SKETCH_ORTHOGONAL;
+  spec.qjl_constant = float(qjl_constant(cfg.head_dim, orthogonal));
+  const bool exact_keys_in_bf16 = cfg.key_method == QJLKV_KEYS_EXACT && spec.stored_dtype == QJLKV_DTYPE_BF16;
+  spec.keys_need_fp16_range = !exact_keys_in_bf16;
+  spec.values_need_fp16_range = !(cfg.value_bits == 16 && spec.stored_dtype == QJLKV_DTYPE_BF16);
+  spec.layers.resize(cfg.num_layers);
+  for (uint32_t l = 0; l < cfg.num_layers; ++l) {
+    LayerSpec &layer = spec.layers[l];
+    if (cfg.key_method == QJLKV_KEYS_QJL) {
+      const bool initial = l < cfg.initial_layers;
+      layer.m = initial ? cfg.initial_key_sketch_dim : cfg.key_sketch_dim;
+      layer.m_out = cfg.outlier_channels ? (initial ? cfg.initial_outlier_sketch_dim : cfg.outlier_sketch_dim) : 0;
+      layer.sketch_rows = std::max(layer.m, layer.m_out);
+      layer.sketch = std::make_unique<qjlkv_sketch>(
+          qjlkv_sketch{make_sketch(cfg.head_dim, layer.sketch_rows, cfg.seed, l, orthogonal)});
+    }
+    layer.traced = cfg.key_method == QJLKV_KEYS_OTT && l >= cfg.outlier_skip_layers && cfg.outlier_tokens > 0;
+    layer.layout = make_layout(cfg, layer);
+  }
+  return spec;
+}
+
+}  // namespace qjlkv

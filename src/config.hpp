@@ -1,0 +1,64 @@
+// Presets, validation and the quantities derived from a configuration.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "qjlkv/qjlkv.h"
+#include "sketch.hpp"
+
+namespace qjlkv {
+
+void init_preset(qjlkv_config &cfg, const char *preset, uint32_t num_layers, uint32_t num_q_heads,
+                 uint32_t num_kv_heads, uint32_t head_dim);
+// Throws Error(INVALID_ARGUMENT) naming the first wrong field.
+void validate_config(const qjlkv_config &cfg);
+
+size_t dtype_size(qjlkv_dtype dtype);
+
+// Byte layout of one quantized block of one kv head: keys then values, each a few arrays.
+// 16-bit arrays come first so every array stays 2-byte aligned; the stride is padded to 8.
+struct BlockLayout {
+  // keys
+  size_t key_norm_in = 0, key_norm_out = 0;  // QJL: fp16[B] each
+  size_t key_bits_in = 0, key_bits_out = 0;  // QJL: [B][m/8], [B][m_out/8]
+  size_t key_outlier_idx = 0;                // QJL: uint8[c]
+  size_t key_scale = 0, key_min = 0;         // KIVI/OTT: fp16[d] each
+  size_t key_codes = 0;                      // KIVI/OTT: [B][d*key_bits/8]; EXACT: 16-bit[B][d]
+  size_t key_mask = 0;                       // OTT: [B/8] bit t set = slot t moved to the pool
+  size_t key_bytes_per_token_bits_in = 0, key_bytes_per_token_bits_out = 0, key_bytes_per_token_codes = 0;
+  // values
+  size_t value_scale = 0, value_min = 0;     // fp16[B][d/g] each (b-bit values)
+  size_t value_codes = 0;                    // [B][d*b/8], or 16-bit[B][d] when value_bits == 16
+  size_t value_bytes_per_token_codes = 0;
+  size_t key_bytes = 0, value_bytes = 0;     // unpadded sizes, for the statistics
+  size_t stride = 0;                         // bytes of one block of one head
+};
+
+// Everything a backend needs about one layer.
+struct LayerSpec {
+  uint32_t sketch_rows = 0;   // max(m, m_out)
+  uint32_t m = 0, m_out = 0;  // m_out is 0 when there are no outlier channels
+  bool traced = false;        // OTT tracing active in this layer
+  std::unique_ptr<qjlkv_sketch> sketch;
+  BlockLayout layout;
+};
+
+struct CacheSpec {
+  qjlkv_config cfg{};
+  uint32_t group_size = 1;        // Hq / Hkv
+  size_t io_elem = 4;             // bytes of one input/output element
+  qjlkv_dtype stored_dtype{};     // full-precision storage: tails, pools, EXACT blocks (16-bit)
+  size_t tail_elem = 4;           // bytes of one tail element (input dtype)
+  float qjl_constant = 0.0f;      // c_d
+  // Whether keys / values must lie within the fp16 range because something derived from them
+  // (norms, scales, minima, 16-bit copies) is stored as fp16.
+  bool keys_need_fp16_range = true, values_need_fp16_range = true;
+  std::vector<LayerSpec> layers;
+};
+
+// Validates cfg and derives the spec; builds every layer's sketch.
+CacheSpec make_cache_spec(const qjlkv_config &cfg);
+
+}  // namespace qjlkv

@@ -1,0 +1,117 @@
+// CPU kernels: small functions over one block of one kv head, apart from the cache logic that
+// dispatches them (cpu_backend.cpp). They define the results; fast paths must match them.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "../config.hpp"
+#include "../half.hpp"
+#include "../quant_math.hpp"
+
+namespace qjlkv::cpu {
+
+inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- element conversion -------------------------------------------------------------------
+inline float load_element(const void *base, size_t index, qjlkv_dtype dtype) {
+  switch (dtype) {
+    case QJLKV_DTYPE_F32: return static_cast<const float *>(base)[index];
+    case QJLKV_DTYPE_F16: return half_to_float(static_cast<const uint16_t *>(base)[index]);
+    default: return bf16_to_float(static_cast<const uint16_t *>(base)[index]);
+  }
+}
+inline void load_row(const void *base, size_t first, size_t n, qjlkv_dtype dtype, float *out) {
+  for (size_t i = 0; i < n; ++i) out[i] = load_element(base, first + i, dtype);
+}
+inline void store_row(const float *in, size_t n, qjlkv_dtype dtype, void *base, size_t first) {
+  for (size_t i = 0; i < n; ++i) {
+    switch (dtype) {
+      case QJLKV_DTYPE_F32: static_cast<float *>(base)[first + i] = in[i]; break;
+      case QJLKV_DTYPE_F16: static_cast<uint16_t *>(base)[first + i] = float_to_half(in[i]); break;
+      default: static_cast<uint16_t *>(base)[first + i] = float_to_bf16(in[i]); break;
+    }
+  }
+}
+inline uint16_t to_16bit(float x, qjlkv_dtype stored) {
+  return stored == QJLKV_DTYPE_BF16 ? float_to_bf16(x) : float_to_half(x);
+}
+inline float from_16bit(uint16_t x, qjlkv_dtype stored) {
+  return stored == QJLKV_DTYPE_BF16 ? bf16_to_float(x) : half_to_float(x);
+}
+
+inline float dot(const float *a, const float *b, size_t n) {
+  float sum = 0.0f;
+  for (size_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+template <class T>
+inline T *at(uint8_t *block, size_t offset) {
+  return reinterpret_cast<T *>(block + offset);
+}
+template <class T>
+inline const T *at(const uint8_t *block, size_t offset) {
+  return reinterpret_cast<const T *>(block + offset);
+}
+
+// ---- QJL keys (SPEC §3) ----------------------------------------------------------------------
+// The c channels with the largest sum of squares over the block's tokens, ascending; ties go to
+// the lower channel index.
+void select_outlier_channels(const float *keys, uint32_t tokens, uint32_t d, uint32_t c, float *channel_energy,
+                             uint32_t *order, uint8_t *out_idx);
+
+// Scratch: 3·d floats (masked key, channel energies, channel order).
+void qjl_quantize_block(const LayerSpec &layer, const qjlkv_config &cfg, const float *keys /*[B][d]*/,
+                        uint8_t *block, float *scratch);
+
+// Per query row: the projected query S·q over the layer's sketch rows (shared by every block).
+void qjl_project_query(const LayerSpec &layer, uint32_t d, const float *q, float *sq);
+
+// Raw estimated scores of one block for `rows` queries: out[r * B + t].
+// Scratch: 2·sketch_rows floats.
+void qjl_score_block(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, const uint8_t *block,
+                     const float *queries /*[rows][d]*/, const float *projected /*[rows][sketch_rows]*/,
+                     uint32_t rows, float *out, float *scratch);
+
+// ---- 16-bit exact keys -----------------------------------------------------------------------
+void exact_keys_store_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
+                            const float *keys, uint8_t *block);
+// Scratch: d floats.
+void exact_keys_score_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
+                            const uint8_t *block, const float *queries, uint32_t rows, float *out, float *scratch);
+
+// ---- KIVI keys (SPEC §5): per-channel key_bits quantization over the block ---------------------
+void kivi_quantize_block(const qjlkv_config &cfg, const BlockLayout &layout, const float *keys /*[B][d]*/,
+                         uint8_t *block);
+// Scores on the codes: Σ_c (q_c·scale_c)·code_c + Σ_c q_c·min_c. Scratch: d floats.
+void kivi_score_block(const qjlkv_config &cfg, const BlockLayout &layout, const uint8_t *block,
+                      const float *queries, uint32_t rows, float *out, float *scratch);
+void kivi_dequantize_token(const qjlkv_config &cfg, const BlockLayout &layout, const uint8_t *block, uint32_t t,
+                           float *out);
+
+// ---- per-token values (SPEC §4) ---------------------------------------------------------------
+void values_quantize_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
+                           const float *values /*[B][d]*/, uint8_t *block);
+// acc[r][d] += Σ_t weights[r][t] · v̂_t over the block's tokens.
+void values_accumulate_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
+                             const uint8_t *block, const float *weights /*[rows][B]*/, uint32_t rows,
+                             float *acc /*[rows][d]*/);
+// The dequantized value of token t (tests and reconstruction paths).
+void values_dequantize_token(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
+                             const uint8_t *block, uint32_t t, float *out);
+
+// ---- online softmax ----------------------------------------------------------------------------
+// State of one query row: running max, running sum and the unnormalized output.
+struct SoftmaxRow {
+  float max = kNegInf;
+  float sum = 0.0f;
+};
+// Folds n scaled scores (-inf = masked) into the row state; rescales acc[d] when the max grows
+// and turns scores into weights in place (0 for masked entries). Returns false when all are masked.
+bool softmax_fold(SoftmaxRow &row, float *scores, uint32_t n, float *acc, uint32_t d);
+
+}  // namespace qjlkv::cpu

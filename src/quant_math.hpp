@@ -1,0 +1,73 @@
+// Per-element quantization math shared by the CPU and CUDA backends (SPEC §3-§5).
+// Every function here is small, branch-light and __host__ __device__, so CPU tests cover the device math.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "half.hpp"
+#include "hd.hpp"
+
+namespace qjlkv {
+
+// Round half to even: the current rounding mode is round-to-nearest-even on both backends.
+QJLKV_HD float round_half_even(float x) { return rintf(x); }
+
+// Asymmetric min/max quantization of one group (SPEC §4, also KIVI's per-channel groups, §5).
+// The minimum is stored as the largest fp16 <= min and the scale as the smallest fp16 >=
+// (max - stored_min) / (2^bits - 1): with these directed roundings every code lands in
+// [0, 2^bits - 1] before clamping, so |x - x_hat| <= scale/2 (+ fp32 rounding) holds exactly.
+struct GroupQuant {
+  uint16_t scale_bits;  // fp16
+  uint16_t min_bits;    // fp16
+  float scale;
+  float min;
+};
+
+QJLKV_HD GroupQuant group_quant(float group_min, float group_max, uint32_t bits) {
+  GroupQuant q;
+  q.min_bits = float_to_half_down(group_min);
+  q.min = half_to_float(q.min_bits);
+  if (group_max == group_min) {  // zero range: scale 0, codes 0, x_hat = min
+    q.scale_bits = 0;
+    q.scale = 0.0f;
+    return q;
+  }
+  const float levels = float((1u << bits) - 1u);
+  q.scale_bits = float_to_half_up((group_max - q.min) / levels);
+  q.scale = half_to_float(q.scale_bits);
+  return q;
+}
+
+QJLKV_HD uint32_t quant_code(float x, const GroupQuant &q, uint32_t bits) {
+  if (q.scale == 0.0f) return 0;
+  const float max_code = float((1u << bits) - 1u);
+  const float code = round_half_even((x - q.min) / q.scale);
+  return uint32_t(fminf(fmaxf(code, 0.0f), max_code));
+}
+
+QJLKV_HD float dequant(uint32_t code, float scale, float min) { return float(code) * scale + min; }
+
+// b-bit codes (b in {2,4,8}) packed LSB-first: code j occupies bits (j*b) % 8 .. of byte j*b/8.
+QJLKV_HD uint32_t unpack_code(const uint8_t *packed, uint32_t j, uint32_t bits) {
+  const uint32_t bit = j * bits;
+  return (uint32_t(packed[bit >> 3]) >> (bit & 7u)) & ((1u << bits) - 1u);
+}
+QJLKV_HD void pack_code(uint8_t *packed, uint32_t j, uint32_t bits, uint32_t code) {
+  const uint32_t bit = j * bits;
+  packed[bit >> 3] = uint8_t(packed[bit >> 3] | (code << (bit & 7u)));  // bytes start zeroed
+}
+
+// QJL sign bit: 1 means projection > 0, 0 means <= 0; bit j of byte b is sketch row 8b + j.
+QJLKV_HD bool sign_bit(const uint8_t *bits, uint32_t row) { return (bits[row >> 3] >> (row & 7u)) & 1u; }
+QJLKV_HD void set_sign_bit(uint8_t *bits, uint32_t row, float projection) {
+  if (projection > 0.0f) bits[row >> 3] = uint8_t(bits[row >> 3] | (1u << (row & 7u)));
+}
+
+// <v, ±bits> over `rows` rows: +v_i where the bit is 1, -v_i where it is 0.
+QJLKV_HD float signed_dot(const float *v, const uint8_t *bits, uint32_t rows) {
+  float sum = 0.0f;
+  for (uint32_t i = 0; i < rows; ++i) sum += sign_bit(bits, i) ? v[i] : -v[i];
+  return sum;
+}
+
+}  // namespace qjlkv

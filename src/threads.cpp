@@ -1,0 +1,70 @@
+#include "threads.hpp"
+
+#include <algorithm>
+
+namespace qjlkv {
+
+ThreadPool::ThreadPool(unsigned threads) {
+  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  try {
+    workers_.reserve(threads - 1);
+    for (unsigned i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  } catch (...) {
+    stop();
+    throw;
+  }
+}
+
+ThreadPool::~ThreadPool() { stop(); }
+
+void ThreadPool::stop() noexcept {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  for (auto &w : workers_)
+    if (w.joinable()) w.join();
+}
+
+void ThreadPool::run_tasks(unsigned worker) {
+  for (size_t i = next_.fetch_add(1); i < task_count_; i = next_.fetch_add(1)) (*task_)(i, worker);
+}
+
+void ThreadPool::worker_loop() {
+  uint64_t seen = 0;
+  std::unique_lock lock(mutex_);
+  const unsigned worker = next_worker_id_++;
+  for (;;) {
+    wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
+    if (stopping_) return;
+    seen = generation_;
+    ++busy_;
+    lock.unlock();
+    run_tasks(worker);
+    lock.lock();
+    if (--busy_ == 0) done_.notify_all();
+  }
+}
+
+void ThreadPool::parallel_for(size_t n, const Task &task) {
+  if (workers_.empty() || n <= 1) {
+    for (size_t i = 0; i < n; ++i) task(i, 0);
+    return;
+  }
+  {
+    std::unique_lock lock(mutex_);
+    // A worker that woke late for the previous round may still be leaving run_tasks().
+    done_.wait(lock, [&] { return busy_ == 0; });
+    task_ = &task;
+    task_count_ = n;
+    next_.store(0);
+    ++generation_;
+  }
+  wake_.notify_all();
+  run_tasks(0);
+  std::unique_lock lock(mutex_);
+  done_.wait(lock, [&] { return busy_ == 0 && next_.load() >= task_count_; });
+}
+
+}  // namespace qjlkv

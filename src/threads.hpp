@@ -1,0 +1,48 @@
+// A small persistent worker pool owned by one cache (no global state). The calling thread
+// works too, so a pool of size 1 runs everything inline.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace qjlkv {
+
+class ThreadPool {
+ public:
+  // threads = total workers including the caller; 0 = the cores available.
+  explicit ThreadPool(unsigned threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool &) = delete;
+  ThreadPool &operator=(const ThreadPool &) = delete;
+
+  unsigned size() const { return unsigned(workers_.size()) + 1; }
+
+  // Calls task(i, worker) once for every i in [0, n), spread over the pool; returns when all
+  // are done. worker in [0, size()) names the thread (0 = the caller), for per-thread scratch.
+  // task must not throw. Each index is handled by exactly one thread, so results do not
+  // depend on the number of threads.
+  using Task = std::function<void(size_t index, unsigned worker)>;
+  void parallel_for(size_t n, const Task &task);
+
+ private:
+  void worker_loop();
+  void stop() noexcept;
+  void run_tasks(unsigned worker);
+
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  const Task *task_ = nullptr;
+  size_t task_count_ = 0;
+  std::atomic<size_t> next_{0};
+  unsigned busy_ = 0;
+  unsigned next_worker_id_ = 1;
+  uint64_t generation_ = 0;
+  bool stopping_ = false;
+};
+
+}  // namespace qjlkv
