@@ -121,8 +121,9 @@ void validate_config(const qjlkv_config &cfg) {
       break;
     }
     case QJLKV_KEYS_OTT:
-      QJLKV_REQUIRE(cfg.outlier_tokens <= cfg.block_tokens,
-                    "config.outlier_tokens is %u, must be <= block_tokens (%u)", cfg.outlier_tokens,
+      // A block must keep at least one token to take the mean of (SPEC §5).
+      QJLKV_REQUIRE(cfg.outlier_tokens < cfg.block_tokens,
+                    "config.outlier_tokens is %u, must be below block_tokens (%u)", cfg.outlier_tokens,
                     cfg.block_tokens);
       QJLKV_REQUIRE(cfg.outlier_spill_tokens <= 4096, "config.outlier_spill_tokens is %u, must be <= 4096",
                     cfg.outlier_spill_tokens);

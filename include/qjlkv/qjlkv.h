@@ -207,7 +207,7 @@ typedef struct qjlkv_config {
   uint32_t key_bits;             /* 2, 4 or 8                                 */
   /* OTT */
   uint32_t outlier_tokens;       /* P: pool size per (sequence, kv head),
-                                    [0, block_tokens]                         */
+                                    [0, block_tokens)                         */
   uint32_t outlier_spill_tokens; /* spill area size, [0, 4096]                */
   uint32_t outlier_skip_layers;  /* layers [0, n) do no tracing               */
   /* values */

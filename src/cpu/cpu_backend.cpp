@@ -14,12 +14,24 @@
 namespace qjlkv::cpu {
 namespace {
 
+// OTT's full-precision outlier tokens of one (sequence, kv head): slots [0, P) are the pool,
+// [P, P + spill) the spill area. Allocated whole when the sequence is created, so tracing
+// never allocates.
+struct OutlierTokens {
+  std::vector<uint8_t> keys, values;  // [P + spill][d], I/O dtype
+  std::vector<uint32_t> positions;    // [P + spill]
+  std::vector<float> norms;           // [P]: key L2 norms of the pool
+  uint32_t pool = 0, spilled = 0;
+  bool tracing = true;  // false once the spill area could not take an evicted token
+};
+
 struct Sequence {
   uint64_t length = 0;
   uint32_t blocks = 0;       // quantized blocks (per head)
   uint32_t tail_tokens = 0;  // full-precision tokens after the blocks
   std::vector<std::vector<uint8_t>> heads;  // per kv head: blocks * stride bytes
   std::vector<uint8_t> tail_keys, tail_values;  // [tail_tokens][Hkv][d], I/O dtype
+  std::vector<OutlierTokens> outliers;          // per kv head, OTT-traced layers only
 };
 
 // Everything an append needs, allocated before anything visible changes.
@@ -66,6 +78,13 @@ class CpuCache final : public qjlkv_cache {
   // Fills plan (whose seq is set) with the blocks to quantize and every buffer they need.
   void plan_append(AppendPlan &plan, uint32_t layer, uint32_t n_new, const uint8_t *keys,
                    const uint8_t *values) const;
+  void create_heads(Sequence &seq, uint32_t layer) const;
+  // OTT (SPEC §5) on one block of one head, before it is quantized: updates the pool and spill
+  // area, replaces the keys/values of tokens entering the pool by the mean of the others and
+  // marks their slots in `mask`.
+  void trace_outliers(OutlierTokens &ott, uint64_t first_position, float *keys, float *values,
+                      uint8_t *mask) const;
+  // Folds the pool and spill tokens of one head into the attention rows.
   // One (sequence, kv head): quantize the plan's new blocks from the stream (old tail ++ input).
   void quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, const uint8_t *keys, const uint8_t *values,
                      float *scratch) const;
@@ -114,6 +133,100 @@ void CpuCache::check_key_norms(const void *keys, size_t tokens) const {
       fail(QJLKV_ERROR_INVALID_ARGUMENT, "keys: the key vector of token %zu, kv head %zu has L2 norm %g > 65504, "
            "which QJL cannot store (norms are fp16)", v / spec().cfg.num_kv_heads, v % spec().cfg.num_kv_heads,
            std::sqrt(norm2));
+  }
+}
+
+void CpuCache::create_heads(Sequence &seq, uint32_t layer) const {
+  const qjlkv_config &cfg = spec().cfg;
+  seq.heads.resize(cfg.num_kv_heads);
+  if (!spec().layers[layer].traced) return;
+  const size_t slots = size_t(cfg.outlier_tokens) + cfg.outlier_spill_tokens;
+  seq.outliers.resize(cfg.num_kv_heads);
+  for (OutlierTokens &ott : seq.outliers) {
+    ott.keys.resize(slots * cfg.head_dim * spec().io_elem);
+    ott.values.resize(slots * cfg.head_dim * spec().io_elem);
+    ott.positions.resize(slots);
+    ott.norms.resize(cfg.outlier_tokens);
+  }
+}
+
+void CpuCache::trace_outliers(OutlierTokens &ott, uint64_t first_position, float *keys, float *values,
+                              uint8_t *mask) const {
+  const qjlkv_config &cfg = spec().cfg;
+  const uint32_t B = cfg.block_tokens, d = cfg.head_dim, P = cfg.outlier_tokens;
+  // Candidates: the pool (c < pool) then the block's tokens; keep the P smallest key norms,
+  // ties going to the older position.
+  struct Candidate {
+    float norm;
+    uint64_t position;
+    uint32_t index;  // < pool: pool slot; else pool + block token
+  };
+  Candidate candidates[4096 + 4096];
+  uint32_t n = 0;
+  for (uint32_t i = 0; i < ott.pool; ++i) candidates[n++] = {ott.norms[i], ott.positions[i], i};
+  for (uint32_t t = 0; t < B; ++t)
+    candidates[n++] = {std::sqrt(dot(keys + size_t(t) * d, keys + size_t(t) * d, d)), first_position + t, ott.pool + t};
+  std::partial_sort(candidates, candidates + P, candidates + n, [](const Candidate &a, const Candidate &b) {
+    return a.norm < b.norm || (a.norm == b.norm && a.position < b.position);
+  });
+  bool kept[4096] = {};
+  uint32_t entering = 0;
+  for (uint32_t i = 0; i < P; ++i) {
+    if (candidates[i].index < ott.pool) kept[candidates[i].index] = true;
+    else ++entering;
+  }
+  const uint32_t evicted = ott.pool - (P - entering);
+  if (ott.spilled + evicted > cfg.outlier_spill_tokens) {
+    ott.tracing = false;  // the spill area is full: this block and later ones are plain KIVI
+    return;
+  }
+  const size_t row_bytes = size_t(d) * spec().io_elem;
+  const auto copy_slot = [&](uint32_t from, uint32_t to) {
+    std::memcpy(ott.keys.data() + to * row_bytes, ott.keys.data() + from * row_bytes, row_bytes);
+    std::memcpy(ott.values.data() + to * row_bytes, ott.values.data() + from * row_bytes, row_bytes);
+    ott.positions[to] = ott.positions[from];
+  };
+  // Evicted pool tokens move to the spill area; kept ones are compacted to the front.
+  uint32_t kept_count = 0;
+  for (uint32_t i = 0; i < ott.pool; ++i) {
+    if (!kept[i]) {
+      copy_slot(i, P + ott.spilled++);
+      continue;
+    }
+    ott.norms[kept_count] = ott.norms[i];
+    copy_slot(i, kept_count++);
+  }
+  // Entering block tokens join the pool with their original keys and values.
+  bool enters[4096] = {};
+  for (uint32_t i = 0; i < P; ++i) {
+    if (candidates[i].index < ott.pool) continue;
+    const uint32_t t = candidates[i].index - ott.pool;
+    enters[t] = true;
+    store_row(keys + size_t(t) * d, d, cfg.dtype, ott.keys.data(), size_t(kept_count) * d);
+    store_row(values + size_t(t) * d, d, cfg.dtype, ott.values.data(), size_t(kept_count) * d);
+    ott.positions[kept_count] = uint32_t(first_position + t);
+    ott.norms[kept_count] = candidates[i].norm;
+    ++kept_count;
+  }
+  ott.pool = kept_count;
+  if (entering == 0) return;
+  // Their slots get the per-channel mean of the block's other tokens and are masked out.
+  float mean_key[256] = {}, mean_value[256] = {};
+  for (uint32_t t = 0; t < B; ++t) {
+    if (enters[t]) continue;
+    for (uint32_t j = 0; j < d; ++j) {
+      mean_key[j] += keys[size_t(t) * d + j];
+      mean_value[j] += values[size_t(t) * d + j];
+    }
+  }
+  const float inverse = 1.0f / float(B - entering);
+  for (uint32_t t = 0; t < B; ++t) {
+    if (!enters[t]) continue;
+    for (uint32_t j = 0; j < d; ++j) {
+      keys[size_t(t) * d + j] = mean_key[j] * inverse;
+      values[size_t(t) * d + j] = mean_value[j] * inverse;
+    }
+    mask[t / 8] = uint8_t(mask[t / 8] | (1u << (t % 8)));
   }
 }
 
@@ -180,6 +293,9 @@ void CpuCache::quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, co
     }
     uint8_t *block = bytes.data() + old_size + size_t(b) * layout.stride;
     std::memset(block, 0, layout.stride);
+    if (ls.traced && seq.outliers[head].tracing)
+      trace_outliers(seq.outliers[head], (uint64_t(seq.blocks) + b) * B, block_keys, block_values,
+                     block + layout.key_mask);
     switch (cfg.key_method) {
       case QJLKV_KEYS_QJL: qjl_quantize_block(ls, cfg, block_keys, block, kernel_scratch); break;
       case QJLKV_KEYS_KIVI:
@@ -211,7 +327,7 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
       AppendPlan &plan = plans.emplace_back();  // reserved: records the creation before anything can throw
       plan.seq = &it->second;
       plan.created = created;
-      if (created) it->second.heads.resize(cfg.num_kv_heads);
+      if (created) create_heads(it->second, layer);
       plan_append(plan, layer, tokens_per_seq, key_bytes + i * seq_input_bytes, value_bytes + i * seq_input_bytes);
     }
     const size_t per_worker = 2 * size_t(cfg.block_tokens) * cfg.head_dim + 3 * size_t(cfg.head_dim);
@@ -259,6 +375,12 @@ void CpuCache::score_block(const LayerSpec &ls, const uint8_t *block, const floa
       exact_keys_score_block(cfg, spec().stored_dtype, ls.layout, block, q, rows, out, scratch);
       break;
   }
+  if (cfg.key_method != QJLKV_KEYS_OTT) return;
+  // Slots whose token moved to the outlier pool must not be counted twice.
+  const uint8_t *mask = block + ls.layout.key_mask;
+  for (uint32_t t = 0; t < cfg.block_tokens; ++t)
+    if (mask[t / 8] >> (t % 8) & 1u)
+      for (uint32_t r = 0; r < rows; ++r) out[size_t(r) * cfg.block_tokens + t] = kNegInf;
 }
 
 size_t CpuCache::attend_scratch_floats(uint32_t layer, uint32_t rows) const {
@@ -291,12 +413,13 @@ void CpuCache::attend_head(uint32_t layer, const Sequence &seq, uint32_t head, u
     }
   std::fill(acc, acc + size_t(rows) * d, 0.0f);
   const uint64_t first_query_position = seq.length - queries_per_seq;
-  const auto mask_and_scale = [&](uint64_t first_position, uint32_t n) {
+  // Scales the raw scores of n tokens and masks those after each row's query (causal).
+  const auto mask_and_scale = [&](uint32_t n, auto position_of) {
     for (uint32_t r = 0; r < rows; ++r) {
       const uint64_t query_position = first_query_position + r / G;
       for (uint32_t t = 0; t < n; ++t) {
         float &s = weights[size_t(r) * B + t];
-        s = first_position + t <= query_position ? s * scale : kNegInf;
+        s = position_of(t) <= query_position ? s * scale : kNegInf;
       }
     }
   };
@@ -308,30 +431,45 @@ void CpuCache::attend_head(uint32_t layer, const Sequence &seq, uint32_t head, u
   };
   const uint8_t *blocks = seq.heads[head].data();
   for (uint32_t b = 0; b < seq.blocks; ++b) {
-    const uint64_t first_position = uint64_t(b) * B;
     const uint8_t *block = blocks + size_t(b) * ls.layout.stride;
     score_block(ls, block, q, sq, rows, weights, kernel_scratch);
-    mask_and_scale(first_position, B);
+    mask_and_scale(B, [first = uint64_t(b) * B](uint32_t t) { return first + t; });
     if (fold(B)) values_accumulate_block(cfg, spec().stored_dtype, ls.layout, block, weights, rows, acc);
   }
-  // The full-precision tail, in chunks of B tokens.
+  // Exact tokens, in chunks of B: row t of `keys`/`values` starts at element t * row_stride.
   float *v = kernel_scratch;
-  for (uint32_t start = 0; start < seq.tail_tokens; start += B) {
-    const uint32_t n = std::min(B, seq.tail_tokens - start);
-    for (uint32_t t = 0; t < n; ++t) {
-      load_row(seq.tail_keys.data(), size_t(start + t) * token_elems_ + size_t(head) * d, d, cfg.dtype, v);
-      for (uint32_t r = 0; r < rows; ++r) weights[size_t(r) * B + t] = dot(q + size_t(r) * d, v, d);
-    }
-    mask_and_scale(uint64_t(seq.blocks) * B + start, n);
-    if (!fold(n)) continue;
-    for (uint32_t t = 0; t < n; ++t) {
-      load_row(seq.tail_values.data(), size_t(start + t) * token_elems_ + size_t(head) * d, d, cfg.dtype, v);
-      for (uint32_t r = 0; r < rows; ++r) {
-        const float w = weights[size_t(r) * B + t];
-        float *a = acc + size_t(r) * d;
-        for (uint32_t j = 0; j < d; ++j) a[j] += w * v[j];
+  const auto fold_exact = [&](const uint8_t *keys, const uint8_t *values, size_t row_stride, uint32_t count,
+                              auto position_of) {
+    for (uint32_t start = 0; start < count; start += B) {
+      const uint32_t n = std::min(B, count - start);
+      for (uint32_t t = 0; t < n; ++t) {
+        load_row(keys, (start + t) * row_stride, d, cfg.dtype, v);
+        for (uint32_t r = 0; r < rows; ++r) weights[size_t(r) * B + t] = dot(q + size_t(r) * d, v, d);
+      }
+      mask_and_scale(n, [&](uint32_t t) { return position_of(start + t); });
+      if (!fold(n)) continue;
+      for (uint32_t t = 0; t < n; ++t) {
+        load_row(values, (start + t) * row_stride, d, cfg.dtype, v);
+        for (uint32_t r = 0; r < rows; ++r) {
+          const float w = weights[size_t(r) * B + t];
+          float *a = acc + size_t(r) * d;
+          for (uint32_t j = 0; j < d; ++j) a[j] += w * v[j];
+        }
       }
     }
+  };
+  const size_t head_offset_bytes = size_t(head) * d * spec().io_elem;
+  const uint64_t tail_start = uint64_t(seq.blocks) * B;
+  fold_exact(seq.tail_keys.data() + head_offset_bytes, seq.tail_values.data() + head_offset_bytes, token_elems_,
+             seq.tail_tokens, [tail_start](uint32_t t) { return tail_start + t; });
+  if (!seq.outliers.empty()) {
+    // OTT: the pool (slots [0, pool)) and the spill area (slots [P, P + spilled)).
+    const OutlierTokens &ott = seq.outliers[head];
+    const uint32_t P = cfg.outlier_tokens;
+    const size_t spill_offset = size_t(P) * d * spec().io_elem;
+    fold_exact(ott.keys.data(), ott.values.data(), d, ott.pool, [&](uint32_t t) { return uint64_t(ott.positions[t]); });
+    fold_exact(ott.keys.data() + spill_offset, ott.values.data() + spill_offset, d, ott.spilled,
+               [&](uint32_t t) { return uint64_t(ott.positions[P + t]); });
   }
   for (uint32_t r = 0; r < rows; ++r) {
     float *a = acc + size_t(r) * d;
@@ -406,6 +544,13 @@ void CpuCache::stats(qjlkv_stats &out) const {
       meta += sizeof(Sequence) + Hkv * sizeof(std::vector<uint8_t>);  // the record and its buffer headers
       for (const auto &h : seq.heads) allocated += h.capacity();
       allocated += seq.tail_keys.capacity() + seq.tail_values.capacity();
+      for (const OutlierTokens &ott : seq.outliers) {
+        const uint64_t per_token = 2 * token_bytes_ / Hkv + sizeof(uint32_t);  // K, V and position
+        full += uint64_t(ott.pool + ott.spilled) * per_token + uint64_t(ott.pool) * sizeof(float);
+        allocated += ott.keys.capacity() + ott.values.capacity() + ott.positions.capacity() * sizeof(uint32_t) +
+                     ott.norms.capacity() * sizeof(float);
+        meta += sizeof(OutlierTokens);
+      }
     }
   }
   out.tokens = tokens;
