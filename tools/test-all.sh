@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Runs every test suite of libqjlkv on a fresh machine: installs what it needs (apt-get, pip),
+# builds the library once and reuses that build across the suites.
+#
+#   tools/test-all.sh            # everything
+#   QJLKV_SUITES="cpp python" tools/test-all.sh   # a subset: deps cpp packaging python rust sanitize fuzz eval
+#
+# Each suite prints its own closing line; the script ends with "N passed, N failed".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+BUILD=${QJLKV_BUILD:-$ROOT/build}
+JOBS=${QJLKV_JOBS:-$(nproc)}
+SUITES=${QJLKV_SUITES:-"deps cpp packaging python rust sanitize fuzz eval"}
+passed=0
+failed=0
+failed_names=()
+
+want() { [[ " $SUITES " == *" $1 "* ]]; }
+run_suite() {  # run_suite NAME COMMAND...
+  local name=$1
+  shift
+  echo
+  echo "==================== $name ===================="
+  local start=$SECONDS
+  if "$@"; then
+    passed=$((passed + 1))
+    echo "---- $name: ok ($((SECONDS - start)) s)"
+  else
+    failed=$((failed + 1))
+    failed_names+=("$name")
+    echo "---- $name: FAILED ($((SECONDS - start)) s)"
+  fi
+}
+
+apt_install() {  # installs the Debian packages that are missing
+  local missing=()
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "apt-get install ${missing[*]}"
+  local sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo=sudo
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+deps() {
+  apt_install cmake make g++ clang pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
+    abigail-tools bindgen libclang-dev valgrind file dpkg-dev
+}
+
+cuda_flag() {
+  if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then echo ON; else echo OFF; fi
+}
+
+build_library() {
+  local cuda
+  cuda=$(cuda_flag)
+  [ "$cuda" = ON ] && export PATH="$PATH:/usr/local/cuda/bin"
+  echo "CUDA backend: $cuda (GPU tests skip with a printed reason where no GPU is present)"
+  cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DQJLKV_CUDA="$cuda" -DQJLKV_BUILD_BENCH=ON &&
+    cmake --build "$BUILD" -j "$JOBS"
+}
+
+cpp_tests() {
+  ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" -LE slow_sanitizer_excluded --timeout 900
+}
+
+want deps && run_suite deps deps
+run_suite build build_library
+want cpp && run_suite cpp cpp_tests
+if want packaging && [ -x tests/packaging/run.sh ]; then run_suite packaging tests/packaging/run.sh "$BUILD"; fi
+if want python && [ -x bindings/python/run_tests.sh ]; then run_suite python bindings/python/run_tests.sh "$BUILD"; fi
+if want rust && [ -x bindings/rust/run_tests.sh ]; then run_suite rust bindings/rust/run_tests.sh "$BUILD"; fi
+if want sanitize && [ -x tools/sanitize.sh ]; then run_suite sanitize tools/sanitize.sh; fi
+if want fuzz && [ -x tools/fuzz.sh ]; then run_suite fuzz tools/fuzz.sh "${QJLKV_FUZZ_SECONDS:-60}"; fi
+if want eval && [ -x tests/eval/run.sh ]; then run_suite eval tests/eval/run.sh; fi
+
+echo
+[ $failed -gt 0 ] && echo "failed suites: ${failed_names[*]}"
+echo "suites: $passed passed, $failed failed"
+[ $failed -eq 0 ]
