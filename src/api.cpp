@@ -237,6 +237,22 @@ qjlkv_status qjlkv_cache_scores(qjlkv_cache *c, uint32_t layer, uint32_t seq, co
   });
 }
 
+qjlkv_status qjlkv_cache_reconstruct(qjlkv_cache *c, uint32_t layer, uint32_t seq, uint64_t first, uint64_t count,
+                                     float *keys_out, float *values_out) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    QJLKV_REQUIRE(keys_out || values_out, "keys_out and values_out are both NULL: nothing to reconstruct");
+    require_layer(c, layer);
+    QJLKV_REQUIRE(count > 0, "count is 0, must be >= 1");
+    const uint64_t length = c->length(layer, seq);
+    QJLKV_REQUIRE(first < length && count <= length - first,
+                  "positions [%llu, %llu + %llu) are outside seq %u of layer %u, which holds %llu tokens",
+                  (unsigned long long)first, (unsigned long long)first, (unsigned long long)count, seq, layer,
+                  (unsigned long long)length);
+    c->reconstruct(layer, seq, first, count, keys_out, values_out);
+  });
+}
+
 qjlkv_status qjlkv_cache_length(const qjlkv_cache *c, uint32_t layer, uint32_t seq, uint64_t *out) {
   return guarded([&] {
     require_pointer(c, "c");

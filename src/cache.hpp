@@ -26,6 +26,10 @@ struct qjlkv_cache {
                       const void *queries, float scale, void *out) = 0;
   // out[h * length + position] on the host; out_len already checked against the length.
   virtual void scores(uint32_t layer, uint32_t seq, const void *query, float *out) = 0;
+  // Dense float32 host reconstruction of positions [first, first + count): [count][Hkv][d] each;
+  // either output may be null. The range is already checked against the length.
+  virtual void reconstruct(uint32_t layer, uint32_t seq, uint64_t first, uint64_t count, float *keys,
+                           float *values) = 0;
   // Length of (layer, seq); 0 when absent.
   virtual uint64_t length(uint32_t layer, uint32_t seq) const = 0;
   virtual void clear(uint32_t seq) = 0;

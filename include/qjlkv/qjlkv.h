@@ -324,6 +324,22 @@ QJLKV_API qjlkv_status qjlkv_cache_attend_batch(qjlkv_cache *c, uint32_t layer,
 QJLKV_API qjlkv_status qjlkv_cache_scores(qjlkv_cache *c, uint32_t layer, uint32_t seq,
                                           const void *query, float *out, size_t out_len);
 
+/* The dense reconstruction of positions [first, first + count) of (layer, seq), in position
+ * order, as float32 host arrays [count][num_kv_heads][head_dim]:
+ *   keys_out: the vector k̂ whose dot product with any query equals the score the attention
+ *     uses: for QJL, k̂ = c_d/m·‖k_in‖·M_in·Sᵀ(±bits_in) + c_d/m_out·‖k_out‖·M_out·S_outᵀ(±bits_out)
+ *     (SPEC §3); for KIVI/OTT and 16-bit keys the dequantized keys; exact keys in the tail;
+ *   values_out: the dequantized values (exact in the tail).
+ * OTT positions whose token moved to the pool or spill area give that token's exact key and
+ * value, so attention over the reconstruction counts every token once, as attend does.
+ * Either output may be NULL (not both). This is for engines whose attention kernels need dense
+ * tensors (e.g. Hugging Face models); attend is the fast path.
+ * Errors: INVALID_ARGUMENT (NULL c, both outputs NULL, layer out of range, count == 0,
+ * first + count > length), OUT_OF_MEMORY. */
+QJLKV_API qjlkv_status qjlkv_cache_reconstruct(qjlkv_cache *c, uint32_t layer, uint32_t seq,
+                                               uint64_t first, uint64_t count, float *keys_out,
+                                               float *values_out);
+
 /* Number of positions appended to (layer, seq); 0 for a sequence never
  * appended to or cleared. Errors: INVALID_ARGUMENT (NULL, layer range). */
 QJLKV_API qjlkv_status qjlkv_cache_length(const qjlkv_cache *c, uint32_t layer,

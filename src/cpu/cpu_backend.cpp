@@ -59,6 +59,8 @@ class CpuCache final : public qjlkv_cache {
   void attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uint32_t queries_per_seq, const void *queries,
               float scale, void *out) override;
   void scores(uint32_t layer, uint32_t seq, const void *query, float *out) override;
+  void reconstruct(uint32_t layer, uint32_t seq, uint64_t first, uint64_t count, float *keys,
+                   float *values) override;
   uint64_t length(uint32_t layer, uint32_t seq) const override {
     const auto &map = layers_[layer];
     const auto it = map.find(seq);
@@ -525,6 +527,53 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
       load_row(seq.tail_keys.data(), size_t(t) * token_elems_ + size_t(head) * d, d, cfg.dtype, key.data());
       for (uint32_t g = 0; g < G; ++g)
         out[size_t(head * G + g) * L + size_t(seq.blocks) * B + t] = dot(q.data() + size_t(g) * d, key.data(), d);
+    }
+  }
+}
+
+void CpuCache::reconstruct(uint32_t layer, uint32_t seq_id, uint64_t first, uint64_t count, float *keys_out,
+                           float *values_out) {
+  const qjlkv_config &cfg = spec().cfg;
+  const LayerSpec &ls = spec().layers[layer];
+  const uint32_t d = cfg.head_dim, B = cfg.block_tokens, Hkv = cfg.num_kv_heads;
+  const Sequence &seq = find(layer, seq_id);
+  const uint64_t quantized = uint64_t(seq.blocks) * B;
+  for (uint64_t p = first; p < first + count; ++p) {
+    for (uint32_t h = 0; h < Hkv; ++h) {
+      float *k = keys_out ? keys_out + ((p - first) * Hkv + h) * d : nullptr;
+      float *v = values_out ? values_out + ((p - first) * Hkv + h) * d : nullptr;
+      if (p >= quantized) {
+        const size_t element = size_t(p - quantized) * token_elems_ + size_t(h) * d;
+        if (k) load_row(seq.tail_keys.data(), element, d, cfg.dtype, k);
+        if (v) load_row(seq.tail_values.data(), element, d, cfg.dtype, v);
+        continue;
+      }
+      const uint8_t *block = seq.heads[h].data() + size_t(p / B) * ls.layout.stride;
+      const uint32_t t = uint32_t(p % B);
+      if (cfg.key_method == QJLKV_KEYS_OTT && (block[ls.layout.key_mask + t / 8] >> (t % 8) & 1u)) {
+        // The token lives on, exact, in the pool or the spill area.
+        const OutlierTokens &ott = seq.outliers[h];
+        const uint32_t P = cfg.outlier_tokens;
+        for (uint32_t slot = 0; slot < P + ott.spilled; ++slot) {
+          if (slot >= ott.pool && slot < P) continue;
+          if (ott.positions[slot] != p) continue;
+          if (k) load_row(ott.keys.data(), size_t(slot) * d, d, cfg.dtype, k);
+          if (v) load_row(ott.values.data(), size_t(slot) * d, d, cfg.dtype, v);
+        }
+        continue;
+      }
+      if (k) {
+        switch (cfg.key_method) {
+          case QJLKV_KEYS_QJL: qjl_reconstruct_key(ls, cfg, spec().qjl_constant, block, t, k); break;
+          case QJLKV_KEYS_KIVI:
+          case QJLKV_KEYS_OTT: kivi_dequantize_token(cfg, ls.layout, block, t, k); break;
+          case QJLKV_KEYS_EXACT:
+            for (uint32_t j = 0; j < d; ++j)
+              k[j] = from_16bit(at<uint16_t>(block, ls.layout.key_codes)[size_t(t) * d + j], spec().stored_dtype);
+            break;
+        }
+      }
+      if (v) values_dequantize_token(cfg, spec().stored_dtype, ls.layout, block, t, v);
     }
   }
 }

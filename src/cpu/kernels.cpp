@@ -91,6 +91,31 @@ void qjl_score_block(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_
   }
 }
 
+void qjl_reconstruct_key(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, const uint8_t *block,
+                         uint32_t t, float *out) {
+  const uint32_t d = cfg.head_dim, c = layer.m_out ? cfg.outlier_channels : 0;
+  const BlockLayout &l = layer.layout;
+  const float *S = layer.sketch->matrix.data.data();
+  const uint8_t *outlier_idx = block + l.key_outlier_idx;
+  const uint8_t *bits_in = block + l.key_bits_in + t * l.key_bytes_per_token_bits_in;
+  const float in_factor = qjl_constant / float(layer.m) * half_to_float(at<uint16_t>(block, l.key_norm_in)[t]);
+  std::fill(out, out + d, 0.0f);
+  for (uint32_t i = 0; i < layer.m; ++i) {
+    const float sign = sign_bit(bits_in, i) ? in_factor : -in_factor;
+    for (uint32_t j = 0; j < d; ++j) out[j] += sign * S[size_t(i) * d + j];
+  }
+  if (!c) return;
+  const uint8_t *bits_out = block + l.key_bits_out + t * l.key_bytes_per_token_bits_out;
+  const float out_factor = qjl_constant / float(layer.m_out) * half_to_float(at<uint16_t>(block, l.key_norm_out)[t]);
+  for (uint32_t j = 0; j < c; ++j) {  // outlier channels: the outlier sketch's part replaces the inlier part
+    const uint32_t channel = outlier_idx[j];
+    float sum = 0.0f;
+    for (uint32_t i = 0; i < layer.m_out; ++i)
+      sum += (sign_bit(bits_out, i) ? out_factor : -out_factor) * S[size_t(i) * d + channel];
+    out[channel] = sum;
+  }
+}
+
 void exact_keys_store_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
                             const float *keys, uint8_t *block) {
   uint16_t *dst = at<uint16_t>(block, layout.key_codes);

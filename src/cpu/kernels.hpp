@@ -77,6 +77,10 @@ void qjl_score_block(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_
                      const float *queries /*[rows][d]*/, const float *projected /*[rows][sketch_rows]*/,
                      uint32_t rows, float *out, float *scratch);
 
+// The dense k̂ of token t whose dot product with any query equals the block's estimate.
+void qjl_reconstruct_key(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, const uint8_t *block,
+                         uint32_t t, float *out);
+
 // ---- 16-bit exact keys -----------------------------------------------------------------------
 void exact_keys_store_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
                             const float *keys, uint8_t *block);
