@@ -33,9 +33,8 @@ static float normal(void) {
   return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
 }
 
-/* Keys: N(0,1) per channel, except 4 outlier channels per kv head with a large per-channel
- * offset (x10 scale), the pattern QJL's outlier sketch handles. Queries correlate with a few
- * keys so that attention is not uniform. */
+/* Keys: N(0,1) per channel, except 4 outlier channels per kv head with a large offset, the
+ * pattern QJL's outlier sketch handles. Values: N(0,1). */
 static void make_token(float *keys, float *values) {
   for (int h = 0; h < HKV; ++h)
     for (int j = 0; j < D; ++j) {
@@ -64,20 +63,24 @@ int main(int argc, char **argv) {
       caches[p] = NULL;
     }
   }
-  float *keys = malloc(sizeof(float) * HKV * D), *values = malloc(sizeof(float) * HKV * D);
+  float *all_keys = malloc(sizeof(float) * HKV * D * (size_t)tokens), *values = malloc(sizeof(float) * HKV * D);
   float *query = malloc(sizeof(float) * HQ * D), *exact = malloc(sizeof(float) * HQ * D);
   float *approx = malloc(sizeof(float) * HQ * D);
   double err2[NPRESETS] = {0}, ref2 = 0;
   printf("libqjlkv %s demo: Llama-3-8B-shaped layer (Hq=%d, Hkv=%d, d=%d), %u tokens, %u decode steps\n",
          qjlkv_version_string(), HQ, HKV, D, tokens, steps);
   for (unsigned t = 0; t < tokens; ++t) {
+    float *keys = all_keys + (size_t)t * HKV * D;
     make_token(keys, values);
     for (int p = 0; p < NPRESETS; ++p)
       if (caches[p]) check(qjlkv_cache_append(caches[p], 0, 0, 1, keys, values), "qjlkv_cache_append");
     if (t + steps < tokens) continue;
-    /* Decode step: a query that mostly looks like a recent key (a peaked attention). */
-    for (int h = 0; h < HQ; ++h)
-      for (int j = 0; j < D; ++j) query[h * D + j] = 0.5f * keys[(h / (HQ / HKV)) * D + j] + normal();
+    /* Decode step: each query head looks for one earlier token (a retrieval-like, peaked
+     * attention, as many real heads have), plus noise. */
+    for (int h = 0; h < HQ; ++h) {
+      const float *target = all_keys + ((size_t)(uniform() * t) * HKV + h / (HQ / HKV)) * D;
+      for (int j = 0; j < D; ++j) query[h * D + j] = target[j] + 0.5f * normal();
+    }
     check(qjlkv_cache_attend(caches[0], 0, 0, 1, query, 0.0f, exact), "attend exact");
     for (int i = 0; i < HQ * D; ++i) ref2 += (double)exact[i] * exact[i];
     for (int p = 1; p < NPRESETS; ++p) {
@@ -98,7 +101,7 @@ int main(int argc, char **argv) {
            p == 0 ? 0.0 : sqrt(err2[p] / ref2));
     qjlkv_cache_destroy(caches[p]);
   }
-  free(keys);
+  free(all_keys);
   free(values);
   free(query);
   free(exact);
