@@ -47,6 +47,22 @@
  *   (config.num_threads); results do not depend on their number.
  * Memory. All memory is owned by the handles; a failed allocation returns
  *   QJLKV_ERROR_OUT_OF_MEMORY and leaves the cache unchanged.
+ *
+ * ---------------------------------------------------------------------------
+ * Stored numbers (docs/DESIGN.md has the details)
+ * ---------------------------------------------------------------------------
+ * - Tail tokens (and OTT pool/spill tokens) are kept in the input dtype: exact.
+ * - QJL: sign bit 1 iff the fp32 projection is > 0, packed LSB-first (bit j of
+ *   byte b is sketch row 8b + j); norms ‖k_in‖, ‖k_out‖ as fp16. The estimate
+ *   uses c_d = sqrt(pi)·Gamma((d+1)/2) / (sqrt(d)·Gamma(d/2)) for orthogonal
+ *   sketches and sqrt(pi/2) for Gaussian ones, so it is unbiased for the sketch
+ *   actually used. Outlier channels: per block, the c channels of largest
+ *   energy over the block's keys (ties: lower channel).
+ * - Value groups and KIVI channels: min stored as the largest fp16 <= min,
+ *   scale as the smallest fp16 >= (max - min)/(2^b - 1); codes round half to
+ *   even; a group whose values are all equal gets scale 0 and reproduces min.
+ * - 16-bit exact storage (preset "exact", value_bits 16) is fp16 for fp32 and
+ *   fp16 inputs, bf16 for bf16 inputs.
  */
 #ifndef QJLKV_H
 #define QJLKV_H
