@@ -5,7 +5,8 @@
 
 # The layout the project documents is <prefix>/lib, also on distributions whose
 # GNUInstallDirs default is lib64 or a multiarch directory; -DCMAKE_INSTALL_LIBDIR overrides.
-if(NOT DEFINED CMAKE_INSTALL_LIBDIR)
+# Inside another project, that project's choice stands.
+if(PROJECT_IS_TOP_LEVEL AND NOT DEFINED CMAKE_INSTALL_LIBDIR)
   set(CMAKE_INSTALL_LIBDIR lib CACHE PATH "Object code libraries (LIBDIR)")
 endif()
 include(GNUInstallDirs)
@@ -42,17 +43,8 @@ foreach(_qjlkv_lib IN LISTS _qjlkv_cxx_runtime)
   target_link_libraries(qjlkv_static INTERFACE "$<$<NOT:$<LINK_LANGUAGE:CXX>>:${_qjlkv_lib}>")
 endforeach()
 
+# Libs.private in link order: the CUDA runtime, then the C++ runtime, then threads.
 set(_qjlkv_libs_private "")
-foreach(_qjlkv_lib IN LISTS _qjlkv_cxx_runtime)
-  string(APPEND _qjlkv_libs_private " -l${_qjlkv_lib}")
-endforeach()
-if(CMAKE_THREAD_LIBS_INIT)
-  string(APPEND _qjlkv_libs_private " ${CMAKE_THREAD_LIBS_INIT}")
-elseif(CMAKE_USE_PTHREADS_INIT)
-  # glibc >= 2.34 has pthreads in libc; -lpthread is still what older C libraries need.
-  string(APPEND _qjlkv_libs_private " -lpthread")
-endif()
-
 if(QJLKV_HAVE_CUDA)
   # The objects reach the libraries through $<BUILD_INTERFACE:qjlkv_objects>, which the
   # export drops; restate the static library's CUDA runtime so that it is exported as
@@ -63,6 +55,16 @@ if(QJLKV_HAVE_CUDA)
 else()
   set(QJLKV_CONFIG_HAVE_CUDA FALSE)
 endif()
+foreach(_qjlkv_lib IN LISTS _qjlkv_cxx_runtime)
+  string(APPEND _qjlkv_libs_private " -l${_qjlkv_lib}")
+endforeach()
+if(CMAKE_THREAD_LIBS_INIT)
+  string(APPEND _qjlkv_libs_private " ${CMAKE_THREAD_LIBS_INIT}")
+elseif(CMAKE_USE_PTHREADS_INIT)
+  # glibc >= 2.34 has pthreads in libc; -lpthread is still what older C libraries need.
+  string(APPEND _qjlkv_libs_private " -lpthread")
+endif()
+
 string(STRIP "${_qjlkv_libs_private}" QJLKV_PC_LIBS_PRIVATE)
 
 # ---------------------------------------------------------------------------
@@ -124,12 +126,13 @@ if(PROJECT_IS_TOP_LEVEL)
   set(CPACK_PACKAGE_VERSION ${PROJECT_VERSION})
   set(CPACK_GENERATOR "TGZ;DEB")
   set(CPACK_PACKAGE_FILE_NAME "libqjlkv-${PROJECT_VERSION}-${CMAKE_SYSTEM_NAME}-${CMAKE_SYSTEM_PROCESSOR}")
-  # Only the library's own components: a subproject's install rules (a test framework,
-  # say) never end up in the packages.
-  set(CPACK_COMPONENTS_ALL runtime development)
-  set(CPACK_COMPONENTS_GROUPING ALL_COMPONENTS_IN_ONE)
-  set(CPACK_ARCHIVE_COMPONENT_INSTALL ON)
-  set(CPACK_DEB_COMPONENT_INSTALL ON)
+  # Only the library's own components, so that a subproject's install rules (a test
+  # framework, say) never end up in the packages.
+  set(CPACK_INSTALL_CMAKE_PROJECTS
+    "${PROJECT_BINARY_DIR};qjlkv;runtime;/"
+    "${PROJECT_BINARY_DIR};qjlkv;development;/")
+  set(CPACK_SOURCE_GENERATOR TGZ)
+  set(CPACK_SOURCE_IGNORE_FILES "/\\.git/" "/build[^/]*/" "/target/" "__pycache__" "\\.egg-info/")
   set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)
   set(CPACK_DEBIAN_PACKAGE_SECTION libdevel)
   find_program(QJLKV_DPKG_SHLIBDEPS dpkg-shlibdeps)

@@ -34,6 +34,31 @@ bool is_bits(uint32_t b) { return b == 2 || b == 4 || b == 8; }
 
 }  // namespace
 
+// Every struct_size a release has had, oldest first.
+static_assert(sizeof(qjlkv_config) == QJLKV_CONFIG_SIZE_0_1, "qjlkv_config grew: add its new size here");
+
+size_t caller_config_size(const qjlkv_config &cfg) {
+  const size_t size = cfg.struct_size;
+  return size >= QJLKV_CONFIG_SIZE_0_1 && size <= sizeof(qjlkv_config) ? size : QJLKV_CONFIG_SIZE_0_1;
+}
+
+void write_caller_config(qjlkv_config &dst, const qjlkv_config &src) {
+  const size_t size = caller_config_size(dst);
+  std::memcpy(&dst, &src, size);
+  dst.struct_size = uint32_t(size);
+}
+
+qjlkv_config complete_config(const qjlkv_config &cfg) {
+  QJLKV_REQUIRE(cfg.struct_size >= QJLKV_CONFIG_SIZE_0_1 && cfg.struct_size <= sizeof(qjlkv_config),
+                "config.struct_size is %u, must be in [%u, %zu] (initialize the config with qjlkv_config_init)",
+                cfg.struct_size, QJLKV_CONFIG_SIZE_0_1, sizeof(qjlkv_config));
+  qjlkv_config full;
+  std::memset(&full, 0, sizeof full);  // fields added after the caller's release default to 0
+  std::memcpy(&full, &cfg, cfg.struct_size);
+  full.struct_size = sizeof full;
+  return full;
+}
+
 void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uint32_t num_q_heads,
                  uint32_t num_kv_heads, uint32_t head_dim) {
   check_shape(num_layers, num_q_heads, num_kv_heads, head_dim);
@@ -80,13 +105,11 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
     fail(QJLKV_ERROR_INVALID_ARGUMENT, "preset \"%.64s\" is unknown; known presets: qjl, kivi, ott, exact",
          preset);
   }
-  out = cfg;
+  write_caller_config(out, cfg);
 }
 
-void validate_config(const qjlkv_config &cfg) {
-  QJLKV_REQUIRE(cfg.struct_size == sizeof(qjlkv_config),
-                "config.struct_size is %u, expected %zu (initialize the config with qjlkv_config_init)",
-                cfg.struct_size, sizeof(qjlkv_config));
+void validate_config(const qjlkv_config &caller_cfg) {
+  const qjlkv_config cfg = complete_config(caller_cfg);
   check_shape(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim);
   const uint32_t d = cfg.head_dim;
   QJLKV_REQUIRE(cfg.dtype == QJLKV_DTYPE_F32 || cfg.dtype == QJLKV_DTYPE_F16 || cfg.dtype == QJLKV_DTYPE_BF16,
@@ -201,8 +224,9 @@ BlockLayout make_layout(const qjlkv_config &cfg, const LayerSpec &layer) {
 
 }  // namespace
 
-CacheSpec make_cache_spec(const qjlkv_config &cfg) {
-  validate_config(cfg);
+CacheSpec make_cache_spec(const qjlkv_config &caller_cfg) {
+  validate_config(caller_cfg);
+  const qjlkv_config cfg = complete_config(caller_cfg);
   CacheSpec spec;
   spec.cfg = cfg;
   spec.group_size = cfg.num_q_heads / cfg.num_kv_heads;

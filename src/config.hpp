@@ -10,8 +10,17 @@
 
 namespace qjlkv {
 
+// The number of leading bytes of a caller's config to read or write: its struct_size when the
+// library knows that size, else the first release's size, which every caller's struct holds.
+size_t caller_config_size(const qjlkv_config &cfg);
+// Writes the first caller_config_size(dst) bytes of src into dst and sets dst.struct_size.
+void write_caller_config(qjlkv_config &dst, const qjlkv_config &src);
+
 void init_preset(qjlkv_config &cfg, const char *preset, uint32_t num_layers, uint32_t num_q_heads,
                  uint32_t num_kv_heads, uint32_t head_dim);
+// A complete config from a caller's (possibly older, smaller) one: fields beyond its
+// struct_size take their defaults. Throws on a struct_size no release has had.
+qjlkv_config complete_config(const qjlkv_config &cfg);
 // Throws Error(INVALID_ARGUMENT) naming the first wrong field.
 void validate_config(const qjlkv_config &cfg);
 

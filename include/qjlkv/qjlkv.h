@@ -194,8 +194,11 @@ QJLKV_API void qjlkv_sketch_destroy(qjlkv_sketch *s);
  * Configuration
  * ======================================================================== */
 /* Always start from qjlkv_config_init(), then change fields. struct_size comes
- * first so the struct can grow without breaking the ABI: a caller compiled
- * against an older header passes its smaller size. Fields are append-only. */
+ * first so the struct can grow without breaking the ABI: fields are
+ * append-only, and the library reads and writes only the first struct_size
+ * bytes (fields beyond them take their defaults). QJLKV_CONFIG_SIZE_0_1 is the
+ * size of the first release, the smallest struct_size any library accepts. */
+#define QJLKV_CONFIG_SIZE_0_1 112u
 typedef struct qjlkv_config {
   uint32_t struct_size;          /* sizeof(qjlkv_config) of the caller        */
   uint32_t num_layers;           /* >= 1                                      */
@@ -234,7 +237,15 @@ typedef struct qjlkv_config {
 } qjlkv_config;
 
 /* Fills every field of *cfg with the defaults of the named preset and the
- * given shape, and sets cfg->struct_size = sizeof(qjlkv_config).
+ * given shape.
+ * Size: when cfg->struct_size already holds a size this library knows (from
+ * QJLKV_CONFIG_SIZE_0_1 to the library's sizeof(qjlkv_config)), exactly that
+ * many bytes are written; otherwise (e.g. an uninitialized struct) the first
+ * release's QJLKV_CONFIG_SIZE_0_1 bytes are written, which every caller's
+ * struct holds. struct_size is set to the size written. So a caller built
+ * against a newer header who wants the fields added after 0.1 sets
+ * cfg->struct_size = sizeof(qjlkv_config) first; in this release both sizes
+ * are the same.
  *
  * Presets (bits per number measured by the library's own statistics, see
  * README.md for the table):
@@ -274,8 +285,8 @@ QJLKV_API qjlkv_status qjlkv_cache_create(const qjlkv_config *cfg, qjlkv_cache *
 /* Frees a cache and everything it holds; NULL is a no-op. */
 QJLKV_API void qjlkv_cache_destroy(qjlkv_cache *c);
 
-/* A copy of the configuration the cache was created with (struct_size is
- * sizeof(qjlkv_config)). Errors: INVALID_ARGUMENT (NULL). */
+/* A copy of the configuration the cache was created with, written with the
+ * size rule of qjlkv_config_init(). Errors: INVALID_ARGUMENT (NULL). */
 QJLKV_API qjlkv_status qjlkv_cache_config(const qjlkv_cache *c, qjlkv_config *out);
 
 /* Orders all work of a CUDA cache on the given cudaStream_t (NULL = default

@@ -1,0 +1,452 @@
+use std::ffi::c_void;
+use std::mem::MaybeUninit;
+use std::ptr::{self, NonNull};
+
+use qjlkv_sys as sys;
+
+use crate::config::{Config, Shape};
+use crate::element::{Dtype, Element};
+use crate::error::{check, Error, Status};
+use crate::sketch::Sketch;
+
+/// Memory statistics of a cache (`qjlkv_stats`): every stored byte is counted.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Stats {
+    /// Cached positions, all layers and sequences.
+    pub tokens: u64,
+    /// Bytes that hold cache data.
+    pub bytes_used: u64,
+    /// Bytes allocated for cache data (>= `bytes_used`).
+    pub bytes_reserved: u64,
+    /// What an fp16 cache of the same tokens would take: tokens * Hkv * d * 2 (K, V) * 2.
+    pub bytes_fp16_equivalent: u64,
+    /// `bytes_used * 8` per cached number.
+    pub bits_per_number: f64,
+    /// Sign bits, norms, outlier indices, codes, scales and minima of quantized key blocks.
+    pub bytes_keys_quantized: u64,
+    /// Codes, scales and minima of quantized value blocks.
+    pub bytes_values_quantized: u64,
+    /// Full-precision tails, OTT pools and spill areas.
+    pub bytes_full_precision: u64,
+    /// Per-sequence bookkeeping.
+    pub bytes_metadata: u64,
+}
+
+impl Stats {
+    /// How many times smaller than an fp16 cache of the same tokens (0 when empty).
+    pub fn compression_vs_fp16(&self) -> f64 {
+        if self.bytes_used == 0 {
+            0.0
+        } else {
+            self.bytes_fp16_equivalent as f64 / self.bytes_used as f64
+        }
+    }
+}
+
+/// A compressed key/value cache on the CPU.
+///
+/// Tensors are slices of [`Element`]s (`f32`, [`F16`](crate::F16), [`Bf16`](crate::Bf16)) in
+/// the config's dtype, row-major: keys and values `[n_tokens][num_kv_heads][head_dim]`,
+/// queries and outputs `[n_queries][num_q_heads][head_dim]`. Lengths and element types are
+/// checked before the library is called; on any error the cache is unchanged.
+///
+/// A cache is `Send` but not `Sync`: it may move between threads, but one thread uses it at
+/// a time (the C contract). Wrap it in a `Mutex` to share it.
+///
+/// ```
+/// use qjlkv::{Cache, Config};
+///
+/// let config = Config::preset("qjl", 1, 8, 2, 64)?; // 1 layer, 8 q heads, 2 kv heads, d = 64
+/// let mut cache = Cache::new(&config)?;
+/// let kv_len = cache.shape().kv_token_len(); // 2 * 64 numbers per token
+///
+/// // Prefill 100 tokens of sequence 7, then one decode step.
+/// let keys: Vec<f32> = (0..100 * kv_len).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
+/// let values = keys.iter().map(|x| x * 0.5).collect::<Vec<_>>();
+/// cache.append(0, 7, &keys, &values)?;
+/// cache.append(0, 7, &keys[..kv_len], &values[..kv_len])?;
+/// let query = vec![0.1f32; cache.shape().q_token_len()];
+/// let out = cache.attend(0, 7, &query, None)?; // scale 1/sqrt(64)
+/// assert_eq!(out.len(), 8 * 64);
+/// assert_eq!(cache.length(0, 7)?, 101);
+///
+/// let stats = cache.stats()?;
+/// assert!(stats.bits_per_number < 16.0);
+///
+/// // A wrong length is reported without calling the library.
+/// let err = cache.append(0, 7, &keys[..kv_len - 1], &values[..kv_len - 1]).unwrap_err();
+/// assert!(err.message().starts_with("keys:"));
+/// # Ok::<(), qjlkv::Error>(())
+/// ```
+///
+/// A cache cannot be shared between threads without a lock:
+///
+/// ```compile_fail
+/// fn shared<T: Sync>(_: &T) {}
+/// let cache = qjlkv::Cache::new(&qjlkv::Config::preset("qjl", 1, 4, 2, 64)?)?;
+/// shared(&cache); // error: `Cache` is not `Sync`
+/// # Ok::<(), qjlkv::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Cache {
+    ptr: NonNull<sys::qjlkv_cache>,
+    config: Config,
+    shape: Shape,
+    dtype: Dtype,
+}
+
+// SAFETY: the C contract lets a cache handle move between threads as long as one thread
+// uses it at a time; `Cache` is not `Sync` (NonNull is not), so `&Cache` never crosses
+// threads and `&mut self` methods are exclusive.
+unsafe impl Send for Cache {}
+
+impl Cache {
+    /// Creates an empty cache; the sketches of all layers are generated here, once.
+    /// Errors: an invalid config (the message names the field), out of memory, and
+    /// `Unsupported` for `device >= 0` (this API takes host slices).
+    pub fn new(config: &Config) -> Result<Cache, Error> {
+        let device = config.as_raw().device;
+        if device >= 0 {
+            return Err(Error::new(
+                Status::Unsupported,
+                format!(
+                    "config.device is {device}: qjlkv::Cache takes host slices and so only CPU caches \
+                     (device = -1); use qjlkv-sys with device pointers for a CUDA cache"
+                ),
+            ));
+        }
+        let mut raw = ptr::null_mut();
+        // SAFETY: the config is a complete qjlkv_config; raw is a valid out pointer.
+        check(unsafe { sys::qjlkv_cache_create(config.as_raw(), &mut raw) })?;
+        let ptr = NonNull::new(raw).expect("qjlkv_cache_create returned OK and a cache");
+        let mut stored = MaybeUninit::<sys::qjlkv_config>::zeroed();
+        // SAFETY: ptr is live; stored is a writable qjlkv_config.
+        let status = unsafe { sys::qjlkv_cache_config(ptr.as_ptr(), stored.as_mut_ptr()) };
+        if let Err(err) = check(status) {
+            // SAFETY: the cache was created above and is referenced nowhere else.
+            unsafe { sys::qjlkv_cache_destroy(ptr.as_ptr()) };
+            return Err(err);
+        }
+        // SAFETY: zeroed is a valid qjlkv_config and the library filled it.
+        let config = Config::from_raw(unsafe { stored.assume_init() });
+        Ok(Cache {
+            ptr,
+            config,
+            shape: config.shape(),
+            dtype: config.get_dtype(),
+        })
+    }
+
+    /// The configuration the cache was created with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The model shape.
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+
+    /// The element type every slice must have.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Appends tokens to sequence `seq` of `layer`; `keys` and `values` are
+    /// `[n_tokens][num_kv_heads][head_dim]` with the same length. A sequence is created on
+    /// its first append. Appending n tokens at once stores what n single appends would.
+    pub fn append<T: Element>(&mut self, layer: u32, seq: u32, keys: &[T], values: &[T]) -> Result<(), Error> {
+        let n_tokens = self.kv_rows(keys, values)?;
+        // SAFETY: the cache is live and exclusively borrowed; keys and values hold
+        // n_tokens * kv_token_len elements of the cache's dtype.
+        check(unsafe { sys::qjlkv_cache_append(self.ptr.as_ptr(), layer, seq, n_tokens, void(keys), void(values)) })
+    }
+
+    /// Attention of the last `queries.len() / q_token_len()` appended positions of `seq`
+    /// (causal among themselves); `queries` is `[n_queries][num_q_heads][head_dim]` and the
+    /// result has the same shape. `scale` `None` means 1/sqrt(head_dim).
+    pub fn attend<T: Element>(
+        &mut self,
+        layer: u32,
+        seq: u32,
+        queries: &[T],
+        scale: Option<f32>,
+    ) -> Result<Vec<T>, Error> {
+        let mut out = vec![T::default(); queries.len()];
+        self.attend_into(layer, seq, queries, scale, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`attend`](Cache::attend) into a caller's buffer of the same length as `queries`.
+    pub fn attend_into<T: Element>(
+        &mut self,
+        layer: u32,
+        seq: u32,
+        queries: &[T],
+        scale: Option<f32>,
+        out: &mut [T],
+    ) -> Result<(), Error> {
+        let n_queries = self.q_rows(queries, out)?;
+        let scale = raw_scale(scale)?;
+        // SAFETY: the cache is live and exclusively borrowed; queries and out hold
+        // n_queries * q_token_len elements of the cache's dtype.
+        check(unsafe {
+            sys::qjlkv_cache_attend(
+                self.ptr.as_ptr(),
+                layer,
+                seq,
+                n_queries,
+                void(queries),
+                scale,
+                void_mut(out),
+            )
+        })
+    }
+
+    /// The batched decode step: one token for each of the distinct sequences `seqs`; `keys`
+    /// and `values` are `[seqs.len()][num_kv_heads][head_dim]`. All or nothing: if any check
+    /// fails (duplicate ids included), no sequence changes.
+    pub fn append_batch<T: Element>(
+        &mut self,
+        layer: u32,
+        seqs: &[u32],
+        keys: &[T],
+        values: &[T],
+    ) -> Result<(), Error> {
+        let n_seqs = self.batch_len(seqs)?;
+        self.expect_len(
+            "keys",
+            keys,
+            seqs.len() * self.shape.kv_token_len(),
+            "seqs.len() * num_kv_heads * head_dim",
+        )?;
+        self.expect_len("values", values, keys.len(), "keys.len()")?;
+        // SAFETY: the cache is live and exclusively borrowed; seqs holds n_seqs ids and
+        // keys, values n_seqs * kv_token_len elements of the cache's dtype.
+        check(unsafe {
+            sys::qjlkv_cache_append_batch(
+                self.ptr.as_ptr(),
+                layer,
+                n_seqs,
+                seqs.as_ptr(),
+                void(keys),
+                void(values),
+            )
+        })
+    }
+
+    /// One query token for each of `seqs` (ids may repeat); `queries` is
+    /// `[seqs.len()][num_q_heads][head_dim]` and so is the result.
+    pub fn attend_batch<T: Element>(
+        &mut self,
+        layer: u32,
+        seqs: &[u32],
+        queries: &[T],
+        scale: Option<f32>,
+    ) -> Result<Vec<T>, Error> {
+        let mut out = vec![T::default(); queries.len()];
+        self.attend_batch_into(layer, seqs, queries, scale, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`attend_batch`](Cache::attend_batch) into a caller's buffer of the length of `queries`.
+    pub fn attend_batch_into<T: Element>(
+        &mut self,
+        layer: u32,
+        seqs: &[u32],
+        queries: &[T],
+        scale: Option<f32>,
+        out: &mut [T],
+    ) -> Result<(), Error> {
+        let n_seqs = self.batch_len(seqs)?;
+        self.expect_len(
+            "queries",
+            queries,
+            seqs.len() * self.shape.q_token_len(),
+            "seqs.len() * num_q_heads * head_dim",
+        )?;
+        self.expect_len("out", out, queries.len(), "queries.len()")?;
+        let scale = raw_scale(scale)?;
+        // SAFETY: the cache is live and exclusively borrowed; seqs holds n_seqs ids and
+        // queries, out n_seqs * q_token_len elements of the cache's dtype.
+        check(unsafe {
+            sys::qjlkv_cache_attend_batch(
+                self.ptr.as_ptr(),
+                layer,
+                n_seqs,
+                seqs.as_ptr(),
+                void(queries),
+                scale,
+                void_mut(out),
+            )
+        })
+    }
+
+    /// Diagnostic: the raw logits <q, k> (no scale, no softmax) of one query token
+    /// (`[num_q_heads][head_dim]`) against every cached position of `seq`, as
+    /// `out[h * length + t]`. Quantized positions give the estimate attention uses; OTT
+    /// positions whose token moved to the outlier pool give `-inf`.
+    pub fn scores<T: Element>(&mut self, layer: u32, seq: u32, query: &[T]) -> Result<Vec<f32>, Error> {
+        self.expect_dtype::<T>("query")?;
+        self.expect_len("query", query, self.shape.q_token_len(), "num_q_heads * head_dim")?;
+        let length = usize::try_from(self.length(layer, seq)?)
+            .map_err(|_| Error::invalid("the sequence is too long to list on this platform".into()))?;
+        let mut out = vec![0.0f32; self.shape.num_q_heads as usize * length];
+        // SAFETY: the cache is live and exclusively borrowed; query holds q_token_len
+        // elements of the cache's dtype and out out.len() writable floats.
+        check(unsafe {
+            sys::qjlkv_cache_scores(self.ptr.as_ptr(), layer, seq, void(query), out.as_mut_ptr(), out.len())
+        })?;
+        Ok(out)
+    }
+
+    /// Positions appended to (`layer`, `seq`); 0 for a sequence never appended to or cleared.
+    pub fn length(&self, layer: u32, seq: u32) -> Result<u64, Error> {
+        let mut length = 0;
+        // SAFETY: the cache is live; length is a valid out pointer.
+        check(unsafe { sys::qjlkv_cache_length(self.ptr.as_ptr(), layer, seq, &mut length) })?;
+        Ok(length)
+    }
+
+    /// Drops every layer of sequence `seq` and releases its memory (no-op for an unknown id).
+    pub fn clear_sequence(&mut self, seq: u32) -> Result<(), Error> {
+        // SAFETY: the cache is live and exclusively borrowed.
+        check(unsafe { sys::qjlkv_cache_clear_sequence(self.ptr.as_ptr(), seq) })
+    }
+
+    /// Memory statistics.
+    pub fn stats(&self) -> Result<Stats, Error> {
+        let mut raw = MaybeUninit::<sys::qjlkv_stats>::zeroed();
+        // SAFETY: raw is a writable qjlkv_stats whose struct_size is set before the call.
+        let raw = unsafe {
+            (*raw.as_mut_ptr()).struct_size = std::mem::size_of::<sys::qjlkv_stats>() as u32;
+            check(sys::qjlkv_cache_stats(self.ptr.as_ptr(), raw.as_mut_ptr()))?;
+            raw.assume_init()
+        };
+        Ok(Stats {
+            tokens: raw.tokens,
+            bytes_used: raw.bytes_used,
+            bytes_reserved: raw.bytes_reserved,
+            bytes_fp16_equivalent: raw.bytes_fp16_equivalent,
+            bits_per_number: raw.bits_per_number,
+            bytes_keys_quantized: raw.bytes_keys_quantized,
+            bytes_values_quantized: raw.bytes_values_quantized,
+            bytes_full_precision: raw.bytes_full_precision,
+            bytes_metadata: raw.bytes_metadata,
+        })
+    }
+
+    /// The sketch `layer` uses (QJL caches only; others give `Unsupported`), borrowed for
+    /// as long as the cache.
+    pub fn sketch(&self, layer: u32) -> Result<Sketch<'_>, Error> {
+        let mut raw = ptr::null();
+        // SAFETY: the cache is live; raw is a valid out pointer.
+        check(unsafe { sys::qjlkv_cache_sketch(self.ptr.as_ptr(), layer, &mut raw) })?;
+        let ptr = NonNull::new(raw.cast_mut()).expect("qjlkv_cache_sketch returned OK and a sketch");
+        // SAFETY: the sketch lives as long as the cache, which the lifetime borrows; it is
+        // not owned, so never destroyed here.
+        unsafe { Sketch::from_ptr(ptr, false) }
+    }
+
+    /// The C handle, for calls through `qjlkv-sys` (e.g. `qjlkv_cache_set_stream`). The
+    /// cache still owns it.
+    pub fn as_ptr(&self) -> *const sys::qjlkv_cache {
+        self.ptr.as_ptr()
+    }
+
+    /// The mutable C handle; see [`as_ptr`](Cache::as_ptr).
+    pub fn as_mut_ptr(&mut self) -> *mut sys::qjlkv_cache {
+        self.ptr.as_ptr()
+    }
+
+    fn expect_dtype<T: Element>(&self, what: &str) -> Result<(), Error> {
+        if T::DTYPE == self.dtype {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!(
+                "{what}: element type {} does not match the cache dtype {}",
+                T::DTYPE,
+                self.dtype
+            )))
+        }
+    }
+
+    fn expect_len<T: Element>(&self, what: &str, slice: &[T], expected: usize, formula: &str) -> Result<(), Error> {
+        self.expect_dtype::<T>(what)?;
+        if slice.len() == expected {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!(
+                "{what}: length {} does not match {formula} = {expected}",
+                slice.len()
+            )))
+        }
+    }
+
+    /// The n of `[n][row_len]` data, checked to be whole rows; `count` names n in messages.
+    fn rows<T: Element>(
+        &self,
+        what: &str,
+        data: &[T],
+        row_len: usize,
+        formula: &str,
+        count: &str,
+    ) -> Result<u32, Error> {
+        self.expect_dtype::<T>(what)?;
+        if !data.len().is_multiple_of(row_len) {
+            return Err(Error::invalid(format!(
+                "{what}: length {} is not a multiple of {formula} = {row_len}",
+                data.len()
+            )));
+        }
+        u32::try_from(data.len() / row_len)
+            .map_err(|_| Error::invalid(format!("{what}: {count} = {} exceeds u32::MAX", data.len() / row_len)))
+    }
+
+    fn kv_rows<T: Element>(&self, keys: &[T], values: &[T]) -> Result<u32, Error> {
+        let row_len = self.shape.kv_token_len();
+        let n = self.rows("keys", keys, row_len, "num_kv_heads * head_dim", "n_tokens")?;
+        self.expect_len("values", values, keys.len(), "keys.len()")?;
+        Ok(n)
+    }
+
+    fn q_rows<T: Element>(&self, queries: &[T], out: &[T]) -> Result<u32, Error> {
+        let row_len = self.shape.q_token_len();
+        let n = self.rows("queries", queries, row_len, "num_q_heads * head_dim", "n_queries")?;
+        self.expect_len("out", out, queries.len(), "queries.len()")?;
+        Ok(n)
+    }
+
+    fn batch_len(&self, seqs: &[u32]) -> Result<u32, Error> {
+        u32::try_from(seqs.len()).map_err(|_| Error::invalid(format!("seqs: {} ids exceed u32::MAX", seqs.len())))
+    }
+}
+
+impl Drop for Cache {
+    fn drop(&mut self) {
+        // SAFETY: the cache owns the handle; borrowed sketches cannot outlive it.
+        unsafe { sys::qjlkv_cache_destroy(self.ptr.as_ptr()) }
+    }
+}
+
+/// `None` -> 0 (the library's 1/sqrt(d)); an explicit scale must be positive, since the C
+/// convention "<= 0 means default" would silently ignore a caller's mistake.
+fn raw_scale(scale: Option<f32>) -> Result<f32, Error> {
+    match scale {
+        None => Ok(0.0),
+        Some(s) if s <= 0.0 => Err(Error::invalid(format!(
+            "scale is {s}, must be > 0 (None means 1/sqrt(head_dim))"
+        ))),
+        // NaN and infinity go to the library, which rejects them with its own message.
+        Some(s) => Ok(s),
+    }
+}
+
+fn void<T>(slice: &[T]) -> *const c_void {
+    slice.as_ptr().cast()
+}
+
+fn void_mut<T>(slice: &mut [T]) -> *mut c_void {
+    slice.as_mut_ptr().cast()
+}

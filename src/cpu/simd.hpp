@@ -1,0 +1,66 @@
+// The fast CPU kernels, compiled once per instruction set (simd_scalar.cpp, simd_avx2.cpp,
+// simd_avx512.cpp from the one template source simd_impl.inc) and chosen at run time (isa.hpp).
+// They compute what the reference kernels of kernels.hpp compute, within float tolerance, except
+// the QJL sign bits, which are bit-identical (same fp32 sums in the same order, no FMA).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "../config.hpp"
+#include "isa.hpp"
+#include "kernels.hpp"
+
+namespace qjlkv::cpu {
+
+// One quantized QJL block layout plus the layer's transposed sketch.
+struct QjlArgs {
+  const BlockLayout *layout = nullptr;
+  uint32_t block_tokens = 0, head_dim = 0, m = 0, m_out = 0, outlier_channels = 0;
+  const float *sketch_t = nullptr;  // [head_dim][sketch_t_stride]: S transposed, rows zero-padded
+  size_t sketch_t_stride = 0;       // >= sketch_rows, a multiple of 32
+  float in_factor = 0.0f, out_factor = 0.0f;  // c_d/m and c_d/m_out
+};
+
+struct CodesArgs {  // KIVI/OTT keys or quantized values of one block
+  const BlockLayout *layout = nullptr;
+  uint32_t block_tokens = 0, head_dim = 0, bits = 0, group = 0;  // group: values only
+  qjlkv_dtype stored = QJLKV_DTYPE_F16;                         // values with bits == 16
+};
+
+// Scores are written to out[r * out_stride + t]; weights are read from w[r * w_stride + t].
+// Every `scratch` is at least kernel_scratch_floats(...) floats, 64-byte aligned.
+struct KernelTable {
+  Isa isa;
+  // sq[r][i] = <S_i, q_r> for i < sketch_rows (queries [rows][d]).
+  void (*qjl_project)(const QjlArgs &a, uint32_t sketch_rows, const float *q, uint32_t rows, float *sq);
+  void (*qjl_scores)(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, size_t sq_stride,
+                     uint32_t rows, float *out, size_t out_stride, float *scratch);
+  // Sign bits of n_out projections for n keys: bit i of row t = (Σ_j keys[t][j]·st_rows[j][i] > 0),
+  // summed in order j = 0..n_channels-1 in fp32 without FMA (the reference order).
+  void (*qjl_sign_bits)(const float *keys, size_t key_stride, uint32_t n, const float *const *st_rows,
+                        uint32_t n_channels, uint32_t n_out, uint8_t *bits, size_t bits_stride);
+  void (*kivi_scores)(const CodesArgs &a, const uint8_t *block, const float *q, uint32_t rows, float *out,
+                      size_t out_stride, float *scratch);
+  // Full-precision keys/values: rows of `dtype` elements, `row_stride` elements apart.
+  void (*dense_scores)(const void *keys, qjlkv_dtype dtype, size_t row_stride, uint32_t n, uint32_t d,
+                       const float *q, uint32_t rows, float *out, size_t out_stride);
+  void (*dense_values)(const void *values, qjlkv_dtype dtype, size_t row_stride, uint32_t n, uint32_t d,
+                       const float *w, size_t w_stride, uint32_t rows, float *acc);
+  // acc[r][d] += Σ_t w[r][t]·v̂_t over a block's quantized values (bits 2, 4, 8 or 16).
+  void (*values_accumulate)(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride,
+                            uint32_t rows, float *acc, float *scratch);
+  // softmax_fold of kernels.hpp on scale·scores (-inf = masked) for each of `rows` rows.
+  // Returns false when every score of every row is masked.
+  bool (*softmax_fold)(SoftmaxRow *state, float *scores, size_t stride, uint32_t rows, uint32_t n, float scale,
+                       float *acc, uint32_t d);
+};
+
+const KernelTable &kernel_table(Isa isa);
+const KernelTable &scalar_kernels();
+const KernelTable &avx2_kernels();
+const KernelTable &avx512_kernels();
+
+// Scratch (floats) that qjl_scores, kivi_scores and values_accumulate need for one block.
+size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out, uint32_t sketch_rows);
+
+}  // namespace qjlkv::cpu
