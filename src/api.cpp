@@ -246,9 +246,8 @@ qjlkv_status qjlkv_cache_reconstruct(qjlkv_cache *c, uint32_t layer, uint32_t se
     QJLKV_REQUIRE(count > 0, "count is 0, must be >= 1");
     const uint64_t length = c->length(layer, seq);
     QJLKV_REQUIRE(first < length && count <= length - first,
-                  "positions [%llu, %llu + %llu) are outside seq %u of layer %u, which holds %llu tokens",
-                  (unsigned long long)first, (unsigned long long)first, (unsigned long long)count, seq, layer,
-                  (unsigned long long)length);
+                  "first (%llu) + count (%llu) exceed the length (%llu) of seq %u in layer %u",
+                  (unsigned long long)first, (unsigned long long)count, (unsigned long long)length, seq, layer);
     c->reconstruct(layer, seq, first, count, keys_out, values_out);
   });
 }

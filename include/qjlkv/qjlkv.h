@@ -233,7 +233,7 @@ typedef struct qjlkv_config {
   uint32_t value_bits;           /* 2, 4, 8, or 16 = exact 16-bit values      */
   uint32_t value_group_size;     /* g: divides head_dim                       */
   /* --- fields added after the first draft of API.md --- */
-  uint32_t num_threads;          /* CPU worker threads; 0 = cores available   */
+  uint32_t num_threads;          /* CPU worker threads <= 1024; 0 = all cores */
 } qjlkv_config;
 
 /* Fills every field of *cfg with the defaults of the named preset and the

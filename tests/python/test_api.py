@@ -1,0 +1,195 @@
+"""Package surface: version, C functions reachable, Config, Sketch, stats, repr and docs."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+import qjlkv
+from conftest import randn, small_config
+
+HEADER = pathlib.Path(__file__).resolve().parents[2] / "include" / "qjlkv" / "qjlkv.h"
+
+# Every function of the C ABI and the Python callable that reaches it.
+C_FUNCTIONS = {
+    "qjlkv_version_number": qjlkv.version_number,
+    "qjlkv_version_string": qjlkv.version_string,
+    "qjlkv_status_string": qjlkv.status_string,
+    "qjlkv_last_error_message": qjlkv.last_error_message,
+    "qjlkv_sketch_create": qjlkv.Sketch,
+    "qjlkv_sketch_matrix": qjlkv.Sketch.matrix,
+    "qjlkv_sketch_shape": qjlkv.Sketch.shape,
+    "qjlkv_sketch_destroy": qjlkv.Sketch,  # when the Sketch object is collected
+    "qjlkv_config_init": qjlkv.Config,
+    "qjlkv_config_validate": qjlkv.Config.validate,
+    "qjlkv_cache_create": qjlkv.Cache,
+    "qjlkv_cache_destroy": qjlkv.Cache.close,
+    "qjlkv_cache_config": qjlkv.Cache.config,
+    "qjlkv_cache_set_stream": qjlkv.Cache.set_stream,
+    "qjlkv_cache_append": qjlkv.Cache.append,
+    "qjlkv_cache_attend": qjlkv.Cache.attend,
+    "qjlkv_cache_append_batch": qjlkv.Cache.append_batch,
+    "qjlkv_cache_attend_batch": qjlkv.Cache.attend_batch,
+    "qjlkv_cache_scores": qjlkv.Cache.scores,
+    "qjlkv_cache_reconstruct": qjlkv.Cache.reconstruct,
+    "qjlkv_cache_length": qjlkv.Cache.length,
+    "qjlkv_cache_sketch": qjlkv.Cache.sketch,
+    "qjlkv_cache_clear_sequence": qjlkv.Cache.clear,
+    "qjlkv_cache_stats": qjlkv.Cache.stats,
+}
+
+
+def test_every_c_function_is_bound():
+    declared = set(re.findall(r"QJLKV_API\s+[\w\s\*]*?\b(qjlkv_\w+)\s*\(", HEADER.read_text()))
+    assert declared == set(C_FUNCTIONS), f"unbound: {declared - set(C_FUNCTIONS)}, gone: {set(C_FUNCTIONS) - declared}"
+
+
+def test_version_comes_from_the_c_library():
+    major, minor, patch = (int(x) for x in qjlkv.__version__.split("."))
+    assert qjlkv.version_number() == major * 10000 + minor * 100 + patch
+    assert qjlkv.version_string() == qjlkv.__version__
+    assert qjlkv._qjlkv.HEADER_VERSION_NUMBER == qjlkv.version_number()  # header and library agree
+    header = HEADER.read_text()
+    assert f"#define QJLKV_VERSION_MAJOR {major}\n" in header and f"#define QJLKV_VERSION_MINOR {minor}\n" in header
+
+
+def test_installed_distribution_version_matches():
+    from importlib.metadata import version
+
+    assert version("qjlkv") == qjlkv.__version__
+
+
+def test_status_strings_and_error_hierarchy():
+    assert qjlkv.status_string(qjlkv.Status.OK) == "QJLKV_OK"
+    assert qjlkv.status_string(qjlkv.Status.UNSUPPORTED) == "QJLKV_ERROR_UNSUPPORTED"
+    assert qjlkv.status_string(999) == "unknown status"
+    assert issubclass(qjlkv.InvalidArgument, (qjlkv.Error, ValueError))
+    assert issubclass(qjlkv.InvalidType, qjlkv.InvalidArgument) and issubclass(qjlkv.InvalidType, TypeError)
+    assert issubclass(qjlkv.OutOfMemory, MemoryError) and issubclass(qjlkv.OutOfMemory, qjlkv.Error)
+    assert issubclass(qjlkv.Unsupported, NotImplementedError)
+    for cls in (qjlkv.DeviceError, qjlkv.CorruptData, qjlkv.InternalError):
+        assert issubclass(cls, qjlkv.Error) and issubclass(cls, RuntimeError)
+    assert qjlkv.InvalidArgument.__module__ == "qjlkv"
+
+
+def test_last_error_message_is_the_c_message():
+    with pytest.raises(qjlkv.InvalidArgument) as info:
+        qjlkv.Sketch(64, 12)
+    assert qjlkv.last_error_message() == str(info.value)
+    assert info.value.status is qjlkv.Status.INVALID_ARGUMENT
+
+
+def test_config_presets_and_fields():
+    for preset in qjlkv.PRESETS:
+        cfg = qjlkv.Config(preset, num_layers=3, num_q_heads=8, num_kv_heads=2, head_dim=128)
+        cfg.validate()
+        assert cfg.key_method == preset if preset != "ott" else cfg.key_method == "ott"
+        assert (cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim) == (3, 8, 2, 128)
+        assert cfg.dtype == "float32" and cfg.device == -1
+    qjl = qjlkv.Config(num_layers=1, num_q_heads=4, num_kv_heads=4, head_dim=64)
+    assert qjl.key_method == "qjl" and qjl.preset == "qjl"
+    assert set(qjl.to_dict()) == set(qjlkv.Config.FIELDS)
+
+
+@pytest.mark.parametrize("given,name", [
+    ("float16", "float16"), ("bf16", "bfloat16"), (np.float32, "float32"), (np.dtype("float16"), "float16"),
+])
+def test_config_dtype_names(given, name):
+    assert small_config(dtype=given).dtype == name
+
+
+def test_config_dtype_from_torch_and_ml_dtypes():
+    torch = pytest.importorskip("torch")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    assert small_config(dtype=torch.bfloat16).dtype == "bfloat16"
+    assert small_config(dtype=torch.float16).dtype == "float16"
+    assert small_config(dtype=ml_dtypes.bfloat16).dtype == "bfloat16"
+    assert small_config(device=torch.device("cpu")).device == -1
+    assert small_config(device="cuda:1").device == 1
+
+
+def test_config_fields_reach_the_cache():
+    cfg = small_config("kivi", key_bits=4, value_bits=8, value_group_size=16, seed=5, block_tokens=64,
+                       residual_tokens=16, num_threads=1, dtype="float16")
+    cache = qjlkv.Cache(cfg)
+    assert cache.config == cfg
+    got = cache.config
+    assert (got.key_bits, got.value_bits, got.value_group_size, got.seed) == (4, 8, 16, 5)
+    assert (got.block_tokens, got.residual_tokens, got.dtype, got.key_method) == (64, 16, "float16", "kivi")
+    copy = cfg.replace(key_bits=2)
+    assert copy.key_bits == 2 and cfg.key_bits == 4
+
+
+def test_sketch_object():
+    s = qjlkv.Sketch(32, 48, seed=1, orthogonal=True)
+    assert s.shape == (48, 32) and s.owned
+    assert s.matrix.shape == (48, 32) and s.matrix.dtype == np.float32
+    assert s.matrix is not s.matrix  # a fresh array each time: the sketch is immutable
+
+
+def test_cache_sketch_keeps_the_cache_alive(rng):
+    cache = qjlkv.Cache(small_config())
+    sketch = cache.sketch(1)
+    expected = sketch.matrix.copy()
+    del cache
+    import gc
+
+    gc.collect()
+    np.testing.assert_array_equal(sketch.matrix, expected)
+
+
+def test_stats_fields_and_counts(rng):
+    cfg = small_config(num_layers=2)
+    cache = qjlkv.Cache(cfg)
+    empty = cache.stats()
+    assert empty["tokens"] == 0 and empty["bytes_used"] == 0 and np.isnan(empty["compression_ratio"])
+    cache.append(0, 0, randn(rng, 100, 2, 64), randn(rng, 100, 2, 64))
+    cache.append(1, 3, randn(rng, 40, 2, 64), randn(rng, 40, 2, 64))
+    s = cache.stats()
+    assert s["tokens"] == 140
+    assert s["bytes_fp16_equivalent"] == 140 * 2 * 64 * 2 * 2
+    assert s["bytes_used"] == (s["bytes_keys_quantized"] + s["bytes_values_quantized"] + s["bytes_full_precision"]
+                               + s["bytes_metadata"])
+    assert s["bytes_reserved"] >= s["bytes_used"]
+    assert s["bits_per_number"] == pytest.approx(s["bytes_used"] * 8 / (140 * 2 * 64 * 2))
+    assert s["compression_ratio"] == pytest.approx(s["bytes_fp16_equivalent"] / s["bytes_used"])
+    cache.clear(0)
+    assert cache.length(0, 0) == 0 and cache.stats()["tokens"] == 40
+
+
+def test_qjl_memory_at_4k_tokens_is_5x_below_fp16(rng):
+    """SPEC §8: >= 5x smaller than an fp16 cache at >= 4k tokens, by the library's count."""
+    cache = qjlkv.Cache(small_config(num_layers=1, dtype="float16"))
+    keys = randn(rng, 4096, 2, 64, dtype=np.float16)
+    cache.append(0, 0, keys, keys)
+    stats = cache.stats()
+    assert stats["compression_ratio"] >= 5, stats
+
+
+def test_close_and_context_manager(rng):
+    with qjlkv.Cache(small_config()) as cache:
+        cache.append(0, 0, randn(rng, 2, 2, 64), randn(rng, 2, 2, 64))
+        assert "qjl" in repr(cache)
+    assert repr(cache) == "qjlkv.Cache(closed)"
+    cache.close()  # closing twice is harmless
+
+
+def test_public_callables_have_docstrings():
+    for name in qjlkv.__all__:
+        obj = getattr(qjlkv, name)
+        if callable(obj) and not isinstance(obj, type(qjlkv.Status.OK)):
+            assert obj.__doc__, name
+    for name in ("append", "attend", "append_batch", "attend_batch", "scores", "reconstruct", "length", "clear",
+                 "stats", "sketch", "set_stream"):
+        assert getattr(qjlkv.Cache, name).__doc__, name
+
+
+def test_type_stubs_are_shipped():
+    import importlib.resources
+
+    files = {p.name for p in importlib.resources.files("qjlkv").iterdir()}
+    # The pure-Python modules are annotated inline; the extension has its stub.
+    assert {"_qjlkv.pyi", "py.typed"} <= files

@@ -1,0 +1,208 @@
+"""The package against the independent numpy model of SPEC §2-§6 (qjlkv_reference.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import qjlkv
+import qjlkv_reference as ref
+from conftest import randn, small_config
+
+
+def keys_with_outlier_channels(rng, tokens, heads, d, channels=(3, 17, 40)):
+    """Gaussian keys whose few fixed channels are large in every token, as deeper layers' are."""
+    keys = randn(rng, tokens, heads, d)
+    keys[:, :, list(channels)] *= 12.0
+    return keys
+
+
+# --- §2 sketch ---------------------------------------------------------------------------
+@pytest.mark.parametrize("m", [64, 128, 200])
+def test_orthogonal_sketch_rows_are_orthogonal_blocks_of_norm_sqrt_d(m):
+    d = 64
+    s = qjlkv.Sketch(d, m, seed=7).matrix.astype(np.float64)
+    assert s.shape == (m, d) and s.dtype == np.float64
+    for start in range(0, m, d):
+        block = s[start:start + d]
+        np.testing.assert_allclose(block @ block.T, d * np.eye(len(block)), atol=2e-4 * d)
+
+
+def test_gaussian_sketch_has_standard_normal_entries():
+    s = qjlkv.Sketch(64, 512, seed=3, orthogonal=False).matrix.astype(np.float64)
+    n = s.size
+    assert abs(s.mean()) < 4 / math.sqrt(n)
+    assert abs(s.var() - 1) < 4 * math.sqrt(2 / n)
+    # Not orthogonalized: row norms vary around sqrt(d).
+    assert np.linalg.norm(s, axis=1).std() > 0.1
+
+
+def test_sketch_depends_on_seed_and_layer_stream_only():
+    d, m = 64, 128
+    a, b = qjlkv.Sketch(d, m, seed=11).matrix, qjlkv.Sketch(d, m, seed=11).matrix
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, qjlkv.Sketch(d, m, seed=12).matrix)
+    cache = qjlkv.Cache(small_config(seed=11, num_layers=3))
+    np.testing.assert_array_equal(cache.sketch(0).matrix, a[: cache.sketch(0).shape[0]])
+    # One sketch per layer (stream id = layer): independent errors across layers.
+    assert not np.array_equal(cache.sketch(1).matrix, cache.sketch(0).matrix)
+
+
+def test_layer_sketch_has_max_of_inlier_and_outlier_rows():
+    cfg = small_config(num_layers=3, initial_layers=1, initial_key_sketch_dim=256, initial_outlier_sketch_dim=64,
+                       key_sketch_dim=64, outlier_sketch_dim=128)
+    cache = qjlkv.Cache(cfg)
+    assert cache.sketch(0).shape == (256, 64)
+    assert cache.sketch(1).shape == (128, 64)
+    assert cache.sketch(0).owned is False
+
+
+# --- §3 keys -----------------------------------------------------------------------------
+QJL_SHAPES = [
+    dict(),  # the preset: m = 2d, c = 8 outlier channels, m_out = d/2
+    dict(outlier_channels=0),
+    dict(key_sketch_dim=200, outlier_sketch_dim=24, outlier_channels=5),
+    dict(sketch_flags=0),  # Gaussian rows: c_d = sqrt(pi/2)
+]
+
+
+@pytest.mark.parametrize("fields", QJL_SHAPES)
+def test_qjl_scores_equal_reference_estimator(rng, fields):
+    cfg = small_config(num_layers=2, initial_layers=1, initial_key_sketch_dim=128, initial_outlier_sketch_dim=64,
+                       **fields)
+    cache = qjlkv.Cache(cfg)
+    tokens, group = 150, cfg.num_q_heads // cfg.num_kv_heads
+    for layer in range(2):
+        keys = keys_with_outlier_channels(rng, tokens, 2, 64)
+        values = randn(rng, tokens, 2, 64)
+        cache.append(layer, 4, keys, values)
+        model = ref.ReferenceLayer(cfg, keys, values, cache.sketch(layer).matrix, layer=layer)
+        assert model.quantized == 96  # (150 - R=32) // B=32 blocks
+        for _ in range(3):
+            query = randn(rng, 8, 64)
+            got = cache.scores(layer, 4, query)
+            want = model.scores(query, group)
+            magnitude = np.linalg.norm(query, axis=1)[:, None] * np.linalg.norm(keys, axis=2).T.repeat(group, 0)
+            # fp32 sums against float64; a wrong constant c_d (0.4 % at d = 64) is far outside.
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * magnitude.max())
+            assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+
+
+def test_qjl_reconstruction_is_the_dense_form(rng):
+    cfg = small_config()
+    cache = qjlkv.Cache(cfg)
+    keys, values = keys_with_outlier_channels(rng, 100, 2, 64), randn(rng, 100, 2, 64)
+    cache.append(0, 0, keys, values)
+    model = ref.ReferenceLayer(cfg, keys, values, cache.sketch(0).matrix)
+    k_hat, v_hat = cache.reconstruct(0, 0)
+    np.testing.assert_allclose(k_hat, model.dense_keys, rtol=1e-5, atol=1e-5 * np.abs(model.dense_keys).max())
+    # est(q, k) = <q, k-hat>: the reconstruction's dot products are the scores attend uses.
+    query = randn(rng, 8, 64)
+    dense = np.einsum("hd,thd->ht", query, k_hat.repeat(4, axis=1).reshape(100, 8, 64))
+    np.testing.assert_allclose(cache.scores(0, 0, query), dense, rtol=1e-4, atol=1e-4)
+    # The tail (positions >= 64) is exact.
+    np.testing.assert_array_equal(k_hat[64:], keys[64:])
+    np.testing.assert_array_equal(v_hat[64:], values[64:])
+
+
+def test_qjl_estimator_is_unbiased_over_sketches(rng):
+    """E_S[est] = <q, k> (Lemma 3.2) for the orthogonalized sketch and its constant c_d."""
+    d, seeds = 64, 300
+    keys, query = randn(rng, 8, 1, d), randn(rng, 1, d)
+    exact = keys[:, 0] @ query[0]
+    estimates = []
+    for seed in range(seeds):
+        cache = qjlkv.Cache(small_config(num_layers=1, num_q_heads=1, num_kv_heads=1, seed=seed, outlier_channels=0,
+                                         block_tokens=8, residual_tokens=0))
+        cache.append(0, 0, keys, keys)
+        estimates.append(cache.scores(0, 0, query)[0])
+    estimates = np.array(estimates)
+    stderr = estimates.std(axis=0) / math.sqrt(seeds)
+    assert np.all(np.abs(estimates.mean(axis=0) - exact) < 4.5 * stderr)
+
+
+def test_qjl_distortion_within_lemma_3_5(rng):
+    """P(|est - <q,k>| > eps ||q|| ||k||) <= delta when m >= 4/3 (1+eps)/eps^2 log(2/delta)."""
+    d, m, eps = 64, 256, 0.25
+    delta = 2 * math.exp(-m * eps**2 / (4 / 3 * (1 + eps)))
+    tokens = 2048
+    cache = qjlkv.Cache(small_config(num_layers=1, num_q_heads=2, num_kv_heads=2, key_sketch_dim=m,
+                                     outlier_channels=0, residual_tokens=0))
+    keys = randn(rng, tokens, 2, d)
+    cache.append(0, 0, keys, keys)
+    query = randn(rng, 2, d)
+    est = cache.scores(0, 0, query)
+    exact = np.einsum("hd,thd->ht", query, keys)
+    bound = eps * np.linalg.norm(query, axis=1)[:, None] * np.linalg.norm(keys, axis=2).T
+    assert np.mean(np.abs(est - exact) > bound) <= delta + 3 * math.sqrt(delta / est.size)
+
+
+# --- §4 values, §5 KIVI keys, 16-bit storage ---------------------------------------------
+@pytest.mark.parametrize("bits,group", [(2, 32), (4, 16), (8, 64), (2, 8)])
+def test_values_quantization_equals_reference(rng, bits, group):
+    cfg = small_config(value_bits=bits, value_group_size=group)
+    cache = qjlkv.Cache(cfg)
+    values = randn(rng, 130, 2, 64) * 3 + 1
+    values[5, 0, :group] = 0.375  # a constant group: scale 0, x-hat = min exactly
+    values[6, 1] = np.linspace(-2, 2, 64)
+    keys = randn(rng, 130, 2, 64)
+    cache.append(1, 9, keys, values)
+    model = ref.ReferenceLayer(cfg, keys, values, cache.sketch(1).matrix, layer=1)
+    _, v_hat = cache.reconstruct(1, 9)
+    np.testing.assert_allclose(v_hat, model.dense_values, rtol=1e-6, atol=1e-6)
+    assert np.all(v_hat[5, 0, :group] == np.float32(0.375))
+    # |x - x-hat| <= scale/2 with scale = range / (2^b - 1).
+    quantized = values[:model.quantized].reshape(model.quantized, 2, 64 // group, group)
+    half_step = (quantized.max(-1) - quantized.min(-1)) / (2**bits - 1) / 2
+    err = np.abs(v_hat[:model.quantized] - values[:model.quantized]).reshape(quantized.shape).max(-1)
+    assert np.all(err <= half_step * 1.01 + 1e-6)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_kivi_keys_equal_reference(rng, bits):
+    cfg = small_config("kivi", key_bits=bits, block_tokens=32)
+    cache = qjlkv.Cache(cfg)
+    keys, values = randn(rng, 100, 2, 64), randn(rng, 100, 2, 64)
+    cache.append(0, 0, keys, values)
+    model = ref.ReferenceLayer(cfg, keys, values, None)
+    k_hat, v_hat = cache.reconstruct(0, 0)
+    np.testing.assert_allclose(k_hat, model.dense_keys, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(v_hat, model.dense_values, rtol=1e-6, atol=1e-6)
+    query = randn(rng, 8, 64)
+    np.testing.assert_allclose(cache.scores(0, 0, query), model.scores(query, 4), rtol=1e-5, atol=1e-4)
+
+
+# --- §6 attention -------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["qjl", "kivi", "exact"])
+@pytest.mark.parametrize("n_queries", [1, 5])
+def test_attend_equals_reference_softmax(rng, preset, n_queries):
+    cfg = small_config(preset, block_tokens=32)
+    cache = qjlkv.Cache(cfg)
+    keys = keys_with_outlier_channels(rng, 140, 2, 64) * 0.3
+    values = randn(rng, 140, 2, 64)
+    cache.append(0, 2, keys, values)
+    sketch = cache.sketch(0).matrix if preset == "qjl" else None
+    model = ref.ReferenceLayer(cfg, keys, values, sketch)
+    queries = randn(rng, n_queries, 8, 64)
+    for scale in (None, 0.3):
+        got = cache.attend(0, 2, queries, scale)
+        want = model.attend(queries, 4, 1 / 8 if scale is None else scale)
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_quantization_boundary_follows_block_and_residual_sizes(rng):
+    cfg = small_config(block_tokens=16, residual_tokens=8)
+    cache = qjlkv.Cache(cfg)
+    keys = randn(rng, 1, 2, 64)
+    exact_positions = []
+    for n in range(1, 60):
+        cache.append(0, 0, keys, keys)
+        k_hat, _ = cache.reconstruct(0, 0)
+        exact = np.all(k_hat == keys[0], axis=(1, 2))
+        exact_positions.append(int(exact.sum()))
+        assert exact.sum() == n - ref.quantized_length(n, 16, 8)
+        assert exact[ref.quantized_length(n, 16, 8):].all()
+    # At least min(len, R) newest tokens stay exact, never more than R + B - 1.
+    assert min(exact_positions[8:]) >= 8 and max(exact_positions) <= 23
