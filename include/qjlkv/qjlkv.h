@@ -250,8 +250,9 @@ typedef struct qjlkv_config {
  * Presets (bits per number measured by the library's own statistics, see
  * README.md for the table):
  *   "qjl"   (also preset NULL or ""): QJL keys, m = 2d sketch rows,
- *           c = 8 outlier channels with m_out = d/2, B = 32, R = 32;
- *           2-bit values in groups of 32.
+ *           c = 4 outlier channels with m_out = d, B = 32, R = 32;
+ *           2-bit values in groups of 64 (32 when 64 does not divide d).
+ *           Lossy: see docs/ACCURACY.md.
  *   "kivi"  KIVI keys, 2-bit, B = 128, R = 32; 2-bit values in groups of 32.
  *   "ott"   "kivi" + outlier-token tracing, P = 3, spill 32, first 2 layers
  *           untraced.

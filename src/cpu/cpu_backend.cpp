@@ -1,6 +1,7 @@
 // The CPU backend: per (layer, sequence) state, the block/tail rule of SPEC §6, all-or-nothing
 // appends, and fused decode attention (scores, online softmax and the value product per block).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <unordered_map>
@@ -10,6 +11,7 @@
 #include "../error.hpp"
 #include "../threads.hpp"
 #include "kernels.hpp"
+#include "simd.hpp"
 
 namespace qjlkv::cpu {
 namespace {
@@ -34,6 +36,32 @@ struct Sequence {
   std::vector<OutlierTokens> outliers;          // per kv head, OTT-traced layers only
 };
 
+// What the fast kernels need about one layer.
+struct LayerKernels {
+  std::vector<float> sketch_t;  // QJL: the sketch transposed, [d][qjl.sketch_t_stride]
+  QjlArgs qjl;
+  CodesArgs keys, values;
+};
+
+// One attend call: per (sequence, kv head) its query rows (and projected queries), split into
+// tasks that each fold a run of blocks, or the head's exact tokens, into a partial softmax state.
+struct AttendTask {
+  uint32_t head_index;  // sequence index * Hkv + kv head
+  uint32_t first_block, blocks;
+  bool exact;           // the tail, OTT pool and spill tokens instead of blocks
+};
+struct AttendCall {
+  const std::vector<const Sequence *> *seqs;
+  uint32_t rows, queries_per_seq;
+  float scale;
+  const float *heads;   // per head: q [rows][padded d], then (QJL) S·q [rows][sketch_t_stride]
+  size_t head_floats;
+};
+
+// Runs of blocks per attend task: a fixed count (never the thread count), so that results do not
+// depend on the number of threads, small enough to spread one long sequence over every core.
+constexpr uint32_t kTaskTokens = 2048;
+
 // Everything an append needs, allocated before anything visible changes.
 struct AppendPlan {
   Sequence *seq = nullptr;
@@ -48,10 +76,14 @@ struct AppendPlan {
 class CpuCache final : public qjlkv_cache {
  public:
   explicit CpuCache(CacheSpec spec)
-      : qjlkv_cache(std::move(spec)), pool_(this->spec().cfg.num_threads), layers_(this->spec().cfg.num_layers) {
+      : qjlkv_cache(std::move(spec)),
+        kernels_(&kernel_table(select_isa())),
+        pool_(this->spec().cfg.num_threads),
+        layers_(this->spec().cfg.num_layers) {
     const qjlkv_config &cfg = this->spec().cfg;
     token_elems_ = size_t(cfg.num_kv_heads) * cfg.head_dim;
     token_bytes_ = token_elems_ * this->spec().tail_elem;
+    make_layer_kernels();
   }
 
   void append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uint32_t tokens_per_seq, const void *keys,
@@ -86,16 +118,25 @@ class CpuCache final : public qjlkv_cache {
   // marks their slots in `mask`.
   void trace_outliers(OutlierTokens &ott, uint64_t first_position, float *keys, float *values,
                       uint8_t *mask) const;
-  // Folds the pool and spill tokens of one head into the attention rows.
   // One (sequence, kv head): quantize the plan's new blocks from the stream (old tail ++ input).
   void quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, const uint8_t *keys, const uint8_t *values,
                      float *scratch) const;
-  // One (sequence, kv head) of attention: rows = queries_per_seq * group query rows.
-  void attend_head(uint32_t layer, const Sequence &seq, uint32_t head, uint32_t queries_per_seq,
-                   const uint8_t *queries, float scale, uint8_t *out, float *scratch) const;
-  void score_block(const LayerSpec &ls, const uint8_t *block, const float *q, const float *sq, uint32_t rows,
-                   float *out, float *scratch) const;
-  size_t attend_scratch_floats(uint32_t layer, uint32_t rows) const;
+  size_t quantize_scratch_floats() const;
+  // qjl_quantize_block of kernels.hpp with the projections by the fast kernels (same bits).
+  void qjl_quantize_fast(uint32_t layer, const float *keys, uint8_t *block, float *scratch) const;
+  void make_layer_kernels();
+  // The query rows r = i * G + g (query i, head g of the group) of one kv head, zero-padded to
+  // padded_dim(d), and for QJL their projections.
+  void load_queries(uint32_t layer, const uint8_t *queries, uint32_t queries_per_seq, uint32_t head, float *q,
+                    float *sq) const;
+  size_t head_query_floats(uint32_t layer, uint32_t rows) const;
+  // Raw scores of one block into out[r * out_stride + t] (OTT's moved slots: -inf).
+  void score_block(uint32_t layer, const uint8_t *block, const float *q, const float *sq, uint32_t rows,
+                   float *out, size_t out_stride, float *scratch) const;
+  size_t attend_worker_floats(uint32_t layer, uint32_t rows) const;
+  // One task into its partial state: acc [rows][padded d], then the rows' SoftmaxRow.
+  void attend_task(uint32_t layer, const AttendCall &call, const AttendTask &task, float *partial,
+                   float *scratch) const;
 
   const Sequence &find(uint32_t layer, uint32_t seq) const {
     const auto it = layers_[layer].find(seq);
@@ -104,16 +145,29 @@ class CpuCache final : public qjlkv_cache {
     return it->second;
   }
 
+  const KernelTable *kernels_;  // the instruction set chosen when the cache was created
   ThreadPool pool_;
   std::vector<std::unordered_map<uint32_t, Sequence>> layers_;
+  std::vector<LayerKernels> layer_kernels_;
   size_t token_elems_ = 0;  // Hkv * d
   size_t token_bytes_ = 0;  // one token of keys (or values) in the tail
+  // Buffers of attend, kept between calls (a cache is used by one thread at a time).
+  std::vector<AttendTask> attend_tasks_;
+  std::vector<uint32_t> attend_first_task_;  // per head index, and the end
+  std::vector<float> attend_heads_, attend_partials_, attend_scratch_;
 };
+
+// 64-byte aligned storage for n floats inside v.
+float *aligned_floats(std::vector<float> &v, size_t n) {
+  v.resize(n + 16);
+  const auto address = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - address % 64) % 64) / sizeof(float);
+}
 
 void CpuCache::check_data(const char *name, const void *data, size_t elems, bool fp16_range) const {
   const qjlkv_dtype dtype = spec().cfg.dtype;
   const float limit = fp16_range ? kHalfMax : std::numeric_limits<float>::max();
-  for (size_t i = 0; i < elems; ++i) {
+  for (size_t i = kernels_->first_invalid(data, dtype, elems, limit); i < elems; ++i) {
     const float x = load_element(data, i, dtype);
     if (!std::isfinite(x))
       fail(QJLKV_ERROR_INVALID_ARGUMENT, "%s[%zu] is %g: keys, values and queries must be finite", name, i, double(x));
@@ -125,7 +179,9 @@ void CpuCache::check_data(const char *name, const void *data, size_t elems, bool
 
 void CpuCache::check_key_norms(const void *keys, size_t tokens) const {
   const uint32_t d = spec().cfg.head_dim;
+  const float clearly_within = 0.98f * kHalfMax * kHalfMax;  // far beyond the float sum's rounding error
   for (size_t v = 0; v < tokens * spec().cfg.num_kv_heads; ++v) {
+    if (kernels_->sum_squares(keys, spec().cfg.dtype, v * d, d) < clearly_within) continue;
     double norm2 = 0.0;
     for (uint32_t j = 0; j < d; ++j) {
       const double x = load_element(keys, v * d + j, spec().cfg.dtype);
@@ -270,6 +326,78 @@ void CpuCache::plan_append(AppendPlan &plan, uint32_t layer, uint32_t n_new, con
   }
 }
 
+void CpuCache::make_layer_kernels() {
+  const qjlkv_config &cfg = spec().cfg;
+  const uint32_t d = cfg.head_dim;
+  layer_kernels_.resize(cfg.num_layers);
+  for (uint32_t l = 0; l < cfg.num_layers; ++l) {
+    const LayerSpec &ls = spec().layers[l];
+    LayerKernels &lk = layer_kernels_[l];
+    lk.keys = CodesArgs{&ls.layout, cfg.block_tokens, d, cfg.key_bits, 0, spec().stored_dtype};
+    lk.values = CodesArgs{&ls.layout, cfg.block_tokens, d, cfg.value_bits, cfg.value_group_size, spec().stored_dtype};
+    if (cfg.key_method != QJLKV_KEYS_QJL) continue;
+    const size_t stride = padded_sketch_rows(ls.sketch_rows);
+    const float *S = ls.sketch->matrix.data.data();  // [sketch_rows][d]
+    lk.sketch_t.assign(d * stride, 0.0f);
+    for (uint32_t i = 0; i < ls.sketch_rows; ++i)
+      for (uint32_t j = 0; j < d; ++j) lk.sketch_t[j * stride + i] = S[size_t(i) * d + j];
+    lk.qjl = QjlArgs{&ls.layout,
+                     cfg.block_tokens,
+                     d,
+                     ls.m,
+                     ls.m_out,
+                     cfg.outlier_channels,
+                     lk.sketch_t.data(),
+                     stride,
+                     spec().qjl_constant / float(ls.m),
+                     ls.m_out ? spec().qjl_constant / float(ls.m_out) : 0.0f};
+  }
+}
+
+size_t CpuCache::quantize_scratch_floats() const {
+  const qjlkv_config &cfg = spec().cfg;
+  const size_t B = cfg.block_tokens, d = cfg.head_dim;
+  // block keys and values, then qjl_quantize_fast: inlier keys, outlier keys, energies, order
+  return 2 * B * d + B * d + B * cfg.outlier_channels + 2 * d;
+}
+
+void CpuCache::qjl_quantize_fast(uint32_t layer, const float *keys, uint8_t *block, float *scratch) const {
+  const qjlkv_config &cfg = spec().cfg;
+  const LayerSpec &ls = spec().layers[layer];
+  const LayerKernels &lk = layer_kernels_[layer];
+  const BlockLayout &l = ls.layout;
+  const uint32_t B = cfg.block_tokens, d = cfg.head_dim, c = ls.m_out ? cfg.outlier_channels : 0;
+  float *inlier_keys = scratch;                            // [B][d]: outlier channels zeroed
+  float *outlier_keys = inlier_keys + size_t(B) * d;       // [B][c]
+  float *energy = outlier_keys + size_t(B) * c;            // [d]
+  auto *order = reinterpret_cast<uint32_t *>(energy + d);  // [d]
+  uint8_t *outlier_idx = block + l.key_outlier_idx;
+  if (c) select_outlier_channels(keys, B, d, c, energy, order, outlier_idx);
+  // Norms exactly as the reference computes them.
+  for (uint32_t t = 0; t < B; ++t) {
+    const float *k = keys + size_t(t) * d;
+    float *inlier = inlier_keys + size_t(t) * d;
+    std::copy(k, k + d, inlier);
+    float outlier_norm2 = 0.0f;
+    for (uint32_t i = 0; i < c; ++i) {
+      const float x = k[outlier_idx[i]];
+      outlier_norm2 += x * x;
+      inlier[outlier_idx[i]] = 0.0f;
+      outlier_keys[size_t(t) * c + i] = x;
+    }
+    at<uint16_t>(block, l.key_norm_in)[t] = float_to_half(std::sqrt(dot(inlier, inlier, d)));
+    if (c) at<uint16_t>(block, l.key_norm_out)[t] = float_to_half(std::sqrt(outlier_norm2));
+  }
+  // The projections S·k_in and S_out·k_out as blocked products with the reference's sums.
+  const float *columns[256];
+  for (uint32_t j = 0; j < d; ++j) columns[j] = lk.sketch_t.data() + j * lk.qjl.sketch_t_stride;
+  kernels_->qjl_sign_bits(inlier_keys, d, B, columns, d, ls.m, block + l.key_bits_in, l.key_bytes_per_token_bits_in);
+  if (!c) return;
+  for (uint32_t i = 0; i < c; ++i) columns[i] = lk.sketch_t.data() + outlier_idx[i] * lk.qjl.sketch_t_stride;
+  kernels_->qjl_sign_bits(outlier_keys, c, B, columns, c, ls.m_out, block + l.key_bits_out,
+                          l.key_bytes_per_token_bits_out);
+}
+
 void CpuCache::quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, const uint8_t *keys,
                              const uint8_t *values, float *scratch) const {
   const qjlkv_config &cfg = spec().cfg;
@@ -290,8 +418,9 @@ void CpuCache::quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, co
       const bool from_tail = stream_index < seq.tail_tokens;
       const size_t token = from_tail ? stream_index : stream_index - seq.tail_tokens;
       const size_t first = token * token_elems_ + size_t(head) * d;
-      load_row(from_tail ? seq.tail_keys.data() : keys, first, d, cfg.dtype, block_keys + size_t(t) * d);
-      load_row(from_tail ? seq.tail_values.data() : values, first, d, cfg.dtype, block_values + size_t(t) * d);
+      kernels_->load_floats(from_tail ? seq.tail_keys.data() : keys, cfg.dtype, first, d, block_keys + size_t(t) * d);
+      kernels_->load_floats(from_tail ? seq.tail_values.data() : values, cfg.dtype, first, d,
+                            block_values + size_t(t) * d);
     }
     uint8_t *block = bytes.data() + old_size + size_t(b) * layout.stride;
     std::memset(block, 0, layout.stride);
@@ -299,12 +428,14 @@ void CpuCache::quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, co
       trace_outliers(seq.outliers[head], (uint64_t(seq.blocks) + b) * B, block_keys, block_values,
                      block + layout.key_mask);
     switch (cfg.key_method) {
-      case QJLKV_KEYS_QJL: qjl_quantize_block(ls, cfg, block_keys, block, kernel_scratch); break;
+      case QJLKV_KEYS_QJL: qjl_quantize_fast(layer, block_keys, block, kernel_scratch); break;
       case QJLKV_KEYS_KIVI:
-      case QJLKV_KEYS_OTT: kivi_quantize_block(cfg, layout, block_keys, block); break;
-      case QJLKV_KEYS_EXACT: exact_keys_store_block(cfg, spec().stored_dtype, layout, block_keys, block); break;
+      case QJLKV_KEYS_OTT: kernels_->kivi_quantize(layer_kernels_[layer].keys, block_keys, block); break;
+      case QJLKV_KEYS_EXACT:
+        kernels_->store_16bit(block_keys, size_t(B) * d, spec().stored_dtype, at<uint16_t>(block, layout.key_codes));
+        break;
     }
-    values_quantize_block(cfg, spec().stored_dtype, layout, block_values, block);
+    kernels_->values_quantize(layer_kernels_[layer].values, block_values, block);
   }
 }
 
@@ -322,6 +453,7 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   auto &map = layers_[layer];
   std::vector<AppendPlan> plans;
   std::vector<float> scratch;
+  ThreadPool::Task quantize;  // built before the commit: a std::function may allocate
   try {
     plans.reserve(n_seqs);
     for (uint32_t i = 0; i < n_seqs; ++i) {
@@ -332,8 +464,13 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
       if (created) create_heads(it->second, layer);
       plan_append(plan, layer, tokens_per_seq, key_bytes + i * seq_input_bytes, value_bytes + i * seq_input_bytes);
     }
-    const size_t per_worker = 2 * size_t(cfg.block_tokens) * cfg.head_dim + 3 * size_t(cfg.head_dim);
-    scratch.resize(per_worker * pool_.size());
+    scratch.resize(quantize_scratch_floats() * pool_.size());
+    quantize = [&, per_worker = scratch.size() / pool_.size()](size_t index, unsigned worker) {
+      const uint32_t i = uint32_t(index / cfg.num_kv_heads), head = uint32_t(index % cfg.num_kv_heads);
+      if (plans[i].new_blocks == 0) return;
+      quantize_head(layer, plans[i], head, key_bytes + i * seq_input_bytes, value_bytes + i * seq_input_bytes,
+                    scratch.data() + worker * per_worker);
+    };
   } catch (...) {
     for (uint32_t i = 0; i < plans.size(); ++i)
       if (plans[i].created) map.erase(seqs[i]);
@@ -341,13 +478,7 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   }
 
   // From here on nothing can fail: quantize every (sequence, head) in parallel, then commit.
-  const size_t per_worker = scratch.size() / pool_.size();
-  pool_.parallel_for(size_t(n_seqs) * cfg.num_kv_heads, [&](size_t index, unsigned worker) {
-    const uint32_t i = uint32_t(index / cfg.num_kv_heads), head = uint32_t(index % cfg.num_kv_heads);
-    if (plans[i].new_blocks == 0) return;
-    quantize_head(layer, plans[i], head, key_bytes + i * seq_input_bytes, value_bytes + i * seq_input_bytes,
-                  scratch.data() + worker * per_worker);
-  });
+  pool_.parallel_for(size_t(n_seqs) * cfg.num_kv_heads, quantize);
   for (uint32_t i = 0; i < n_seqs; ++i) {
     AppendPlan &plan = plans[i];
     Sequence &seq = *plan.seq;
@@ -366,101 +497,108 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   }
 }
 
-void CpuCache::score_block(const LayerSpec &ls, const uint8_t *block, const float *q, const float *sq,
-                           uint32_t rows, float *out, float *scratch) const {
+size_t CpuCache::head_query_floats(uint32_t layer, uint32_t rows) const {
+  const size_t sq = spec().cfg.key_method == QJLKV_KEYS_QJL ? layer_kernels_[layer].qjl.sketch_t_stride : 0;
+  return size_t(rows) * (padded_dim(spec().cfg.head_dim) + sq);
+}
+
+void CpuCache::load_queries(uint32_t layer, const uint8_t *queries, uint32_t queries_per_seq, uint32_t head,
+                            float *q, float *sq) const {
   const qjlkv_config &cfg = spec().cfg;
+  const uint32_t d = cfg.head_dim, dp = padded_dim(d), G = spec().group_size;
+  const size_t q_row_elems = size_t(cfg.num_q_heads) * d;
+  for (uint32_t i = 0; i < queries_per_seq; ++i)
+    for (uint32_t g = 0; g < G; ++g) {
+      float *row = q + size_t(i * G + g) * dp;
+      load_row(queries, i * q_row_elems + size_t(head * G + g) * d, d, cfg.dtype, row);
+      std::fill(row + d, row + dp, 0.0f);
+    }
+  if (cfg.key_method == QJLKV_KEYS_QJL)
+    kernels_->qjl_project(layer_kernels_[layer].qjl, q, queries_per_seq * G, sq);
+}
+
+void CpuCache::score_block(uint32_t layer, const uint8_t *block, const float *q, const float *sq, uint32_t rows,
+                           float *out, size_t out_stride, float *scratch) const {
+  const qjlkv_config &cfg = spec().cfg;
+  const LayerKernels &lk = layer_kernels_[layer];
+  const BlockLayout &layout = spec().layers[layer].layout;
   switch (cfg.key_method) {
-    case QJLKV_KEYS_QJL: qjl_score_block(ls, cfg, spec().qjl_constant, block, q, sq, rows, out, scratch); break;
+    case QJLKV_KEYS_QJL:
+      kernels_->qjl_scores(lk.qjl, block, q, sq, rows, out, out_stride, scratch);
+      break;
     case QJLKV_KEYS_KIVI:
-    case QJLKV_KEYS_OTT: kivi_score_block(cfg, ls.layout, block, q, rows, out, scratch); break;
+    case QJLKV_KEYS_OTT: kernels_->kivi_scores(lk.keys, block, q, rows, out, out_stride, scratch); break;
     case QJLKV_KEYS_EXACT:
-      exact_keys_score_block(cfg, spec().stored_dtype, ls.layout, block, q, rows, out, scratch);
+      kernels_->dense_scores(block + layout.key_codes, spec().stored_dtype, cfg.head_dim, cfg.block_tokens,
+                             cfg.head_dim, q, rows, out, out_stride);
       break;
   }
   if (cfg.key_method != QJLKV_KEYS_OTT) return;
   // Slots whose token moved to the outlier pool must not be counted twice.
-  const uint8_t *mask = block + ls.layout.key_mask;
+  const uint8_t *mask = block + layout.key_mask;
   for (uint32_t t = 0; t < cfg.block_tokens; ++t)
     if (mask[t / 8] >> (t % 8) & 1u)
-      for (uint32_t r = 0; r < rows; ++r) out[size_t(r) * cfg.block_tokens + t] = kNegInf;
+      for (uint32_t r = 0; r < rows; ++r) out[size_t(r) * out_stride + t] = kNegInf;
 }
 
-size_t CpuCache::attend_scratch_floats(uint32_t layer, uint32_t rows) const {
-  const qjlkv_config &cfg = spec().cfg;
-  const size_t d = cfg.head_dim, B = cfg.block_tokens, m = spec().layers[layer].sketch_rows;
-  // queries, projected queries, scores/weights, accumulators, softmax state, kernel scratch
-  return rows * (d + m + B + d + 2) + 2 * m + d;
-}
-
-void CpuCache::attend_head(uint32_t layer, const Sequence &seq, uint32_t head, uint32_t queries_per_seq,
-                           const uint8_t *queries, float scale, uint8_t *out, float *scratch) const {
-  const qjlkv_config &cfg = spec().cfg;
+size_t CpuCache::attend_worker_floats(uint32_t layer, uint32_t rows) const {
   const LayerSpec &ls = spec().layers[layer];
-  const uint32_t d = cfg.head_dim, B = cfg.block_tokens, G = spec().group_size, m = ls.sketch_rows;
-  const uint32_t rows = queries_per_seq * G;
-  float *q = scratch;                                // [rows][d]
-  float *sq = q + size_t(rows) * d;                  // [rows][m]
-  float *weights = sq + size_t(rows) * m;            // [rows][B]
-  float *acc = weights + size_t(rows) * B;           // [rows][d]
-  auto *state = reinterpret_cast<SoftmaxRow *>(acc + size_t(rows) * d);  // [rows]
-  float *kernel_scratch = reinterpret_cast<float *>(state + rows);
-  const size_t q_row_elems = size_t(cfg.num_q_heads) * d;
-  // Row r = (query i, head h of the group); query i sits at position length - queries_per_seq + i.
-  for (uint32_t i = 0; i < queries_per_seq; ++i)
-    for (uint32_t g = 0; g < G; ++g) {
-      const uint32_t r = i * G + g;
-      load_row(queries, i * q_row_elems + size_t(head * G + g) * d, d, cfg.dtype, q + size_t(r) * d);
-      if (cfg.key_method == QJLKV_KEYS_QJL) qjl_project_query(ls, d, q + size_t(r) * d, sq + size_t(r) * m);
-      state[r] = SoftmaxRow{};
-    }
-  std::fill(acc, acc + size_t(rows) * d, 0.0f);
-  const uint64_t first_query_position = seq.length - queries_per_seq;
-  // Scales the raw scores of n tokens and masks those after each row's query (causal).
-  const auto mask_and_scale = [&](uint32_t n, auto position_of) {
+  const size_t weights = size_t(rows) * padded_tokens(spec().cfg.block_tokens);
+  const size_t merged = padded_dim(spec().cfg.head_dim);
+  return weights + std::max(kernel_scratch_floats(spec().cfg, ls.m, ls.m_out, ls.sketch_rows), merged) + 16;
+}
+
+void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendTask &task, float *partial,
+                           float *scratch) const {
+  const qjlkv_config &cfg = spec().cfg;
+  const LayerKernels &lk = layer_kernels_[layer];
+  const KernelTable &K = *kernels_;
+  const uint32_t d = cfg.head_dim, dp = padded_dim(d), B = cfg.block_tokens, G = spec().group_size;
+  const uint32_t rows = call.rows, Bp = padded_tokens(B), head = task.head_index % cfg.num_kv_heads;
+  const Sequence &seq = *(*call.seqs)[task.head_index / cfg.num_kv_heads];
+  const float *q = call.heads + task.head_index * call.head_floats;
+  const float *sq = q + size_t(rows) * dp;
+  float *acc = partial;
+  auto *state = reinterpret_cast<SoftmaxRow *>(partial + size_t(rows) * dp);
+  std::fill(acc, acc + size_t(rows) * dp, 0.0f);
+  std::fill(state, state + rows, SoftmaxRow{});
+  float *weights = scratch;  // [rows][Bp]
+  float *kernel_scratch = weights + size_t(rows) * Bp;
+  const uint64_t first_query_position = seq.length - call.queries_per_seq;
+  // Causal masking of n scored tokens, for the rows whose query comes before some of them.
+  const auto mask_causal = [&](uint32_t n, auto position_of) {
     for (uint32_t r = 0; r < rows; ++r) {
       const uint64_t query_position = first_query_position + r / G;
-      for (uint32_t t = 0; t < n; ++t) {
-        float &s = weights[size_t(r) * B + t];
-        s = position_of(t) <= query_position ? s * scale : kNegInf;
-      }
+      for (uint32_t t = 0; t < n; ++t)
+        if (position_of(t) > query_position) weights[size_t(r) * Bp + t] = kNegInf;
     }
   };
-  const auto fold = [&](uint32_t n) {
-    bool any = false;
-    for (uint32_t r = 0; r < rows; ++r)
-      any |= softmax_fold(state[r], weights + size_t(r) * B, n, acc + size_t(r) * d, d);
-    return any;
-  };
-  const uint8_t *blocks = seq.heads[head].data();
-  for (uint32_t b = 0; b < seq.blocks; ++b) {
-    const uint8_t *block = blocks + size_t(b) * ls.layout.stride;
-    score_block(ls, block, q, sq, rows, weights, kernel_scratch);
-    mask_and_scale(B, [first = uint64_t(b) * B](uint32_t t) { return first + t; });
-    if (fold(B)) values_accumulate_block(cfg, spec().stored_dtype, ls.layout, block, weights, rows, acc);
+  if (!task.exact) {
+    const uint8_t *blocks = seq.heads[head].data();
+    for (uint32_t b = task.first_block; b < task.first_block + task.blocks; ++b) {
+      const uint8_t *block = blocks + size_t(b) * lk.values.layout->stride;
+      score_block(layer, block, q, sq, rows, weights, Bp, kernel_scratch);
+      const uint64_t first = uint64_t(b) * B;
+      if (first + B - 1 > first_query_position) mask_causal(B, [first](uint32_t t) { return first + t; });
+      if (K.softmax_fold(state, weights, Bp, rows, B, call.scale, acc, d))
+        K.values_accumulate(lk.values, block, weights, Bp, rows, acc, kernel_scratch);
+    }
+    return;
   }
-  // Exact tokens, in chunks of B: row t of `keys`/`values` starts at element t * row_stride.
-  float *v = kernel_scratch;
+  // Exact tokens in chunks of B: row t of keys/values starts at element t * row_stride.
+  const size_t io = spec().io_elem;
   const auto fold_exact = [&](const uint8_t *keys, const uint8_t *values, size_t row_stride, uint32_t count,
                               auto position_of) {
     for (uint32_t start = 0; start < count; start += B) {
       const uint32_t n = std::min(B, count - start);
-      for (uint32_t t = 0; t < n; ++t) {
-        load_row(keys, (start + t) * row_stride, d, cfg.dtype, v);
-        for (uint32_t r = 0; r < rows; ++r) weights[size_t(r) * B + t] = dot(q + size_t(r) * d, v, d);
-      }
-      mask_and_scale(n, [&](uint32_t t) { return position_of(start + t); });
-      if (!fold(n)) continue;
-      for (uint32_t t = 0; t < n; ++t) {
-        load_row(values, (start + t) * row_stride, d, cfg.dtype, v);
-        for (uint32_t r = 0; r < rows; ++r) {
-          const float w = weights[size_t(r) * B + t];
-          float *a = acc + size_t(r) * d;
-          for (uint32_t j = 0; j < d; ++j) a[j] += w * v[j];
-        }
-      }
+      const size_t offset = start * row_stride * io;
+      K.dense_scores(keys + offset, cfg.dtype, row_stride, n, d, q, rows, weights, Bp);
+      mask_causal(n, [&](uint32_t t) { return position_of(start + t); });
+      if (K.softmax_fold(state, weights, Bp, rows, n, call.scale, acc, d))
+        K.dense_values(values + offset, cfg.dtype, row_stride, n, d, weights, Bp, rows, acc);
     }
   };
-  const size_t head_offset_bytes = size_t(head) * d * spec().io_elem;
+  const size_t head_offset_bytes = size_t(head) * d * io;
   const uint64_t tail_start = uint64_t(seq.blocks) * B;
   fold_exact(seq.tail_keys.data() + head_offset_bytes, seq.tail_values.data() + head_offset_bytes, token_elems_,
              seq.tail_tokens, [tail_start](uint32_t t) { return tail_start + t; });
@@ -468,17 +606,10 @@ void CpuCache::attend_head(uint32_t layer, const Sequence &seq, uint32_t head, u
     // OTT: the pool (slots [0, pool)) and the spill area (slots [P, P + spilled)).
     const OutlierTokens &ott = seq.outliers[head];
     const uint32_t P = cfg.outlier_tokens;
-    const size_t spill_offset = size_t(P) * d * spec().io_elem;
+    const size_t spill_offset = size_t(P) * d * io;
     fold_exact(ott.keys.data(), ott.values.data(), d, ott.pool, [&](uint32_t t) { return uint64_t(ott.positions[t]); });
     fold_exact(ott.keys.data() + spill_offset, ott.values.data() + spill_offset, d, ott.spilled,
                [&](uint32_t t) { return uint64_t(ott.positions[P + t]); });
-  }
-  for (uint32_t r = 0; r < rows; ++r) {
-    float *a = acc + size_t(r) * d;
-    const float inverse = 1.0f / state[r].sum;  // every query sees at least its own position
-    for (uint32_t j = 0; j < d; ++j) a[j] *= inverse;
-    const uint32_t i = r / G, g = r % G;
-    store_row(a, d, cfg.dtype, out, i * q_row_elems + size_t(head * G + g) * d);
   }
 }
 
@@ -486,48 +617,109 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
                       const void *queries, float scale, void *out) {
   const qjlkv_config &cfg = spec().cfg;
   const size_t q_seq_elems = size_t(queries_per_seq) * cfg.num_q_heads * cfg.head_dim;
-  check_data("queries", queries, n_seqs * q_seq_elems, false);
   std::vector<const Sequence *> found(n_seqs);
   for (uint32_t i = 0; i < n_seqs; ++i) {
     found[i] = &find(layer, seqs[i]);
     QJLKV_REQUIRE(queries_per_seq <= found[i]->length, "n_queries is %u, but seq %u holds only %llu tokens",
                   queries_per_seq, seqs[i], (unsigned long long)found[i]->length);
   }
-  const size_t per_worker = attend_scratch_floats(layer, queries_per_seq * spec().group_size);
-  std::vector<float> scratch(per_worker * pool_.size());
+  check_data("queries", queries, n_seqs * q_seq_elems, false);  // only once their count is known to be sane
+  const uint32_t Hkv = cfg.num_kv_heads, d = cfg.head_dim, dp = padded_dim(d), G = spec().group_size;
+  const uint32_t rows = queries_per_seq * G, run = std::max(1u, kTaskTokens / cfg.block_tokens);
+  const uint32_t heads = n_seqs * Hkv;
+  attend_tasks_.clear();
+  attend_first_task_.clear();
+  for (uint32_t index = 0; index < heads; ++index) {
+    attend_first_task_.push_back(uint32_t(attend_tasks_.size()));
+    const uint32_t blocks = found[index / Hkv]->blocks;
+    for (uint32_t b = 0; b < blocks; b += run) attend_tasks_.push_back({index, b, std::min(run, blocks - b), false});
+    attend_tasks_.push_back({index, 0, 0, true});
+  }
+  attend_first_task_.push_back(uint32_t(attend_tasks_.size()));
+  const size_t head_floats = head_query_floats(layer, rows);
+  const size_t partial_floats = (size_t(rows) * (dp + 2) + 15) / 16 * 16;
+  const size_t worker_floats = (attend_worker_floats(layer, rows) + 15) / 16 * 16;
+  float *head_buffers = aligned_floats(attend_heads_, head_floats * heads);
+  float *partials = aligned_floats(attend_partials_, partial_floats * attend_tasks_.size());
+  float *worker_scratch = aligned_floats(attend_scratch_, worker_floats * pool_.size());
+  const auto *query_bytes = static_cast<const uint8_t *>(queries);
   const size_t q_seq_bytes = q_seq_elems * spec().io_elem;
-  pool_.parallel_for(size_t(n_seqs) * cfg.num_kv_heads, [&](size_t index, unsigned worker) {
-    const uint32_t i = uint32_t(index / cfg.num_kv_heads), head = uint32_t(index % cfg.num_kv_heads);
-    attend_head(layer, *found[i], head, queries_per_seq, static_cast<const uint8_t *>(queries) + i * q_seq_bytes,
-                scale, static_cast<uint8_t *>(out) + i * q_seq_bytes, scratch.data() + worker * per_worker);
+  // 1: queries (and projections) per head; 2: the tasks; 3: per head, merge the tasks in order.
+  pool_.parallel_for(heads, [&](size_t index, unsigned) {
+    float *q = head_buffers + index * head_floats;
+    load_queries(layer, query_bytes + (index / Hkv) * q_seq_bytes, queries_per_seq, uint32_t(index % Hkv), q,
+                 q + size_t(rows) * dp);
   });
+  const AttendCall call{&found, rows, queries_per_seq, scale, head_buffers, head_floats};
+  pool_.parallel_for(attend_tasks_.size(), [&](size_t index, unsigned worker) {
+    attend_task(layer, call, attend_tasks_[index], partials + index * partial_floats,
+                worker_scratch + worker * worker_floats);
+  });
+  const size_t q_row_elems = size_t(cfg.num_q_heads) * d;
+  // Logits beyond the float range (huge queries or scale) give inf − inf: refuse rather than
+  // return NaN, naming the first such row.
+  std::atomic<uint64_t> overflow{~uint64_t(0)};
+  pool_.parallel_for(heads, [&](size_t index, unsigned worker) {
+    float *merged = worker_scratch + worker * worker_floats;
+    const uint32_t head = uint32_t(index % Hkv), first = attend_first_task_[index], end = attend_first_task_[index + 1];
+    for (uint32_t r = 0; r < rows; ++r) {
+      float top = kNegInf;
+      for (uint32_t t = first; t < end; ++t)
+        top = std::max(top, reinterpret_cast<const SoftmaxRow *>(partials + t * partial_floats + size_t(rows) * dp)[r].max);
+      float sum = 0.0f;
+      std::fill(merged, merged + d, 0.0f);
+      for (uint32_t t = first; t < end; ++t) {
+        const float *acc = partials + t * partial_floats;
+        const SoftmaxRow &part = reinterpret_cast<const SoftmaxRow *>(acc + size_t(rows) * dp)[r];
+        if (part.max == kNegInf) continue;
+        const float factor = std::exp(part.max - top);
+        sum += part.sum * factor;
+        for (uint32_t j = 0; j < d; ++j) merged[j] += factor * acc[size_t(r) * dp + j];
+      }
+      if (!std::isfinite(top) || !std::isfinite(sum)) {
+        const uint64_t row_id = uint64_t(index) * rows + r;
+        for (uint64_t seen = overflow.load(); row_id < seen && !overflow.compare_exchange_weak(seen, row_id);) {
+        }
+        continue;
+      }
+      const float inverse = 1.0f / sum;  // every query sees at least its own position
+      for (uint32_t j = 0; j < d; ++j) merged[j] *= inverse;
+      const uint32_t i = r / G, g = r % G;
+      store_row(merged, d, cfg.dtype, static_cast<uint8_t *>(out) + (index / Hkv) * q_seq_bytes,
+                i * q_row_elems + size_t(head * G + g) * d);
+    }
+  });
+  if (const uint64_t row_id = overflow.load(); row_id != ~uint64_t(0)) {
+    const uint64_t index = row_id / rows;
+    const uint32_t r = uint32_t(row_id % rows);
+    fail(QJLKV_ERROR_INVALID_ARGUMENT,
+         "queries, scale: the attention logits of seq %u, query %u, query head %u exceed the float range "
+         "(scale %g); scale the queries or the scale down",
+         seqs[index / Hkv], r / G, uint32_t(index % Hkv) * G + r % G, double(scale));
+  }
 }
 
 void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float *out) {
   const qjlkv_config &cfg = spec().cfg;
-  const LayerSpec &ls = spec().layers[layer];
-  const uint32_t d = cfg.head_dim, B = cfg.block_tokens, G = spec().group_size, m = ls.sketch_rows;
+  const uint32_t d = cfg.head_dim, dp = padded_dim(d), B = cfg.block_tokens, G = spec().group_size;
+  const uint32_t Bp = padded_tokens(B);
   check_data("query", query, size_t(cfg.num_q_heads) * d, false);
   const Sequence &seq = find(layer, seq_id);
   const size_t L = seq.length;
-  std::vector<float> q(size_t(G) * d), sq(size_t(G) * m), block_scores(size_t(G) * B), scratch(2 * m + d),
-      key(d);
+  std::vector<float> q_storage, scratch_storage;
+  float *q = aligned_floats(q_storage, head_query_floats(layer, G));
+  float *weights = aligned_floats(scratch_storage, attend_worker_floats(layer, G));
+  float *kernel_scratch = weights + size_t(G) * Bp;
   for (uint32_t head = 0; head < cfg.num_kv_heads; ++head) {
-    for (uint32_t g = 0; g < G; ++g) {
-      load_row(query, size_t(head * G + g) * d, d, cfg.dtype, q.data() + size_t(g) * d);
-      if (cfg.key_method == QJLKV_KEYS_QJL) qjl_project_query(ls, d, q.data() + size_t(g) * d, sq.data() + size_t(g) * m);
-    }
+    load_queries(layer, static_cast<const uint8_t *>(query), 1, head, q, q + size_t(G) * dp);
+    float *head_out = out + size_t(head) * G * L;
     for (uint32_t b = 0; b < seq.blocks; ++b) {
-      score_block(ls, seq.heads[head].data() + size_t(b) * ls.layout.stride, q.data(), sq.data(), G,
-                  block_scores.data(), scratch.data());
-      for (uint32_t g = 0; g < G; ++g)
-        std::copy_n(block_scores.data() + size_t(g) * B, B, out + size_t(head * G + g) * L + size_t(b) * B);
+      score_block(layer, seq.heads[head].data() + size_t(b) * spec().layers[layer].layout.stride, q,
+                  q + size_t(G) * dp, G, weights, Bp, kernel_scratch);
+      for (uint32_t g = 0; g < G; ++g) std::copy_n(weights + size_t(g) * Bp, B, head_out + g * L + size_t(b) * B);
     }
-    for (uint32_t t = 0; t < seq.tail_tokens; ++t) {
-      load_row(seq.tail_keys.data(), size_t(t) * token_elems_ + size_t(head) * d, d, cfg.dtype, key.data());
-      for (uint32_t g = 0; g < G; ++g)
-        out[size_t(head * G + g) * L + size_t(seq.blocks) * B + t] = dot(q.data() + size_t(g) * d, key.data(), d);
-    }
+    kernels_->dense_scores(seq.tail_keys.data() + size_t(head) * d * spec().io_elem, cfg.dtype, token_elems_,
+                           seq.tail_tokens, d, q, G, head_out + size_t(seq.blocks) * B, L);
   }
 }
 

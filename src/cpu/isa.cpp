@@ -1,9 +1,15 @@
 #include "isa.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
 #include "../error.hpp"
+#include "simd.hpp"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
 
 namespace qjlkv::cpu {
 
@@ -15,13 +21,23 @@ const char *isa_name(Isa isa) {
   }
 }
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+namespace {
+// F16C by CPUID (not every compiler's __builtin_cpu_supports knows it); the OS saves the YMM
+// state whenever __builtin_cpu_supports reports AVX2.
+bool cpu_has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+}
+}  // namespace
+#endif
+
 bool isa_supported(Isa isa) {
   switch (isa) {
     case Isa::Scalar: return true;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     // The AVX2 kernels also use FMA and F16C; the AVX-512 ones F, BW, DQ and VL.
-    case Isa::Avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Isa::Avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
     case Isa::Avx512:
       return isa_supported(Isa::Avx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
@@ -47,6 +63,53 @@ Isa select_isa() {
     return isa;
   }
   fail(QJLKV_ERROR_INVALID_ARGUMENT, "QJLKV_CPU_ISA is \"%.32s\", must be scalar, avx2 or avx512 (or unset)", forced);
+}
+
+}  // namespace qjlkv::cpu
+
+namespace qjlkv::cpu {
+
+// ---- kernel tables ------------------------------------------------------------------------------
+
+const KernelTable &kernel_table(Isa isa) {
+  switch (isa) {
+    case Isa::Avx512: return avx512_kernels();
+    case Isa::Avx2: return avx2_kernels();
+    default: return scalar_kernels();
+  }
+}
+
+namespace {
+// The fields of a config that the reference quantizers read.
+qjlkv_config reference_config(const CodesArgs &a) {
+  qjlkv_config cfg{};
+  cfg.block_tokens = a.block_tokens;
+  cfg.head_dim = a.head_dim;
+  cfg.key_bits = a.bits;
+  cfg.value_bits = a.bits;
+  cfg.value_group_size = a.group;
+  return cfg;
+}
+}  // namespace
+
+void values_quantize_block_reference(const CodesArgs &a, const float *values, uint8_t *block) {
+  values_quantize_block(reference_config(a), a.stored, *a.layout, values, block);
+}
+
+void kivi_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_t *block) {
+  kivi_quantize_block(reference_config(a), *a.layout, keys, block);
+}
+
+size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out, uint32_t sketch_rows) {
+  const size_t Bp = padded_tokens(cfg.block_tokens), d = cfg.head_dim, slack = 16;
+  const auto words = [Bp](size_t bytes) { return (bytes + 3) / 4 * Bp + slack; };
+  const size_t qjl = words(m / 8) + words(m_out / 8) + 2 * (Bp + slack) + 8 * (padded_sketch_rows(sketch_rows) + slack) +
+                     4 * 16 * size_t(m / 4 + m_out / 4) + 2 * slack + 8 * Bp + 2 * slack;
+  const size_t kivi = words(d * cfg.key_bits / 8) + 2 * (d + slack) + 4 * 16 * (d * cfg.key_bits / 4) + slack +
+                      4 * Bp + slack;
+  const size_t groups = cfg.value_bits == 16 ? 0 : d / cfg.value_group_size;
+  const size_t values = 2 * (size_t(cfg.block_tokens) * groups + 16 + slack);
+  return std::max({qjl, kivi, values});
 }
 
 }  // namespace qjlkv::cpu

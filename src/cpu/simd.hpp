@@ -27,14 +27,20 @@ struct CodesArgs {  // KIVI/OTT keys or quantized values of one block
   qjlkv_dtype stored = QJLKV_DTYPE_F16;                         // values with bits == 16
 };
 
-// Scores are written to out[r * out_stride + t]; weights are read from w[r * w_stride + t].
-// Every `scratch` is at least kernel_scratch_floats(...) floats, 64-byte aligned.
+// Query rows and accumulator rows are padded_dim(d) floats apart (queries zero-padded).
+// Scores are written to out[r * out_stride + t] and weights read from w[r * w_stride + t], with
+// strides of at least padded_tokens(n): kernels may write scores past the block's last token.
+// Every `scratch` holds at least kernel_scratch_floats(...) floats, 64-byte aligned.
+inline constexpr uint32_t padded_dim(uint32_t d) { return (d + 15) / 16 * 16; }
+inline constexpr uint32_t padded_tokens(uint32_t n) { return (n + 31) / 32 * 32; }
+inline constexpr uint32_t padded_sketch_rows(uint32_t rows) { return (rows + 31) / 32 * 32; }
+
 struct KernelTable {
   Isa isa;
-  // sq[r][i] = <S_i, q_r> for i < sketch_rows (queries [rows][d]).
-  void (*qjl_project)(const QjlArgs &a, uint32_t sketch_rows, const float *q, uint32_t rows, float *sq);
-  void (*qjl_scores)(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, size_t sq_stride,
-                     uint32_t rows, float *out, size_t out_stride, float *scratch);
+  // sq[r * sketch_t_stride + i] = <S_i, q_r> for every sketch row i (and 0 in the padding).
+  void (*qjl_project)(const QjlArgs &a, const float *q, uint32_t rows, float *sq);
+  void (*qjl_scores)(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, uint32_t rows,
+                     float *out, size_t out_stride, float *scratch);
   // Sign bits of n_out projections for n keys: bit i of row t = (Σ_j keys[t][j]·st_rows[j][i] > 0),
   // summed in order j = 0..n_channels-1 in fp32 without FMA (the reference order).
   void (*qjl_sign_bits)(const float *keys, size_t key_stride, uint32_t n, const float *const *st_rows,
@@ -49,6 +55,18 @@ struct KernelTable {
   // acc[r][d] += Σ_t w[r][t]·v̂_t over a block's quantized values (bits 2, 4, 8 or 16).
   void (*values_accumulate)(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride,
                             uint32_t rows, float *acc, float *scratch);
+  // ---- appending: the reference quantizers' exact results, vectorized ----
+  // dst[i] = element first + i of src (dtype), for i < n.
+  void (*load_floats)(const void *src, qjlkv_dtype dtype, size_t first, size_t n, float *dst);
+  // The first index i < n whose element is not finite or exceeds limit in magnitude; n if none.
+  size_t (*first_invalid)(const void *src, qjlkv_dtype dtype, size_t n, float limit);
+  // Σ_j x_j² over elements first..first+n-1 of src, in float (for a quick range check).
+  float (*sum_squares)(const void *src, qjlkv_dtype dtype, size_t first, uint32_t n);
+  // dst[i] = to_16bit(src[i], stored) of kernels.hpp (round to nearest even; finite inputs).
+  void (*store_16bit)(const float *src, size_t n, qjlkv_dtype stored, uint16_t *dst);
+  // values_quantize_block and kivi_quantize_block of kernels.hpp, byte for byte (block zeroed).
+  void (*values_quantize)(const CodesArgs &a, const float *values, uint8_t *block);
+  void (*kivi_quantize)(const CodesArgs &a, const float *keys, uint8_t *block);
   // softmax_fold of kernels.hpp on scale·scores (-inf = masked) for each of `rows` rows.
   // Returns false when every score of every row is masked.
   bool (*softmax_fold)(SoftmaxRow *state, float *scores, size_t stride, uint32_t rows, uint32_t n, float scale,
@@ -56,6 +74,10 @@ struct KernelTable {
 };
 
 const KernelTable &kernel_table(Isa isa);
+// The reference quantizers (kernels.hpp) on CodesArgs: the fast kernels' fallback for layouts
+// their vectors do not cover.
+void values_quantize_block_reference(const CodesArgs &a, const float *values, uint8_t *block);
+void kivi_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_t *block);
 const KernelTable &scalar_kernels();
 const KernelTable &avx2_kernels();
 const KernelTable &avx512_kernels();

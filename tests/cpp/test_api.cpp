@@ -80,12 +80,12 @@ TEST(Presets, DocumentedDefaults) {
       if (preset == "qjl") {
         EXPECT_EQ(cfg.key_method, QJLKV_KEYS_QJL);
         EXPECT_EQ(cfg.key_sketch_dim, 2 * d);
-        EXPECT_EQ(cfg.outlier_channels, 8u);
-        EXPECT_EQ(cfg.outlier_sketch_dim, d / 2);
+        EXPECT_EQ(cfg.outlier_channels, 4u);
+        EXPECT_EQ(cfg.outlier_sketch_dim, d);
         EXPECT_EQ(cfg.block_tokens, 32u);
         EXPECT_EQ(cfg.residual_tokens, 32u);
         EXPECT_EQ(cfg.value_bits, 2u);
-        EXPECT_EQ(cfg.value_group_size, 32u);
+        EXPECT_EQ(cfg.value_group_size, 64u);
       } else if (preset == "kivi" || preset == "ott") {
         EXPECT_EQ(cfg.key_method, preset == "kivi" ? QJLKV_KEYS_KIVI : QJLKV_KEYS_OTT);
         EXPECT_EQ(cfg.key_bits, 2u);

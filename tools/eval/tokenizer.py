@@ -12,7 +12,7 @@ import regex
 
 _DIGIT = regex.compile(r"\p{N}")
 _GPT2_SPLIT = regex.compile(
-    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 )
 TOKEN_TYPE_CONTROL = 3
 

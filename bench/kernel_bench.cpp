@@ -1,0 +1,116 @@
+// White-box benchmarks of the CPU kernels (src/cpu/simd.hpp) on hot data: what one decode step
+// costs per token and kv head when memory is not the limit, per instruction set, for the
+// Llama-3-8B head shape (d = 128, 4 query heads per kv head, one query token). The phases are
+// timed in thread CPU time, which a shared machine's other processes do not inflate.
+#include <benchmark/benchmark.h>
+
+#include <ctime>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "config.hpp"
+#include "cpu/simd.hpp"
+#include "probes.hpp"
+
+namespace {
+
+using namespace qjlkv;
+using namespace qjlkv::cpu;
+
+constexpr uint32_t kRows = 4, kDim = 128, kTokens = 2048;
+
+double thread_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
+  const KernelTable &K = kernel_table(isa);
+  qjlkv_config cfg;
+  init_preset(cfg, preset, 1, kRows, 1, kDim);
+  cfg.dtype = QJLKV_DTYPE_F16;
+  const CacheSpec spec = make_cache_spec(cfg);
+  const LayerSpec &ls = spec.layers[0];
+  const BlockLayout &layout = ls.layout;
+  const uint32_t B = cfg.block_tokens, blocks = kTokens / B, Bp = padded_tokens(B), dp = padded_dim(kDim);
+  // Blocks quantized from random keys and values by the kernels themselves.
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  std::vector<float> keys(size_t(B) * kDim), values(keys.size());
+  std::vector<uint8_t> data(layout.stride * blocks, 0);
+  size_t sketch_stride = padded_sketch_rows(std::max(1u, ls.sketch_rows));
+  std::vector<float> sketch_t(size_t(kDim) * sketch_stride, 0.0f);
+  for (uint32_t i = 0; i < ls.sketch_rows; ++i)
+    for (uint32_t j = 0; j < kDim; ++j) sketch_t[j * sketch_stride + i] = ls.sketch->matrix.data[size_t(i) * kDim + j];
+  const QjlArgs qjl{&layout, B, kDim, ls.m, ls.m_out, cfg.outlier_channels, sketch_t.data(), sketch_stride,
+                    spec.qjl_constant / float(std::max(1u, ls.m)), ls.m_out ? spec.qjl_constant / float(ls.m_out) : 0};
+  const CodesArgs key_args{&layout, B, kDim, cfg.key_bits, 0, spec.stored_dtype};
+  const CodesArgs value_args{&layout, B, kDim, cfg.value_bits, cfg.value_group_size, spec.stored_dtype};
+  std::vector<float> scratch(kernel_scratch_floats(cfg, ls.m, ls.m_out, ls.sketch_rows) + 16);
+  for (uint32_t b = 0; b < blocks; ++b) {
+    for (float &x : keys) x = normal(rng);
+    for (float &x : values) x = normal(rng);
+    uint8_t *block = &data[size_t(b) * layout.stride];
+    switch (cfg.key_method) {
+      case QJLKV_KEYS_QJL: qjl_quantize_block(ls, cfg, keys.data(), block, scratch.data()); break;
+      case QJLKV_KEYS_EXACT:
+        K.store_16bit(keys.data(), keys.size(), spec.stored_dtype, reinterpret_cast<uint16_t *>(block + layout.key_codes));
+        break;
+      default: K.kivi_quantize(key_args, keys.data(), block); break;
+    }
+    K.values_quantize(value_args, values.data(), block);
+  }
+  std::vector<float> q(size_t(kRows) * dp, 0.0f), sq(size_t(kRows) * sketch_stride), acc(size_t(kRows) * dp, 0.0f);
+  for (uint32_t r = 0; r < kRows; ++r)
+    for (uint32_t j = 0; j < kDim; ++j) q[size_t(r) * dp + j] = normal(rng);
+  if (cfg.key_method == QJLKV_KEYS_QJL) K.qjl_project(qjl, q.data(), kRows, sq.data());
+  std::vector<float> weights(size_t(kRows) * Bp * blocks);
+  std::vector<SoftmaxRow> rows(kRows);
+  double keys_s = 0, softmax_s = 0, values_s = 0;
+  for (auto _ : state) {
+    const double t0 = thread_seconds();
+    for (uint32_t b = 0; b < blocks; ++b) {
+      const uint8_t *block = &data[size_t(b) * layout.stride];
+      float *w = &weights[size_t(b) * kRows * Bp];
+      switch (cfg.key_method) {
+        case QJLKV_KEYS_QJL: K.qjl_scores(qjl, block, q.data(), sq.data(), kRows, w, Bp, scratch.data()); break;
+        case QJLKV_KEYS_EXACT:
+          K.dense_scores(block + layout.key_codes, spec.stored_dtype, kDim, B, kDim, q.data(), kRows, w, Bp);
+          break;
+        default: K.kivi_scores(key_args, block, q.data(), kRows, w, Bp, scratch.data()); break;
+      }
+    }
+    const double t1 = thread_seconds();
+    for (uint32_t b = 0; b < blocks; ++b)
+      K.softmax_fold(rows.data(), &weights[size_t(b) * kRows * Bp], Bp, kRows, B, 0.088f, acc.data(), kDim);
+    const double t2 = thread_seconds();
+    for (uint32_t b = 0; b < blocks; ++b)
+      K.values_accumulate(value_args, &data[size_t(b) * layout.stride], &weights[size_t(b) * kRows * Bp], Bp, kRows,
+                          acc.data(), scratch.data());
+    const double t3 = thread_seconds();
+    keys_s += t1 - t0;
+    softmax_s += t2 - t1;
+    values_s += t3 - t2;
+    rows.assign(kRows, SoftmaxRow{});
+  }
+  benchmark::DoNotOptimize(acc.data());
+  const double per = 1e9 / (double(state.iterations()) * kTokens);  // ns per token (and kv head)
+  state.counters["keys_ns"] = keys_s * per;
+  state.counters["softmax_ns"] = softmax_s * per;
+  state.counters["values_ns"] = values_s * per;
+  state.counters["ns_per_token_head"] = (keys_s + softmax_s + values_s) * per;
+}
+
+}  // namespace
+
+void register_kernel_benchmarks() {
+  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+    if (!isa_supported(isa)) continue;
+    for (const char *preset : {"exact", "qjl", "kivi"})
+      benchmark::RegisterBenchmark((std::string("Kernels/") + isa_name(isa) + "/" + preset).c_str(), bm_kernels, isa,
+                                   preset)
+          ->Unit(benchmark::kMicrosecond);
+  }
+}

@@ -1,0 +1,634 @@
+// The CPU kernel paths (scalar, AVX2, AVX-512; src/cpu/simd_*.cpp) against the reference
+// kernels of src/cpu/kernels.hpp, on every path this machine supports: scores, value sums and
+// softmax within float tolerance; sign bits, codes and 16-bit copies byte for byte. Then the
+// whole cache through the C API on each path (QJLKV_CPU_ISA): attention against a softmax over
+// the cache's own reconstruction, identical stored bits on every path, and results that do not
+// depend on the number of threads.
+#include <gtest/gtest.h>
+#include <qjlkv/qjlkv.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "config.hpp"
+#include "cpu/isa.hpp"
+#include "cpu/kernels.hpp"
+#include "cpu/simd.hpp"
+#include "error.hpp"
+
+namespace {
+
+using namespace qjlkv;
+using namespace qjlkv::cpu;
+
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512})
+    if (isa_supported(isa)) out.push_back(isa);
+  return out;
+}
+
+// Sets QJLKV_CPU_ISA for one scope.
+class ForcedIsa {
+ public:
+  explicit ForcedIsa(const char *name) { setenv("QJLKV_CPU_ISA", name, 1); }
+  ~ForcedIsa() { unsetenv("QJLKV_CPU_ISA"); }
+};
+
+template <class T>
+T *aligned(std::vector<float> &storage, size_t floats) {
+  storage.assign(floats + 16, 0.0f);
+  auto address = reinterpret_cast<uintptr_t>(storage.data());
+  return reinterpret_cast<T *>(storage.data() + ((64 - address % 64) % 64) / sizeof(float));
+}
+
+// ---- ISA selection ------------------------------------------------------------------------------
+
+TEST(IsaSelection, ScalarAlwaysAndBestIsSupported) {
+  EXPECT_TRUE(isa_supported(Isa::Scalar));
+  EXPECT_TRUE(isa_supported(best_isa()));
+  unsetenv("QJLKV_CPU_ISA");
+  EXPECT_EQ(select_isa(), best_isa());
+}
+
+TEST(IsaSelection, EnvironmentForcesEachSupportedPath) {
+  for (Isa isa : supported_isas()) {
+    ForcedIsa forced(isa_name(isa));
+    EXPECT_EQ(select_isa(), isa) << isa_name(isa);
+    EXPECT_EQ(kernel_table(isa).isa, isa);
+  }
+}
+
+TEST(IsaSelection, UnknownNameFailsCacheCreationNamingTheVariable) {
+  ForcedIsa forced("sse9");
+  qjlkv_config cfg;
+  ASSERT_EQ(qjlkv_config_init(&cfg, "qjl", 1, 2, 1, 64), QJLKV_OK);
+  qjlkv_cache *cache = reinterpret_cast<qjlkv_cache *>(&cfg);  // must be reset to NULL
+  EXPECT_EQ(qjlkv_cache_create(&cfg, &cache), QJLKV_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(cache, nullptr);
+  const std::string message = qjlkv_last_error_message();
+  EXPECT_NE(message.find("QJLKV_CPU_ISA"), std::string::npos) << message;
+  EXPECT_NE(message.find("sse9"), std::string::npos) << message;
+}
+
+TEST(IsaSelection, UnsupportedPathIsRefusedNamingTheVariable) {
+  for (Isa isa : {Isa::Avx2, Isa::Avx512}) {
+    if (isa_supported(isa)) continue;
+    ForcedIsa forced(isa_name(isa));
+    try {
+      select_isa();
+      ADD_FAILURE() << isa_name(isa) << " is not supported here, yet it was selected";
+    } catch (const Error &e) {
+      EXPECT_EQ(e.status(), QJLKV_ERROR_UNSUPPORTED);
+      EXPECT_NE(std::string(e.what()).find("QJLKV_CPU_ISA"), std::string::npos) << e.what();
+    }
+    return;
+  }
+  GTEST_SKIP() << "this CPU supports every path: nothing to refuse";
+}
+
+// ---- kernels against the reference --------------------------------------------------------------
+
+struct KernelCase {
+  const char *name;
+  const char *preset;
+  uint32_t head_dim, block_tokens;
+  uint32_t key_sketch_dim, outlier_channels, outlier_sketch_dim;
+  uint32_t key_bits, value_bits, value_group_size;
+  uint32_t rows;
+};
+
+// Odd sizes on purpose: sketch rows not a multiple of 32, blocks not a multiple of 16, groups
+// narrower than a vector, rows beyond a register group, no outlier channels.
+const KernelCase kCases[] = {
+    {"qjl_llama", "qjl", 128, 32, 256, 8, 64, 2, 2, 32, 4},
+    {"qjl_odd", "qjl", 40, 24, 40, 3, 24, 2, 4, 8, 5},
+    {"qjl_no_outliers", "qjl", 64, 8, 72, 0, 0, 2, 8, 16, 3},
+    {"qjl_wide", "qjl", 256, 16, 520, 12, 136, 2, 2, 64, 9},
+    {"qjl_short_blocks", "qjl", 64, 24, 128, 4, 32, 2, 2, 32, 6},
+    {"qjl_long_blocks", "qjl", 128, 80, 256, 8, 64, 2, 4, 32, 4},
+    {"kivi2", "kivi", 128, 128, 256, 8, 64, 2, 2, 32, 4},
+    {"kivi4_odd", "kivi", 24, 40, 48, 8, 24, 4, 4, 24, 6},
+    {"kivi8", "kivi", 64, 32, 128, 8, 32, 8, 8, 16, 1},
+    {"exact16", "exact", 128, 32, 256, 8, 64, 2, 16, 32, 4},
+    {"exact_odd", "exact", 72, 8, 144, 8, 40, 2, 16, 8, 7},
+};
+
+void PrintTo(const KernelCase &k, std::ostream *os) { *os << k.name; }
+
+class Kernels : public testing::TestWithParam<KernelCase> {
+ protected:
+  void SetUp() override {
+    const KernelCase &k = GetParam();
+    ASSERT_EQ(qjlkv_config_init(&cfg_, k.preset, 1, k.rows, 1, k.head_dim), QJLKV_OK);
+    cfg_.block_tokens = k.block_tokens;
+    cfg_.key_sketch_dim = k.key_sketch_dim;
+    cfg_.outlier_channels = k.outlier_channels;
+    cfg_.outlier_sketch_dim = k.outlier_sketch_dim;
+    cfg_.key_bits = k.key_bits;
+    cfg_.value_bits = k.value_bits;
+    cfg_.value_group_size = k.value_group_size;
+    cfg_.dtype = QJLKV_DTYPE_F16;
+    spec_ = make_cache_spec(cfg_);
+    const LayerSpec &ls = spec_.layers[0];
+    const uint32_t B = k.block_tokens, d = k.head_dim;
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal;
+    keys_.resize(size_t(B) * d);
+    values_.resize(size_t(B) * d);
+    for (size_t i = 0; i < keys_.size(); ++i) {
+      keys_[i] = normal(rng) * ((i % d) % 11 == 3 ? 9.0f : 1.0f);
+      values_[i] = normal(rng);
+    }
+    // Edge cases the quantizers must treat like the reference: a constant group; a group whose
+    // minimum is zero with both signs present (the first smallest counts); a key channel whose
+    // minimum over the block is such a zero; exact ties between levels.
+    const uint32_t g = k.value_group_size;
+    for (uint32_t j = 0; j < g; ++j) values_[j] = 0.75f;
+    for (uint32_t j = 0; j < g; ++j) values_[d + j] = std::fabs(values_[d + j]);
+    values_[d] = -0.0f;
+    values_[d + g - 1] = 0.0f;
+    values_[2 * d + 1] = 1.5f;
+    values_[2 * d + 2] = -1.5f;
+    for (uint32_t t = 0; t < B; ++t) keys_[size_t(t) * d + 1] = std::fabs(keys_[size_t(t) * d + 1]);
+    keys_[2 * size_t(d) + 1] = -0.0f;
+    keys_[5 * size_t(d) + 1] = 0.0f;
+    block_.assign(ls.layout.stride, 0);
+    std::vector<float> scratch(3 * size_t(d));
+    switch (cfg_.key_method) {
+      case QJLKV_KEYS_QJL: qjl_quantize_block(ls, cfg_, keys_.data(), block_.data(), scratch.data()); break;
+      case QJLKV_KEYS_EXACT:
+        exact_keys_store_block(cfg_, spec_.stored_dtype, ls.layout, keys_.data(), block_.data());
+        break;
+      default: kivi_quantize_block(cfg_, ls.layout, keys_.data(), block_.data()); break;
+    }
+    values_quantize_block(cfg_, spec_.stored_dtype, ls.layout, values_.data(), block_.data());
+    queries_.resize(size_t(k.rows) * d);
+    for (float &x : queries_) x = normal(rng);
+    // Fast-path arguments, as the backend builds them.
+    if (cfg_.key_method == QJLKV_KEYS_QJL) {
+      const size_t stride = padded_sketch_rows(ls.sketch_rows);
+      sketch_t_.assign(d * stride, 0.0f);
+      for (uint32_t i = 0; i < ls.sketch_rows; ++i)
+        for (uint32_t j = 0; j < d; ++j) sketch_t_[j * stride + i] = ls.sketch->matrix.data[size_t(i) * d + j];
+      qjl_ = QjlArgs{&ls.layout, B, d, ls.m, ls.m_out, cfg_.outlier_channels, sketch_t_.data(), stride,
+                     spec_.qjl_constant / float(ls.m), ls.m_out ? spec_.qjl_constant / float(ls.m_out) : 0.0f};
+    }
+    keys_args_ = CodesArgs{&ls.layout, B, d, cfg_.key_bits, 0, spec_.stored_dtype};
+    values_args_ = CodesArgs{&ls.layout, B, d, cfg_.value_bits, cfg_.value_group_size, spec_.stored_dtype};
+  }
+
+  // Queries in the fast layout: rows of padded_dim(d), zero-padded.
+  std::vector<float> padded_queries() const {
+    const uint32_t d = GetParam().head_dim, dp = padded_dim(d);
+    std::vector<float> q(size_t(GetParam().rows) * dp, 0.0f);
+    for (uint32_t r = 0; r < GetParam().rows; ++r) std::copy_n(&queries_[size_t(r) * d], d, &q[size_t(r) * dp]);
+    return q;
+  }
+
+  qjlkv_config cfg_{};
+  CacheSpec spec_;
+  std::vector<float> keys_, values_, queries_, sketch_t_;
+  std::vector<uint8_t> block_;
+  QjlArgs qjl_;
+  CodesArgs keys_args_, values_args_;
+};
+
+TEST_P(Kernels, ScoresMatchReference) {
+  const KernelCase &k = GetParam();
+  const LayerSpec &ls = spec_.layers[0];
+  const uint32_t B = k.block_tokens, d = k.head_dim, Bp = padded_tokens(B), rows = k.rows;
+  // Reference scores and a scale for the tolerance: the largest |partial sum| involved.
+  std::vector<float> want(size_t(rows) * B), ref_scratch(2 * size_t(ls.sketch_rows) + d);
+  std::vector<float> sq_ref(size_t(rows) * std::max(1u, ls.sketch_rows));
+  double scale = 0.0;
+  switch (cfg_.key_method) {
+    case QJLKV_KEYS_QJL:
+      for (uint32_t r = 0; r < rows; ++r) qjl_project_query(ls, d, &queries_[size_t(r) * d], &sq_ref[size_t(r) * ls.sketch_rows]);
+      qjl_score_block(ls, cfg_, spec_.qjl_constant, block_.data(), queries_.data(), sq_ref.data(), rows, want.data(),
+                      ref_scratch.data());
+      for (float x : sq_ref) scale += std::fabs(x);
+      scale *= 64.0 * spec_.qjl_constant / ls.m;  // norms here are O(10)
+      break;
+    case QJLKV_KEYS_EXACT:
+      exact_keys_score_block(cfg_, spec_.stored_dtype, ls.layout, block_.data(), queries_.data(), rows, want.data(),
+                             ref_scratch.data());
+      for (float x : queries_) scale += std::fabs(x) * 30.0;
+      break;
+    default:
+      kivi_score_block(cfg_, ls.layout, block_.data(), queries_.data(), rows, want.data(), ref_scratch.data());
+      for (float x : queries_) scale += std::fabs(x) * 30.0;
+      break;
+  }
+  const std::vector<float> q = padded_queries();
+  for (Isa isa : supported_isas()) {
+    const KernelTable &K = kernel_table(isa);
+    std::vector<float> out_storage, scratch_storage, sq_storage;
+    float *out = aligned<float>(out_storage, size_t(rows) * Bp);
+    float *scratch = aligned<float>(scratch_storage, kernel_scratch_floats(cfg_, ls.m, ls.m_out, ls.sketch_rows));
+    switch (cfg_.key_method) {
+      case QJLKV_KEYS_QJL: {
+        float *sq = aligned<float>(sq_storage, rows * qjl_.sketch_t_stride);
+        K.qjl_project(qjl_, q.data(), rows, sq);
+        for (uint32_t r = 0; r < rows; ++r)
+          for (uint32_t i = 0; i < ls.sketch_rows; ++i)
+            ASSERT_NEAR(sq[r * qjl_.sketch_t_stride + i], sq_ref[size_t(r) * ls.sketch_rows + i], 1e-4f)
+                << isa_name(isa) << " projection row " << r << " sketch row " << i;
+        K.qjl_scores(qjl_, block_.data(), q.data(), sq, rows, out, Bp, scratch);
+        break;
+      }
+      case QJLKV_KEYS_EXACT:
+        K.dense_scores(block_.data() + ls.layout.key_codes, spec_.stored_dtype, d, B, d, q.data(), rows, out, Bp);
+        break;
+      default: K.kivi_scores(keys_args_, block_.data(), q.data(), rows, out, Bp, scratch); break;
+    }
+    for (uint32_t r = 0; r < rows; ++r)
+      for (uint32_t t = 0; t < B; ++t)
+        ASSERT_NEAR(out[size_t(r) * Bp + t], want[size_t(r) * B + t], 2e-6 * scale + 1e-6)
+            << isa_name(isa) << " row " << r << " token " << t;
+  }
+}
+
+TEST_P(Kernels, ValueSumsMatchReference) {
+  const KernelCase &k = GetParam();
+  const LayerSpec &ls = spec_.layers[0];
+  const uint32_t B = k.block_tokens, d = k.head_dim, dp = padded_dim(d), Bp = padded_tokens(B), rows = k.rows;
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  std::vector<float> w(size_t(rows) * B);
+  for (float &x : w) x = uniform(rng);
+  w[0] = 0.0f;  // the reference skips zero weights; the fast path adds 0·v
+  std::vector<float> want(size_t(rows) * d, 0.25f);
+  values_accumulate_block(cfg_, spec_.stored_dtype, ls.layout, block_.data(), w.data(), rows, want.data());
+  for (Isa isa : supported_isas()) {
+    const KernelTable &K = kernel_table(isa);
+    std::vector<float> w_storage, acc_storage, scratch_storage;
+    float *wp = aligned<float>(w_storage, size_t(rows) * Bp);
+    for (uint32_t r = 0; r < rows; ++r) std::copy_n(&w[size_t(r) * B], B, wp + size_t(r) * Bp);
+    float *acc = aligned<float>(acc_storage, size_t(rows) * dp);
+    for (uint32_t r = 0; r < rows; ++r) std::fill_n(acc + size_t(r) * dp, d, 0.25f);
+    float *scratch = aligned<float>(scratch_storage, kernel_scratch_floats(cfg_, ls.m, ls.m_out, ls.sketch_rows));
+    K.values_accumulate(values_args_, block_.data(), wp, Bp, rows, acc, scratch);
+    for (uint32_t r = 0; r < rows; ++r)
+      for (uint32_t j = 0; j < d; ++j)
+        ASSERT_NEAR(acc[size_t(r) * dp + j], want[size_t(r) * d + j], 1e-5 * (1.0 + std::fabs(want[size_t(r) * d + j])) * B)
+            << isa_name(isa) << " row " << r << " channel " << j;
+  }
+}
+
+TEST_P(Kernels, QuantizersMatchReferenceByteForByte) {
+  const KernelCase &k = GetParam();
+  const LayerSpec &ls = spec_.layers[0];
+  const uint32_t B = k.block_tokens, d = k.head_dim;
+  for (Isa isa : supported_isas()) {
+    const KernelTable &K = kernel_table(isa);
+    std::vector<uint8_t> got(ls.layout.stride, 0);
+    switch (cfg_.key_method) {
+      case QJLKV_KEYS_QJL: {
+        // The sign bits by the blocked product: inlier keys with the outlier channels zeroed,
+        // outlier keys over the block's channels, as the backend's quantizer feeds them.
+        const uint32_t c = ls.m_out ? cfg_.outlier_channels : 0;
+        const uint8_t *outliers = block_.data() + ls.layout.key_outlier_idx;
+        std::vector<float> inlier = keys_, outlier(size_t(B) * std::max(c, 1u));
+        for (uint32_t t = 0; t < B; ++t)
+          for (uint32_t i = 0; i < c; ++i) {
+            outlier[size_t(t) * c + i] = keys_[size_t(t) * d + outliers[i]];
+            inlier[size_t(t) * d + outliers[i]] = 0.0f;
+          }
+        std::vector<const float *> columns(d);
+        for (uint32_t j = 0; j < d; ++j) columns[j] = qjl_.sketch_t + j * qjl_.sketch_t_stride;
+        K.qjl_sign_bits(inlier.data(), d, B, columns.data(), d, ls.m, got.data() + ls.layout.key_bits_in,
+                        ls.layout.key_bytes_per_token_bits_in);
+        EXPECT_EQ(0, std::memcmp(got.data() + ls.layout.key_bits_in, block_.data() + ls.layout.key_bits_in,
+                                 size_t(B) * ls.layout.key_bytes_per_token_bits_in))
+            << isa_name(isa) << ": inlier sign bits differ from the reference";
+        if (c) {
+          for (uint32_t i = 0; i < c; ++i) columns[i] = qjl_.sketch_t + outliers[i] * qjl_.sketch_t_stride;
+          K.qjl_sign_bits(outlier.data(), c, B, columns.data(), c, ls.m_out, got.data() + ls.layout.key_bits_out,
+                          ls.layout.key_bytes_per_token_bits_out);
+          EXPECT_EQ(0, std::memcmp(got.data() + ls.layout.key_bits_out, block_.data() + ls.layout.key_bits_out,
+                                   size_t(B) * ls.layout.key_bytes_per_token_bits_out))
+              << isa_name(isa) << ": outlier sign bits differ from the reference";
+        }
+        break;
+      }
+      case QJLKV_KEYS_EXACT:
+        K.store_16bit(keys_.data(), size_t(B) * d, spec_.stored_dtype,
+                      reinterpret_cast<uint16_t *>(got.data() + ls.layout.key_codes));
+        EXPECT_EQ(0, std::memcmp(got.data(), block_.data(), ls.layout.key_bytes)) << isa_name(isa);
+        break;
+      default:
+        K.kivi_quantize(keys_args_, keys_.data(), got.data());
+        EXPECT_EQ(0, std::memcmp(got.data(), block_.data(), ls.layout.key_bytes)) << isa_name(isa) << ": key codes";
+        break;
+    }
+    K.values_quantize(values_args_, values_.data(), got.data());
+    const size_t value_start = cfg_.value_bits == 16 ? ls.layout.value_codes : ls.layout.value_scale;
+    const size_t value_end = ls.layout.value_codes + size_t(B) * ls.layout.value_bytes_per_token_codes;
+    EXPECT_EQ(0, std::memcmp(got.data() + value_start, block_.data() + value_start, value_end - value_start))
+        << isa_name(isa) << ": value scales, minima or codes differ from the reference";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Kernels, testing::ValuesIn(kCases),
+                         [](const testing::TestParamInfo<KernelCase> &info) { return std::string(info.param.name); });
+
+TEST(KernelsSoftmax, FoldMatchesReference) {
+  const uint32_t rows = 3, d = 40, dp = padded_dim(d), n = 37, stride = padded_tokens(n);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  std::vector<float> scores(size_t(rows) * n), acc(size_t(rows) * d);
+  for (float &x : scores) x = 4.0f * normal(rng);
+  for (uint32_t t = 0; t < n; t += 5) scores[t] = kNegInf;  // masked entries
+  for (uint32_t t = 0; t < n; ++t) scores[2 * n + t] = kNegInf;  // a fully masked row
+  for (float &x : acc) x = normal(rng);
+  const float scale = 0.3f;
+  // Reference: scaled scores folded into a state that has already seen a block (max 1.0).
+  std::vector<SoftmaxRow> want_state(rows, SoftmaxRow{1.0f, 2.0f});
+  std::vector<float> want_w = scores, want_acc = acc;
+  for (float &x : want_w) x *= scale;
+  for (uint32_t r = 0; r < rows; ++r) softmax_fold(want_state[r], &want_w[size_t(r) * n], n, &want_acc[size_t(r) * d], d);
+  for (Isa isa : supported_isas()) {
+    std::vector<float> w_storage, acc_storage;
+    float *w = aligned<float>(w_storage, size_t(rows) * stride);
+    float *a = aligned<float>(acc_storage, size_t(rows) * dp);
+    for (uint32_t r = 0; r < rows; ++r) {
+      std::copy_n(&scores[size_t(r) * n], n, w + size_t(r) * stride);
+      std::copy_n(&acc[size_t(r) * d], d, a + size_t(r) * dp);
+    }
+    std::vector<SoftmaxRow> state(rows, SoftmaxRow{1.0f, 2.0f});
+    EXPECT_TRUE(kernel_table(isa).softmax_fold(state.data(), w, stride, rows, n, scale, a, d));
+    for (uint32_t r = 0; r < rows; ++r) {
+      EXPECT_EQ(state[r].max, want_state[r].max) << isa_name(isa);
+      EXPECT_NEAR(state[r].sum, want_state[r].sum, 2e-6 * want_state[r].sum) << isa_name(isa);
+      for (uint32_t t = 0; t < n; ++t)
+        ASSERT_NEAR(w[size_t(r) * stride + t], want_w[size_t(r) * n + t], 2e-7 + 2e-6 * want_w[size_t(r) * n + t])
+            << isa_name(isa) << " row " << r << " token " << t;
+      for (uint32_t j = 0; j < d; ++j)
+        ASSERT_NEAR(a[size_t(r) * dp + j], want_acc[size_t(r) * d + j], 1e-6 * (1 + std::fabs(want_acc[size_t(r) * d + j])))
+            << isa_name(isa);
+    }
+  }
+}
+
+TEST(KernelsConversions, LoadsChecksAndRoundingMatchReference) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal;
+  const size_t n = 203;  // not a multiple of any vector width
+  std::vector<float> x(n);
+  for (float &v : x) v = normal(rng) * 300.0f;
+  x[3] = 6.0e-8f;         // fp16 subnormal
+  x[4] = 65519.0f;        // rounds to 65504 in fp16
+  x[5] = 1.0f + 0.00048828125f;  // an fp16 tie: rounds to even
+  x[6] = -0.0f;
+  for (qjlkv_dtype stored : {QJLKV_DTYPE_F16, QJLKV_DTYPE_BF16}) {
+    std::vector<uint16_t> want(n), halves(n);
+    for (size_t i = 0; i < n; ++i) want[i] = to_16bit(x[i], stored);
+    for (Isa isa : supported_isas()) {
+      const KernelTable &K = kernel_table(isa);
+      std::fill(halves.begin(), halves.end(), uint16_t(0xffff));
+      K.store_16bit(x.data(), n, stored, halves.data());
+      EXPECT_EQ(halves, want) << isa_name(isa) << (stored == QJLKV_DTYPE_BF16 ? " bf16" : " fp16");
+      std::vector<float> back(n);
+      K.load_floats(want.data(), stored, 0, n, back.data());
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(back[i], from_16bit(want[i], stored)) << isa_name(isa) << " " << i;
+      const float squares = K.sum_squares(want.data(), stored, 5, 150);
+      double expected = 0.0;
+      for (size_t i = 5; i < 155; ++i) expected += double(from_16bit(want[i], stored)) * from_16bit(want[i], stored);
+      EXPECT_NEAR(squares, expected, 1e-5 * expected) << isa_name(isa);
+    }
+  }
+  // first_invalid: the first non-finite or out-of-range element wherever it sits.
+  for (size_t bad : {size_t(0), size_t(15), size_t(16), size_t(100), size_t(202)}) {
+    for (float poison : {std::nanf(""), INFINITY, -INFINITY, 70000.0f}) {
+      std::vector<float> y(n, 1.0f);
+      y[bad] = poison;
+      for (Isa isa : supported_isas()) {
+        EXPECT_EQ(kernel_table(isa).first_invalid(y.data(), QJLKV_DTYPE_F32, n, kHalfMax), bad)
+            << isa_name(isa) << " poison " << poison << " at " << bad;
+        const bool finite_ok = std::isfinite(poison);
+        EXPECT_EQ(kernel_table(isa).first_invalid(y.data(), QJLKV_DTYPE_F32, n, 3.0e38f), finite_ok ? n : bad)
+            << isa_name(isa);
+      }
+    }
+  }
+}
+
+// ---- the cache through the C API on each path ----------------------------------------------------
+
+struct CacheCase {
+  const char *preset;
+  qjlkv_dtype dtype;
+  uint32_t q_heads, kv_heads, head_dim;
+};
+
+const CacheCase kCacheCases[] = {
+    {"qjl", QJLKV_DTYPE_F16, 8, 2, 128},  {"qjl", QJLKV_DTYPE_F32, 6, 3, 40},
+    {"kivi", QJLKV_DTYPE_BF16, 4, 1, 64}, {"ott", QJLKV_DTYPE_F16, 6, 2, 64},
+    {"exact", QJLKV_DTYPE_F16, 4, 2, 72}, {"exact", QJLKV_DTYPE_BF16, 3, 3, 32},
+};
+
+void PrintTo(const CacheCase &c, std::ostream *os) {
+  *os << c.preset << " dtype " << int(c.dtype) << " Hq " << c.q_heads << " Hkv " << c.kv_heads << " d " << c.head_dim;
+}
+
+std::vector<uint8_t> encode(const std::vector<float> &x, qjlkv_dtype dtype) {
+  std::vector<uint8_t> out(x.size() * dtype_size(dtype));
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (dtype == QJLKV_DTYPE_F32) std::memcpy(&out[4 * i], &x[i], 4);
+    const uint16_t h = dtype == QJLKV_DTYPE_F16 ? float_to_half(x[i]) : float_to_bf16(x[i]);
+    if (dtype != QJLKV_DTYPE_F32) std::memcpy(&out[2 * i], &h, 2);
+  }
+  return out;
+}
+
+float decode(const std::vector<uint8_t> &bytes, size_t i, qjlkv_dtype dtype) { return load_element(bytes.data(), i, dtype); }
+
+// One cache filled with the same tokens (several sequences, uneven append sizes) on a path.
+struct Filled {
+  qjlkv_cache *cache = nullptr;
+  qjlkv_config cfg{};
+  ~Filled() { qjlkv_cache_destroy(cache); }
+};
+
+constexpr uint32_t kLongSeq = 4700;  // several attend tasks per head (2048 tokens each)
+
+void fill(Filled &f, const CacheCase &c, const char *isa, uint32_t threads) {
+  ForcedIsa forced(isa);
+  ASSERT_EQ(qjlkv_config_init(&f.cfg, c.preset, 2, c.q_heads, c.kv_heads, c.head_dim), QJLKV_OK);
+  f.cfg.dtype = c.dtype;
+  f.cfg.num_threads = threads;
+  ASSERT_EQ(qjlkv_cache_create(&f.cfg, &f.cache), QJLKV_OK) << qjlkv_last_error_message();
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal;
+  const size_t token = size_t(c.kv_heads) * c.head_dim;
+  for (uint32_t seq : {3u, 7u}) {
+    const uint32_t length = seq == 3 ? kLongSeq : 301;
+    for (uint32_t done = 0; done < length;) {
+      const uint32_t n = std::min(length - done, 1u + uint32_t(rng() % 700));
+      std::vector<float> k(n * token), v(n * token);
+      for (size_t i = 0; i < k.size(); ++i) {
+        k[i] = normal(rng) * ((i % c.head_dim) == 7 ? 15.0f : 1.0f) * (rng() % 97 == 0 ? 20.0f : 1.0f);
+        v[i] = normal(rng);
+      }
+      for (uint32_t layer = 0; layer < 2; ++layer)
+        ASSERT_EQ(qjlkv_cache_append(f.cache, layer, seq, n, encode(k, c.dtype).data(), encode(v, c.dtype).data()),
+                  QJLKV_OK)
+            << qjlkv_last_error_message();
+      done += n;
+    }
+  }
+}
+
+std::vector<float> random_queries(const CacheCase &c, uint32_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(size_t(n) * c.q_heads * c.head_dim);
+  for (float &x : q) x = normal(rng);
+  return q;
+}
+
+class CachePaths : public testing::TestWithParam<CacheCase> {};
+
+// Attention (n queries, causal) against a double-precision softmax over the cache's own
+// reconstruction k̂, v̂, whose products are the attention's scores: this checks the fast
+// kernels, the split of long sequences into tasks and their merge, on every path.
+TEST_P(CachePaths, AttentionMatchesSoftmaxOverReconstruction) {
+  const CacheCase &c = GetParam();
+  const uint32_t d = c.head_dim, G = c.q_heads / c.kv_heads, layer = 1, seq = 3, nq = 3;
+  for (Isa isa : supported_isas()) {
+    Filled f;
+    fill(f, c, isa_name(isa), 0);
+    uint64_t length = 0;
+    ASSERT_EQ(qjlkv_cache_length(f.cache, layer, seq, &length), QJLKV_OK);
+    ASSERT_EQ(length, kLongSeq);
+    std::vector<float> keys(length * c.kv_heads * d), values(keys.size());
+    ASSERT_EQ(qjlkv_cache_reconstruct(f.cache, layer, seq, 0, length, keys.data(), values.data()), QJLKV_OK)
+        << qjlkv_last_error_message();
+    const std::vector<float> q = random_queries(c, nq, 4);
+    const std::vector<uint8_t> q_bytes = encode(q, c.dtype);
+    std::vector<uint8_t> out(q_bytes.size());
+    ASSERT_EQ(qjlkv_cache_attend(f.cache, layer, seq, nq, q_bytes.data(), 0.0f, out.data()), QJLKV_OK)
+        << qjlkv_last_error_message();
+    const double scale = 1.0 / std::sqrt(double(d));
+    for (uint32_t i = 0; i < nq; ++i)
+      for (uint32_t h = 0; h < c.q_heads; ++h) {
+        const uint32_t kv = h / G;
+        const uint64_t visible = length - nq + i + 1;
+        std::vector<double> s(visible);
+        double top = -INFINITY;
+        for (uint64_t t = 0; t < visible; ++t) {
+          double dot = 0.0;
+          for (uint32_t j = 0; j < d; ++j) dot += double(decode(q_bytes, (size_t(i) * c.q_heads + h) * d + j, c.dtype)) *
+                                                  keys[(t * c.kv_heads + kv) * d + j];
+          s[t] = dot * scale;
+          top = std::max(top, s[t]);
+        }
+        double sum = 0.0;
+        std::vector<double> o(d, 0.0);
+        for (uint64_t t = 0; t < visible; ++t) {
+          const double p = std::exp(s[t] - top);
+          sum += p;
+          for (uint32_t j = 0; j < d; ++j) o[j] += p * values[(t * c.kv_heads + kv) * d + j];
+        }
+        // Values are O(1): float error is absolute at that scale, plus the output dtype's rounding.
+        const double tolerance = c.dtype == QJLKV_DTYPE_F32 ? 2e-5 : c.dtype == QJLKV_DTYPE_F16 ? 2e-3 : 1.6e-2;
+        for (uint32_t j = 0; j < d; ++j) {
+          const double want = o[j] / sum;
+          ASSERT_NEAR(decode(out, (size_t(i) * c.q_heads + h) * d + j, c.dtype), want, tolerance * (0.25 + std::fabs(want)))
+              << isa_name(isa) << " query " << i << " head " << h << " channel " << j;
+        }
+      }
+  }
+}
+
+// Sign bits and codes are the same on every path: the reconstructions agree exactly.
+TEST_P(CachePaths, StoredNumbersIdenticalOnEveryPath) {
+  const CacheCase &c = GetParam();
+  std::vector<float> first_keys, first_values;
+  for (Isa isa : supported_isas()) {
+    Filled f;
+    fill(f, c, isa_name(isa), 0);
+    std::vector<float> keys(size_t(kLongSeq) * c.kv_heads * c.head_dim), values(keys.size());
+    ASSERT_EQ(qjlkv_cache_reconstruct(f.cache, 0, 3, 0, kLongSeq, keys.data(), values.data()), QJLKV_OK);
+    if (first_keys.empty()) {
+      first_keys = keys;
+      first_values = values;
+      continue;
+    }
+    EXPECT_EQ(0, std::memcmp(keys.data(), first_keys.data(), keys.size() * sizeof(float))) << isa_name(isa);
+    EXPECT_EQ(0, std::memcmp(values.data(), first_values.data(), values.size() * sizeof(float))) << isa_name(isa);
+  }
+}
+
+// Every path agrees with the scalar one within float tolerance, for attend and attend_batch.
+TEST_P(CachePaths, PathsAgreeWithScalar) {
+  const CacheCase &c = GetParam();
+  const std::vector<uint8_t> q = encode(random_queries(c, 1, 8), c.dtype);
+  const std::vector<uint8_t> qb = encode(random_queries(c, 2, 9), c.dtype);
+  const uint32_t seqs[2] = {7, 3};
+  std::vector<uint8_t> want(q.size()), want_batch(qb.size());
+  {
+    Filled f;
+    fill(f, c, "scalar", 0);
+    ASSERT_EQ(qjlkv_cache_attend(f.cache, 0, 3, 1, q.data(), 0.0f, want.data()), QJLKV_OK);
+    ASSERT_EQ(qjlkv_cache_attend_batch(f.cache, 0, 2, seqs, qb.data(), 0.0f, want_batch.data()), QJLKV_OK);
+  }
+  // Values are O(1): the outputs' float error is absolute at that scale, plus the output dtype's rounding.
+  const double tolerance = c.dtype == QJLKV_DTYPE_F32 ? 2e-5 : c.dtype == QJLKV_DTYPE_F16 ? 1e-3 : 8e-3;
+  for (Isa isa : supported_isas()) {
+    Filled f;
+    fill(f, c, isa_name(isa), 0);
+    std::vector<uint8_t> got(q.size()), got_batch(qb.size());
+    ASSERT_EQ(qjlkv_cache_attend(f.cache, 0, 3, 1, q.data(), 0.0f, got.data()), QJLKV_OK);
+    ASSERT_EQ(qjlkv_cache_attend_batch(f.cache, 0, 2, seqs, qb.data(), 0.0f, got_batch.data()), QJLKV_OK);
+    for (size_t i = 0; i < q.size() / dtype_size(c.dtype); ++i) {
+      const float w = decode(want, i, c.dtype);
+      ASSERT_NEAR(decode(got, i, c.dtype), w, tolerance * (0.25 + std::fabs(w))) << isa_name(isa) << " " << i;
+    }
+    for (size_t i = 0; i < qb.size() / dtype_size(c.dtype); ++i) {
+      const float w = decode(want_batch, i, c.dtype);
+      ASSERT_NEAR(decode(got_batch, i, c.dtype), w, tolerance * (0.25 + std::fabs(w))) << isa_name(isa) << " batch " << i;
+    }
+  }
+}
+
+// The same output bytes with 1, 2 and 3 worker threads.
+TEST_P(CachePaths, ResultsDoNotDependOnThreadCount) {
+  const CacheCase &c = GetParam();
+  const std::vector<uint8_t> q = encode(random_queries(c, 2, 12), c.dtype);
+  const uint32_t seqs[2] = {3, 7};
+  const std::vector<uint8_t> qb = encode(random_queries(c, 2, 13), c.dtype);
+  std::vector<uint8_t> first, first_batch;
+  for (uint32_t threads : {1u, 2u, 3u}) {
+    Filled f;
+    fill(f, c, isa_name(best_isa()), threads);
+    std::vector<uint8_t> out(q.size()), out_batch(qb.size());
+    ASSERT_EQ(qjlkv_cache_attend(f.cache, 1, 3, 2, q.data(), 0.0f, out.data()), QJLKV_OK);
+    ASSERT_EQ(qjlkv_cache_attend_batch(f.cache, 1, 2, seqs, qb.data(), 0.0f, out_batch.data()), QJLKV_OK);
+    if (first.empty()) {
+      first = out;
+      first_batch = out_batch;
+      continue;
+    }
+    EXPECT_EQ(out, first) << threads << " threads";
+    EXPECT_EQ(out_batch, first_batch) << threads << " threads";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, CachePaths, testing::ValuesIn(kCacheCases),
+                         [](const testing::TestParamInfo<CacheCase> &info) {
+                           const char *dtype = info.param.dtype == QJLKV_DTYPE_F32   ? "f32"
+                                               : info.param.dtype == QJLKV_DTYPE_F16 ? "f16"
+                                                                                    : "bf16";
+                           return std::string(info.param.preset) + "_" + dtype + "_d" +
+                                  std::to_string(info.param.head_dim);
+                         });
+
+}  // namespace

@@ -1,0 +1,43 @@
+"""python3 -m tools.eval [--quick]: accuracy of the qjlkv presets on SmolLM2-135M.
+
+Writes accuracy.md (table), accuracy.json and bits_vs_kl.png to --out."""
+import argparse
+import sys
+
+from .evaluate import DEFAULT_TEXT, replot, run
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m tools.eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="4 presets, 256 prefilled + 64 decoded tokens (about 35 s)")
+    p.add_argument("--prefix", type=int, help="tokens prefilled exactly (default 2048; quick 256)")
+    p.add_argument("--decode", type=int, help="teacher-forced decode steps (default 1024; quick 64)")
+    p.add_argument("--text", default=DEFAULT_TEXT, help="UTF-8 text file to evaluate on")
+    p.add_argument("--out", default="build-eval", help="output folder (default build-eval)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="qjlkv worker threads per cache (default 1: the calls are tiny)")
+    p.add_argument("--only", help="run only the configurations whose name contains this")
+    p.add_argument("--prototypes", action="store_true",
+                   help="measure the numpy prototypes of QJL remedies (tools/eval/prototype.py) "
+                        "next to library rows, instead of the library set")
+    p.add_argument("--replot", metavar="JSON",
+                   help="only rewrite the table and plot of a previous run's accuracy.json")
+    a = p.parse_args(argv)
+    if a.replot:
+        paths = replot(a.replot, a.out)
+        print(f"wrote {paths['table']}, {paths['plot']}")
+        return 0
+    prefix = a.prefix if a.prefix is not None else (256 if a.quick else 2048)
+    decode = a.decode if a.decode is not None else (64 if a.quick else 1024)
+    reference_ppl, results, paths = run(prefix, decode, a.quick, a.out, a.text, a.threads, a.only,
+                                        a.prototypes)
+    with open(paths["table"]) as f:
+        sys.stdout.write(f.read())
+    print(f"\nwrote {paths['table']}, {paths['json']}, {paths['plot']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

