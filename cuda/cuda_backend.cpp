@@ -1,0 +1,743 @@
+// The CUDA backend: the cache lives on one GPU, tensor pointers are device pointers, and all work
+// is ordered on the cache's stream (qjlkv_cache_set_stream).
+//
+// Memory. Per layer, quantized blocks (all kv heads of a block in one slot, each head in the CPU
+// backend's BlockLayout) and per-sequence tail rings come from slot pools that grow geometrically
+// in a private stream-ordered memory pool; per-sequence block tables grow by doubling. A tail ring
+// holds residual_tokens + block_tokens tokens: position p sits in slot p % ring, so appending
+// never moves tokens. Growth is the only allocation on the append path; attend allocates nothing
+// once its scratch buffer has reached the size the calls need.
+//
+// Synchronization. append validates the data on the device (finite, within the fp16 range where
+// stored quantized, QJL key norms) and must read the verdict before committing, to stay
+// all-or-nothing: that is one host synchronization per append, overlapped with the quantization
+// of the new blocks (which only write slots nobody sees until the commit). attend and
+// attend_batch never synchronize the host: they do not reject non-finite queries (that would need
+// a read-back); such queries give NaN outputs for the heads they reach. scores() synchronizes (it
+// writes host memory) and rejects non-finite queries like the CPU backend.
+//
+// Launch counts. append / append_batch: 1 memset, 1 upload, validate + quantize + commit kernels,
+// 1 read-back. attend / attend_batch: 1 upload, the split kernel and the reduction kernel. Neither
+// depends on the number of sequences.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "cache.hpp"
+#include "cpu/kernels.hpp"
+#include "device_memory.hpp"
+#include "error.hpp"
+#include "kernels.hpp"
+
+namespace qjlkv::cuda {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+struct SeqState {
+  uint32_t length = 0, blocks = 0;
+  std::vector<uint64_t> table;  // host copy of the block table: slot addresses
+  DeviceBuffer table_dev;       // the block table the kernels read
+  uint8_t *ring = nullptr;      // tail ring: keys [ring][Hkv][d], then values, in the input dtype
+  // OTT-traced layers: two outlier states ([Hkv] heads each); `ott_side` is the committed one,
+  // valid once a block was traced (ott_ready).
+  uint8_t *ott = nullptr;
+  uint32_t ott_side = 0;
+  bool ott_ready = false;
+};
+
+struct LayerState {
+  KernelShape shape{};
+  uint32_t max_rows = 1;  // query rows per attention CTA that fit the device's shared memory
+  DeviceBuffer sketch_t;
+  std::unique_ptr<SlotPool> blocks, rings, otts;  // otts: traced layers only
+  std::unordered_map<uint32_t, SeqState> seqs;
+  size_t key_bytes = 0, value_bytes = 0;  // BlockLayout sizes, for the statistics
+};
+
+int device_attribute(cudaDeviceAttr attribute, int device, const char *what) {
+  int value = 0;
+  check_cuda(cudaDeviceGetAttribute(&value, attribute, device), what);
+  return value;
+}
+
+class CudaCache final : public qjlkv_cache {
+ public:
+  explicit CudaCache(CacheSpec spec);
+  ~CudaCache() override { release_all(); }
+
+  void append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uint32_t tokens_per_seq, const void *keys,
+              const void *values) override;
+  void attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uint32_t queries_per_seq, const void *queries,
+              float scale, void *out) override {
+    DeviceGuard guard(device_);
+    run_attention(layer, seqs, n_seqs, queries_per_seq, queries, scale, out, nullptr);
+  }
+  void scores(uint32_t layer, uint32_t seq, const void *query, float *out) override;
+  void reconstruct(uint32_t layer, uint32_t seq, uint64_t first, uint64_t count, float *keys,
+                   float *values) override;
+  uint64_t length(uint32_t layer, uint32_t seq) const override {
+    const auto &map = layers_[layer].seqs;
+    const auto it = map.find(seq);
+    return it == map.end() ? 0 : it->second.length;
+  }
+  void clear(uint32_t seq) override;
+  void stats(qjlkv_stats &out) const override;
+  void set_stream(void *stream) override;
+
+ private:
+  void init();
+  void release_all() noexcept;
+  void init_layer(uint32_t l, size_t smem_optin);
+  unsigned long long *device_flags() const { return static_cast<unsigned long long *>(scratch_.data); }
+  // The outlier state of side `side` of a sequence ([Hkv] heads).
+  uint8_t *ott_state(const LayerState &layer, const SeqState &seq, uint32_t side) const {
+    return seq.ott + size_t(side) * layer.shape.Hkv * layer.shape.ott.bytes;
+  }
+  // The committed outlier state of a sequence (downloaded): [Hkv][ott.bytes], empty if none.
+  std::vector<uint8_t> download_ott(const LayerState &layer, const SeqState &seq) const;
+  // Device-to-host copy ordered after the cache's work, then a wait (error and diagnostic paths).
+  void download(void *host, const void *device, size_t bytes) const;
+  // Element `index` of a device tensor in the I/O dtype (error paths only).
+  float read_element(const void *tensor, size_t index) const;
+  [[noreturn]] void fail_data(const char *name, const void *tensor, unsigned long long index, bool fp16_range) const;
+  void run_attention(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uint32_t queries_per_seq,
+                     const void *queries, float scale, void *out, float *scores_host);
+  const SeqState &find(uint32_t layer, uint32_t seq) const {
+    const auto it = layers_[layer].seqs.find(seq);
+    if (it == layers_[layer].seqs.end() || it->second.length == 0)
+      fail(QJLKV_ERROR_INVALID_ARGUMENT, "seq %u holds no tokens in layer %u", seq, layer);
+    return it->second;
+  }
+
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t switch_event_ = nullptr;
+  unsigned long long *flags_host_ = nullptr;  // pinned: the validation verdict
+  uint32_t sm_count_ = 1;
+  size_t token_bytes_ = 0;  // one token of keys (or values), all kv heads, input dtype
+  size_t ring_bytes_ = 0;   // one tail ring slot: keys then values
+  std::unique_ptr<DevicePool> pool_;
+  std::unique_ptr<UploadRing> upload_;
+  DeviceBuffer scratch_;  // per call: validation flags, job lists, descriptors, partial results
+  std::vector<LayerState> layers_;
+};
+
+CudaCache::CudaCache(CacheSpec spec) : qjlkv_cache(std::move(spec)) {
+  device_ = this->spec().cfg.device;
+  try {
+    init();
+  } catch (...) {
+    release_all();
+    throw;
+  }
+}
+
+void CudaCache::init() {
+  DeviceGuard guard(device_);
+  const qjlkv_config &cfg = spec().cfg;
+  const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, device_, "cudaDeviceGetAttribute");
+  const int minor = device_attribute(cudaDevAttrComputeCapabilityMinor, device_, "cudaDeviceGetAttribute");
+  if (major < 8)
+    fail(QJLKV_ERROR_UNSUPPORTED,
+         "config.device %d has compute capability %d.%d; the CUDA backend needs 8.0 or newer", device_, major, minor);
+  const cudaError_t probe = probe_kernels();
+  if (probe != cudaSuccess) {
+    (void)cudaGetLastError();
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.device %d (compute capability %d.%d) cannot run this build's kernels: %s (%s)",
+         device_, major, minor, cudaGetErrorName(probe), cudaGetErrorString(probe));
+  }
+  if (!device_attribute(cudaDevAttrMemoryPoolsSupported, device_, "cudaDeviceGetAttribute"))
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.device %d does not support stream-ordered memory pools", device_);
+  sm_count_ = uint32_t(device_attribute(cudaDevAttrMultiProcessorCount, device_, "cudaDeviceGetAttribute"));
+  const size_t smem_optin =
+      size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device_, "cudaDeviceGetAttribute"));
+
+  check_cuda(cudaEventCreateWithFlags(&switch_event_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  void *flags = nullptr;
+  check_cuda(cudaHostAlloc(&flags, 4 * sizeof(unsigned long long), cudaHostAllocDefault), "cudaHostAlloc");
+  flags_host_ = static_cast<unsigned long long *>(flags);
+  pool_ = std::make_unique<DevicePool>(device_);
+  upload_ = std::make_unique<UploadRing>();
+
+  token_bytes_ = size_t(cfg.num_kv_heads) * cfg.head_dim * spec().io_elem;
+  ring_bytes_ = 2 * size_t(cfg.residual_tokens + cfg.block_tokens) * token_bytes_;
+  layers_.resize(cfg.num_layers);
+  for (uint32_t l = 0; l < cfg.num_layers; ++l) init_layer(l, smem_optin);
+  check_cuda(cudaStreamSynchronize(stream_), "uploading the sketches");
+}
+
+void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
+  const qjlkv_config &cfg = spec().cfg;
+  const LayerSpec &ls = spec().layers[l];
+  const BlockLayout &b = ls.layout;
+  LayerState &layer = layers_[l];
+  KernelShape &k = layer.shape;
+  k.dtype = cfg.dtype;
+  k.stored_bf16 = spec().stored_dtype == QJLKV_DTYPE_BF16;
+  k.kind = cfg.key_method == QJLKV_KEYS_QJL     ? KeyKind::qjl
+           : cfg.key_method == QJLKV_KEYS_EXACT ? KeyKind::exact
+                                                : KeyKind::kivi;  // KIVI and OTT
+  k.d = cfg.head_dim;
+  k.Hkv = cfg.num_kv_heads;
+  k.Hq = cfg.num_q_heads;
+  k.G = spec().group_size;
+  k.B = cfg.block_tokens;
+  k.ring = cfg.residual_tokens + cfg.block_tokens;
+  k.key_bits = cfg.key_bits;
+  k.value_bits = cfg.value_bits;
+  k.value_group = cfg.value_group_size;
+  k.m = ls.m;
+  k.m_out = ls.m_out;
+  k.sketch_rows = ls.sketch_rows;
+  k.outlier_channels = ls.m_out ? cfg.outlier_channels : 0;
+  k.qjl_constant = spec().qjl_constant;
+  const auto u32 = [](size_t x) { return uint32_t(x); };
+  k.key_norm_in = u32(b.key_norm_in);
+  k.key_norm_out = u32(b.key_norm_out);
+  k.key_bits_in = u32(b.key_bits_in);
+  k.key_bits_out = u32(b.key_bits_out);
+  k.key_outlier_idx = u32(b.key_outlier_idx);
+  k.key_scale = u32(b.key_scale);
+  k.key_min = u32(b.key_min);
+  k.key_codes = u32(b.key_codes);
+  k.value_scale = u32(b.value_scale);
+  k.value_min = u32(b.value_min);
+  k.value_codes = u32(b.value_codes);
+  k.bits_in_bpt = u32(b.key_bytes_per_token_bits_in);
+  k.bits_out_bpt = u32(b.key_bytes_per_token_bits_out);
+  k.key_codes_bpt = u32(b.key_bytes_per_token_codes);
+  k.value_codes_bpt = u32(b.value_bytes_per_token_codes);
+  k.head_stride = u32((b.stride + 15) / 16 * 16);
+  k.has_mask = cfg.key_method == QJLKV_KEYS_OTT;
+  k.key_mask = u32(b.key_mask);
+  k.traced = ls.traced;
+  k.ott_pool = cfg.outlier_tokens;
+  k.ott_spill = cfg.outlier_spill_tokens;
+  k.ott = ott_layout(k.ott_pool, k.ott_spill, k.d, uint32_t(spec().io_elem));
+  layer.key_bytes = b.key_bytes;
+  layer.value_bytes = b.value_bytes;
+
+  // The largest number of query rows per attention CTA whose shared memory fits the device.
+  layer.max_rows = 0;
+  for (uint32_t rows = 8; rows >= 1 && layer.max_rows == 0; rows /= 2)
+    if (attend_smem(attend_shape(k, rows)).total <= smem_optin) layer.max_rows = rows;
+  if (layer.max_rows == 0)
+    fail(QJLKV_ERROR_UNSUPPORTED,
+         "layer %u: the CUDA attention kernel needs %u bytes of shared memory for this configuration "
+         "(key_sketch_dim %u, outlier_sketch_dim %u, head_dim %u), the device offers %zu; use smaller sketches "
+         "or the CPU backend",
+         l, attend_smem(attend_shape(k, 1)).total, k.m, k.m_out, k.d, smem_optin);
+  check_cuda(configure_attend(k, smem_optin), "cudaFuncSetAttribute");
+
+  layer.blocks = std::make_unique<SlotPool>(size_t(k.head_stride) * k.Hkv, 16);
+  layer.rings = std::make_unique<SlotPool>(align_up(ring_bytes_), 4);
+  if (k.traced) {
+    const size_t need = ott_quantize_smem(k);
+    if (need > smem_optin)
+      fail(QJLKV_ERROR_UNSUPPORTED,
+           "layer %u: OTT tracing of blocks of %u tokens with %u outlier tokens needs %zu bytes of shared memory, "
+           "the device offers %zu; use smaller config.block_tokens or config.outlier_tokens",
+           l, k.B, k.ott_pool, need, smem_optin);
+    check_cuda(configure_ott_quantize(smem_optin), "cudaFuncSetAttribute");
+    layer.otts = std::make_unique<SlotPool>(2 * size_t(k.Hkv) * k.ott.bytes, 4);
+  }
+
+  if (k.kind == KeyKind::qjl) {
+    // Uploaded once, transposed to [d][rows] so that thread i reading row i is coalesced.
+    const SketchMatrix &matrix = ls.sketch->matrix;
+    std::vector<float> transposed(size_t(matrix.rows) * matrix.cols);
+    for (uint32_t i = 0; i < matrix.rows; ++i)
+      for (uint32_t j = 0; j < matrix.cols; ++j) transposed[size_t(j) * matrix.rows + i] = matrix.row(i)[j];
+    layer.sketch_t.ensure(transposed.size() * sizeof(float), *pool_, stream_);
+    check_cuda(cudaMemcpyAsync(layer.sketch_t.data, transposed.data(), transposed.size() * sizeof(float),
+                               cudaMemcpyHostToDevice, stream_),
+               "uploading the sketch");
+    check_cuda(cudaStreamSynchronize(stream_), "uploading the sketch");  // `transposed` dies here
+    k.sketch_t = static_cast<const float *>(layer.sketch_t.data);
+  }
+}
+
+void CudaCache::release_all() noexcept {
+  if (!pool_) {
+    if (switch_event_) (void)cudaEventDestroy(switch_event_);
+    if (flags_host_) (void)cudaFreeHost(flags_host_);
+    switch_event_ = nullptr;
+    flags_host_ = nullptr;
+    return;
+  }
+  int previous = -1;
+  const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device_ &&
+                        cudaSetDevice(device_) == cudaSuccess;
+  for (LayerState &layer : layers_) {
+    for (auto &[id, seq] : layer.seqs) seq.table_dev.release(*pool_, stream_);
+    if (layer.blocks) layer.blocks->release_all(*pool_, stream_);
+    if (layer.rings) layer.rings->release_all(*pool_, stream_);
+    if (layer.otts) layer.otts->release_all(*pool_, stream_);
+    layer.sketch_t.release(*pool_, stream_);
+  }
+  layers_.clear();
+  scratch_.release(*pool_, stream_);
+  (void)cudaStreamSynchronize(stream_);  // the stream must still exist: see qjlkv_cache_set_stream
+  pool_.reset();
+  upload_.reset();
+  if (switch_event_) (void)cudaEventDestroy(switch_event_);
+  if (flags_host_) (void)cudaFreeHost(flags_host_);
+  switch_event_ = nullptr;
+  flags_host_ = nullptr;
+  if (switched) (void)cudaSetDevice(previous);
+}
+
+void CudaCache::set_stream(void *stream) {
+  DeviceGuard guard(device_);
+  auto *next = static_cast<cudaStream_t>(stream);
+  if (next == stream_) return;
+  // Work already enqueued on the old stream comes before anything enqueued on the new one.
+  check_cuda(cudaEventRecord(switch_event_, stream_), "cudaEventRecord (set_stream)");
+  check_cuda(cudaStreamWaitEvent(next, switch_event_, 0), "cudaStreamWaitEvent (set_stream)");
+  stream_ = next;
+}
+
+void CudaCache::download(void *host, const void *device, size_t bytes) const {
+  check_cuda(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (to the host)");
+  check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (to the host)");
+}
+
+float CudaCache::read_element(const void *tensor, size_t index) const {
+  const size_t elem = spec().io_elem;
+  uint32_t bits = 0;
+  download(&bits, static_cast<const uint8_t *>(tensor) + index * elem, elem);
+  return cpu::load_element(&bits, 0, spec().cfg.dtype);
+}
+
+void CudaCache::fail_data(const char *name, const void *tensor, unsigned long long index, bool fp16_range) const {
+  const float x = read_element(tensor, size_t(index));
+  if (!std::isfinite(x) || !fp16_range)
+    fail(QJLKV_ERROR_INVALID_ARGUMENT, "%s[%llu] is %g: keys, values and queries must be finite", name, index,
+         double(x));
+  fail(QJLKV_ERROR_INVALID_ARGUMENT,
+       "%s[%llu] is %g, outside the fp16 range (|x| <= 65504) that this configuration stores", name, index, double(x));
+}
+
+void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_seqs, uint32_t tokens_per_seq,
+                       const void *keys, const void *values) {
+  DeviceGuard guard(device_);
+  const qjlkv_config &cfg = spec().cfg;
+  LayerState &layer = layers_[layer_index];
+  const KernelShape &k = layer.shape;
+  const uint32_t B = cfg.block_tokens, R = cfg.residual_tokens;
+  const size_t elements = size_t(n_seqs) * tokens_per_seq * cfg.num_kv_heads * cfg.head_dim;
+  const size_t seq_input_bytes = size_t(tokens_per_seq) * token_bytes_;
+  const auto *key_bytes = static_cast<const uint8_t *>(keys);
+  const auto *value_bytes = static_cast<const uint8_t *>(values);
+
+  struct Plan {
+    uint32_t id = 0;
+    SeqState *seq = nullptr;
+    bool created = false;
+    uint32_t new_blocks = 0;
+    size_t first_slot = 0;     // into `slots`
+    DeviceBuffer grown_table;  // replaces seq->table_dev when the table must grow
+  };
+  std::vector<Plan> plans;
+  std::vector<uint8_t *> slots;
+  const auto rollback = [&]() noexcept {
+    for (Plan &p : plans) p.grown_table.release(*pool_, stream_);
+    for (uint8_t *slot : slots) layer.blocks->give(slot);
+    for (Plan &p : plans)
+      if (p.created) {
+        if (p.seq->ring) layer.rings->give(p.seq->ring);
+        if (p.seq->ott) layer.otts->give(p.seq->ott);
+        layer.seqs.erase(p.id);
+      }
+  };
+
+  // 1. Plan and reserve everything (nothing visible changes; failures roll back).
+  size_t quant_jobs = 0, ott_jobs = 0;
+  uint8_t *blob_host = nullptr;
+  size_t commit_offset = 0, entries_offset = 0, ott_offset = 0, blob_bytes = 0;
+  try {
+    plans.reserve(n_seqs);
+    size_t created = 0;
+    for (uint32_t i = 0; i < n_seqs; ++i) {
+      auto [it, is_new] = layer.seqs.try_emplace(seqs[i]);
+      Plan &p = plans.emplace_back();  // reserved: cannot throw, so every creation is recorded
+      p.id = seqs[i];
+      p.seq = &it->second;
+      p.created = is_new;
+      created += is_new;
+      const uint64_t total = uint64_t(p.seq->length - p.seq->blocks * B) + tokens_per_seq;
+      p.new_blocks = total >= uint64_t(R) + B ? uint32_t((total - R) / B) : 0;
+      p.first_slot = quant_jobs;
+      quant_jobs += p.new_blocks;
+    }
+    layer.blocks->reserve(quant_jobs, *pool_, stream_);
+    layer.rings->reserve(created, *pool_, stream_);
+    if (k.traced) layer.otts->reserve(created, *pool_, stream_);
+    slots.reserve(quant_jobs);
+    for (Plan &p : plans) {
+      if (p.created) p.seq->ring = layer.rings->take();
+      if (p.created && k.traced) p.seq->ott = layer.otts->take();
+      if (k.traced && p.new_blocks) ++ott_jobs;
+      for (uint32_t b = 0; b < p.new_blocks; ++b) slots.push_back(layer.blocks->take());
+      const size_t needed = p.seq->blocks + p.new_blocks;
+      p.seq->table.reserve(needed);  // the commit appends within capacity
+      if (needed * sizeof(uint64_t) > p.seq->table_dev.bytes)
+        p.grown_table.ensure(std::max(needed, size_t(16)) * sizeof(uint64_t) * 2, *pool_, stream_);
+    }
+
+    // The job lists, uploaded in one copy: quantize jobs, commit jobs, new table entries, OTT jobs.
+    commit_offset = align_up(quant_jobs * sizeof(QuantJob));
+    entries_offset = commit_offset + align_up(n_seqs * sizeof(CommitJob));
+    ott_offset = entries_offset + align_up(quant_jobs * sizeof(uint64_t));
+    blob_bytes = ott_offset + ott_jobs * sizeof(OttJob);
+    scratch_.ensure(kAlign + blob_bytes, *pool_, stream_);
+    blob_host = upload_->acquire(blob_bytes, stream_);
+  } catch (...) {
+    rollback();
+    throw;
+  }
+  uint8_t *blob_dev = static_cast<uint8_t *>(scratch_.data) + kAlign;
+  auto *quant = reinterpret_cast<QuantJob *>(blob_host);
+  auto *commit = reinterpret_cast<CommitJob *>(blob_host + commit_offset);
+  auto *entries = reinterpret_cast<uint64_t *>(blob_host + entries_offset);
+  const auto *entries_dev = reinterpret_cast<const uint64_t *>(blob_dev + entries_offset);
+  auto *ott = reinterpret_cast<OttJob *>(blob_host + ott_offset);
+  const auto *quant_dev = reinterpret_cast<const QuantJob *>(blob_dev);
+  const size_t ring_half = ring_bytes_ / 2;
+  for (uint32_t i = 0, ott_job = 0; i < n_seqs; ++i) {
+    const Plan &p = plans[i];
+    const SeqState &seq = *p.seq;
+    if (k.traced && p.new_blocks)
+      ott[ott_job++] = OttJob{quant_dev + p.first_slot, p.new_blocks, !seq.ott_ready,
+                              ott_state(layer, seq, seq.ott_side), ott_state(layer, seq, 1 - seq.ott_side)};
+    const uint8_t *in_k = key_bytes + i * seq_input_bytes, *in_v = value_bytes + i * seq_input_bytes;
+    for (uint32_t b = 0; b < p.new_blocks; ++b) {
+      QuantJob &job = quant[p.first_slot + b];
+      job.slot = slots[p.first_slot + b];
+      job.ring_k = seq.ring;
+      job.ring_v = seq.ring + ring_half;
+      job.in_k = in_k;
+      job.in_v = in_v;
+      job.first_pos = (seq.blocks + b) * B;
+      job.old_length = seq.length;
+      entries[p.first_slot + b] = reinterpret_cast<uint64_t>(job.slot);
+    }
+    // The new tail: positions from max(old length, end of the new blocks) come from the input.
+    const uint32_t end = seq.length + tokens_per_seq;
+    const uint32_t tail_start = std::max(seq.length, (seq.blocks + p.new_blocks) * B);
+    CommitJob &job = commit[i];
+    job.table = static_cast<uint64_t *>(p.grown_table.data ? p.grown_table.data : seq.table_dev.data);
+    job.old_table = p.grown_table.data ? static_cast<const uint64_t *>(seq.table_dev.data) : nullptr;
+    job.entries = entries_dev + p.first_slot;
+    job.n_old = seq.blocks;  // new entries go after the committed ones; copied only into a grown table
+    job.n_new = p.new_blocks;
+    job.ring_k = seq.ring;
+    job.ring_v = seq.ring + ring_half;
+    job.in_k = in_k;
+    job.in_v = in_v;
+    job.first_token = tail_start - seq.length;
+    job.n_tokens = end - tail_start;
+    job.first_pos = tail_start;
+  }
+
+  // 2. Validate and quantize into the reserved slots, then read the verdict: the host sync.
+  unsigned long long *flags = device_flags();
+  try {
+    check_cuda(cudaMemsetAsync(flags, 0xff, 3 * sizeof(unsigned long long), stream_), "cudaMemsetAsync");
+    check_cuda(cudaMemcpyAsync(blob_dev, blob_host, blob_bytes, cudaMemcpyHostToDevice, stream_),
+               "uploading the append jobs");
+    check_cuda(launch_validate(k, keys, values, elements, spec().keys_need_fp16_range ? kHalfMax : FLT_MAX,
+                               spec().values_need_fp16_range ? kHalfMax : FLT_MAX, k.kind == KeyKind::qjl, flags,
+                               stream_),
+               "the validation kernel");
+    if (k.traced)
+      check_cuda(launch_ott_quantize(k, reinterpret_cast<const OttJob *>(blob_dev + ott_offset), uint32_t(ott_jobs),
+                                     stream_),
+                 "the OTT quantization kernel");
+    else
+      check_cuda(launch_quantize(k, quant_dev, uint32_t(quant_jobs), stream_), "the quantization kernel");
+    check_cuda(cudaMemcpyAsync(flags_host_, flags, 3 * sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream_),
+               "reading the validation result");
+    check_cuda(cudaStreamSynchronize(stream_), "append (validation and quantization)");
+    constexpr unsigned long long kNone = ~0ull;
+    if (flags_host_[0] != kNone) fail_data("keys", keys, flags_host_[0], spec().keys_need_fp16_range);
+    if (flags_host_[1] != kNone) fail_data("values", values, flags_host_[1], spec().values_need_fp16_range);
+    if (flags_host_[2] != kNone) {
+      const size_t vector = size_t(flags_host_[2]);
+      double norm2 = 0.0;
+      for (uint32_t j = 0; j < cfg.head_dim; ++j) {
+        const double x = read_element(keys, vector * cfg.head_dim + j);
+        norm2 += x * x;
+      }
+      fail(QJLKV_ERROR_INVALID_ARGUMENT,
+           "keys: the key vector of token %zu, kv head %zu has L2 norm %g > 65504, which QJL cannot store (norms "
+           "are fp16)",
+           vector / cfg.num_kv_heads, vector % cfg.num_kv_heads, std::sqrt(norm2));
+    }
+  } catch (...) {
+    rollback();
+    throw;
+  }
+
+  // 3. Commit: table entries and tail tokens on the device, then the host state (cannot fail).
+  check_cuda(launch_commit(k, reinterpret_cast<const CommitJob *>(blob_dev + commit_offset), n_seqs, stream_),
+             "the commit kernel");
+  for (uint32_t i = 0; i < n_seqs; ++i) {
+    Plan &p = plans[i];
+    SeqState &seq = *p.seq;
+    if (p.grown_table.data) {
+      seq.table_dev.release(*pool_, stream_);  // stream-ordered after the commit kernel's copy
+      seq.table_dev = p.grown_table;
+      p.grown_table = DeviceBuffer{};
+    }
+    for (uint32_t b = 0; b < p.new_blocks; ++b) seq.table.push_back(reinterpret_cast<uint64_t>(slots[p.first_slot + b]));
+    if (k.traced && p.new_blocks) {  // the state this append wrote becomes the committed one
+      seq.ott_side = 1 - seq.ott_side;
+      seq.ott_ready = true;
+    }
+    seq.length += tokens_per_seq;
+    seq.blocks += p.new_blocks;
+  }
+}
+
+void CudaCache::run_attention(uint32_t layer_index, const uint32_t *seqs, uint32_t n_seqs, uint32_t queries_per_seq,
+                              const void *queries, float scale, void *out, float *scores_host) {
+  const qjlkv_config &cfg = spec().cfg;
+  LayerState &layer = layers_[layer_index];
+  const KernelShape &k = layer.shape;
+  uint32_t max_units = 0;
+  for (uint32_t i = 0; i < n_seqs; ++i) {
+    const SeqState &seq = find(layer_index, seqs[i]);
+    QJLKV_REQUIRE(queries_per_seq <= seq.length, "n_queries is %u, but seq %u holds only %llu tokens",
+                  queries_per_seq, seqs[i], (unsigned long long)seq.length);
+    max_units = std::max(max_units, attend_units(seq.length, seq.blocks, k.B));
+  }
+  // OTT: at most P + S outlier tokens per head (the kernel reads the actual counts).
+  if (k.traced) max_units += div_up(k.ott_pool + k.ott_spill, k.B);
+  const uint64_t rows_total = uint64_t(queries_per_seq) * k.G;
+  const uint32_t rows = pick_rows(rows_total, layer.max_rows);
+  const uint64_t row_tiles = (rows_total + rows - 1) / rows;
+  const uint64_t base_ctas = uint64_t(n_seqs) * k.Hkv * row_tiles;
+  // About 8 CTAs of 128 threads per SM in flight.
+  const SplitPlan plan = plan_splits(max_units, base_ctas, uint64_t(sm_count_) * 8);
+  if (base_ctas * plan.splits > 0x7fffffffu || row_tiles > 0xffffffffu)
+    fail(QJLKV_ERROR_UNSUPPORTED, "n_queries (%u) x num_q_heads x sequences is too large for one CUDA attention call",
+         queries_per_seq);
+
+  const size_t out_rows = size_t(n_seqs) * queries_per_seq * cfg.num_q_heads;
+  const size_t desc_bytes = align_up(n_seqs * sizeof(AttendSeq));
+  const size_t ml_bytes = align_up(out_rows * plan.splits * 2 * sizeof(float));
+  const size_t acc_bytes = align_up(out_rows * plan.splits * cfg.head_dim * sizeof(float));
+  const uint64_t length0 = scores_host ? find(layer_index, seqs[0]).length : 0;
+  const size_t scores_bytes = align_up(size_t(length0) * cfg.num_q_heads * sizeof(float));
+  scratch_.ensure(kAlign + desc_bytes + ml_bytes + acc_bytes + scores_bytes, *pool_, stream_);
+  uint8_t *base = static_cast<uint8_t *>(scratch_.data) + kAlign;
+
+  auto *desc_host = reinterpret_cast<AttendSeq *>(upload_->acquire(n_seqs * sizeof(AttendSeq), stream_));
+  const size_t ring_half = ring_bytes_ / 2;
+  for (uint32_t i = 0; i < n_seqs; ++i) {
+    const SeqState &seq = layer.seqs.find(seqs[i])->second;
+    desc_host[i] = AttendSeq{static_cast<const uint64_t *>(seq.table_dev.data), seq.ring, seq.ring + ring_half,
+                             seq.ott_ready ? ott_state(layer, seq, seq.ott_side) : nullptr, seq.length, seq.blocks};
+  }
+  check_cuda(cudaMemcpyAsync(base, desc_host, n_seqs * sizeof(AttendSeq), cudaMemcpyHostToDevice, stream_),
+             "uploading the attention descriptors");
+
+  AttendArgs args{};
+  args.shape = k;
+  args.smem = attend_smem(attend_shape(k, rows));
+  args.seqs = reinterpret_cast<const AttendSeq *>(base);
+  args.n_seqs = n_seqs;
+  args.queries = queries;
+  args.qps = queries_per_seq;
+  args.row_tiles = uint32_t(row_tiles);
+  args.split = plan;
+  args.scale = scale;
+  args.part_ml = reinterpret_cast<float *>(base + desc_bytes);
+  args.part_acc = reinterpret_cast<float *>(base + desc_bytes + ml_bytes);
+  args.scores = scores_host ? reinterpret_cast<float *>(base + desc_bytes + ml_bytes + acc_bytes) : nullptr;
+  args.out = out;
+  check_cuda(launch_attend(args, rows, stream_), "the attention kernels");
+  if (scores_host)
+    check_cuda(cudaMemcpyAsync(scores_host, args.scores, size_t(length0) * cfg.num_q_heads * sizeof(float),
+                               cudaMemcpyDeviceToHost, stream_),
+               "reading the scores");
+}
+
+void CudaCache::scores(uint32_t layer, uint32_t seq, const void *query, float *out) {
+  DeviceGuard guard(device_);
+  const qjlkv_config &cfg = spec().cfg;
+  find(layer, seq);
+  scratch_.ensure(kAlign, *pool_, stream_);
+  unsigned long long *flags = device_flags();
+  check_cuda(cudaMemsetAsync(flags, 0xff, 3 * sizeof(unsigned long long), stream_), "cudaMemsetAsync");
+  check_cuda(launch_validate(layers_[layer].shape, query, nullptr, size_t(cfg.num_q_heads) * cfg.head_dim, FLT_MAX,
+                             FLT_MAX, false, flags, stream_),
+             "the validation kernel");
+  check_cuda(cudaMemcpyAsync(flags_host_, flags, sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream_),
+             "reading the validation result");
+  check_cuda(cudaStreamSynchronize(stream_), "scores (validation)");
+  if (flags_host_[0] != ~0ull) fail_data("query", query, flags_host_[0], false);
+  run_attention(layer, &seq, 1, 1, query, 1.0f, nullptr, out);
+  check_cuda(cudaStreamSynchronize(stream_), "scores");
+}
+
+std::vector<uint8_t> CudaCache::download_ott(const LayerState &layer, const SeqState &seq) const {
+  std::vector<uint8_t> state;
+  if (!layer.shape.traced || !seq.ott_ready) return state;
+  state.resize(size_t(layer.shape.Hkv) * layer.shape.ott.bytes);
+  download(state.data(), ott_state(layer, seq, seq.ott_side), state.size());
+  return state;
+}
+
+// Not a fast path: the stored bytes come to the host and the CPU backend's decoders read them, so
+// the reconstruction of equal bytes is equal on both backends.
+void CudaCache::reconstruct(uint32_t layer_index, uint32_t seq_id, uint64_t first, uint64_t count, float *keys_out,
+                            float *values_out) {
+  DeviceGuard guard(device_);
+  const qjlkv_config &cfg = spec().cfg;
+  const LayerSpec &ls = spec().layers[layer_index];
+  const LayerState &layer = layers_[layer_index];
+  const SeqState &seq = find(layer_index, seq_id);
+  const uint32_t d = cfg.head_dim, B = cfg.block_tokens, Hkv = cfg.num_kv_heads;
+  const uint64_t quantized = uint64_t(seq.blocks) * B;
+  const size_t head_stride = layer.shape.head_stride;
+  std::vector<uint8_t> slot(head_stride * Hkv), ring;
+  uint64_t slot_block = ~0ull;
+  const std::vector<uint8_t> ott = download_ott(layer, seq);
+  const OttLayout &ol = layer.shape.ott;
+  if (first + count > quantized) {
+    ring.resize(ring_bytes_);
+    download(ring.data(), seq.ring, ring_bytes_);
+  }
+  for (uint64_t p = first; p < first + count; ++p) {
+    if (p < quantized && p / B != slot_block) {
+      slot_block = p / B;
+      download(slot.data(), reinterpret_cast<const void *>(seq.table[slot_block]), slot.size());
+    }
+    for (uint32_t h = 0; h < Hkv; ++h) {
+      float *k = keys_out ? keys_out + ((p - first) * Hkv + h) * d : nullptr;
+      float *v = values_out ? values_out + ((p - first) * Hkv + h) * d : nullptr;
+      if (p >= quantized) {  // ring slot p % ring: keys, then values half a ring later
+        const size_t element = size_t(p % layer.shape.ring) * Hkv * d + size_t(h) * d;
+        if (k) cpu::load_row(ring.data(), element, d, cfg.dtype, k);
+        if (v) cpu::load_row(ring.data() + ring_bytes_ / 2, element, d, cfg.dtype, v);
+        continue;
+      }
+      const uint8_t *block = slot.data() + h * head_stride;
+      const uint32_t t = uint32_t(p % B);
+      if (layer.shape.has_mask && (block[ls.layout.key_mask + t / 8] >> (t % 8) & 1u)) {
+        // OTT: the token lives on, exact, in the pool or the spill area.
+        const uint8_t *state = ott.data() + size_t(h) * ol.bytes;
+        const auto *header = reinterpret_cast<const uint32_t *>(state);
+        const auto *positions = reinterpret_cast<const uint32_t *>(state + ol.positions);
+        for (uint32_t o = 0; o < header[0] + header[1]; ++o) {
+          const uint32_t where = ott_slot(o, header[0], cfg.outlier_tokens);
+          if (positions[where] != p) continue;
+          if (k) cpu::load_row(state + ol.keys, size_t(where) * d, d, cfg.dtype, k);
+          if (v) cpu::load_row(state + ol.values, size_t(where) * d, d, cfg.dtype, v);
+        }
+        continue;
+      }
+      if (k) {
+        switch (cfg.key_method) {
+          case QJLKV_KEYS_QJL: cpu::qjl_reconstruct_key(ls, cfg, spec().qjl_constant, block, t, k); break;
+          case QJLKV_KEYS_EXACT:
+            for (uint32_t j = 0; j < d; ++j)
+              k[j] = cpu::from_16bit(cpu::at<uint16_t>(block, ls.layout.key_codes)[size_t(t) * d + j],
+                                     spec().stored_dtype);
+            break;
+          default: cpu::kivi_dequantize_token(cfg, ls.layout, block, t, k); break;
+        }
+      }
+      if (v) cpu::values_dequantize_token(cfg, spec().stored_dtype, ls.layout, block, t, v);
+    }
+  }
+}
+
+void CudaCache::clear(uint32_t seq_id) {
+  DeviceGuard guard(device_);
+  for (LayerState &layer : layers_) {
+    const auto it = layer.seqs.find(seq_id);
+    if (it == layer.seqs.end()) continue;
+    SeqState &seq = it->second;
+    // Stream order keeps kernels already enqueued on these slots ahead of their next writer.
+    for (uint64_t slot : seq.table) layer.blocks->give(reinterpret_cast<uint8_t *>(slot));
+    if (seq.ring) layer.rings->give(seq.ring);
+    if (seq.ott) layer.otts->give(seq.ott);
+    seq.table_dev.release(*pool_, stream_);
+    layer.seqs.erase(it);
+  }
+}
+
+void CudaCache::stats(qjlkv_stats &out) const {
+  const qjlkv_config &cfg = spec().cfg;
+  const uint64_t Hkv = cfg.num_kv_heads;
+  uint64_t tokens = 0, keys_q = 0, values_q = 0, full = 0, meta = 0, padding = 0, allocated = 0;
+  for (const LayerState &layer : layers_) {
+    const uint64_t head_stride = layer.shape.head_stride;
+    allocated += layer.blocks->bytes_reserved() + layer.rings->bytes_reserved();
+    for (const auto &[id, seq] : layer.seqs) {
+      const uint32_t tail = seq.length - seq.blocks * cfg.block_tokens;
+      tokens += seq.length;
+      keys_q += uint64_t(seq.blocks) * Hkv * layer.key_bytes;
+      values_q += uint64_t(seq.blocks) * Hkv * layer.value_bytes;
+      full += 2 * uint64_t(tail) * token_bytes_;
+      padding += uint64_t(seq.blocks) * Hkv * (head_stride - layer.key_bytes - layer.value_bytes);
+      meta += sizeof(SeqState) + 2 * sizeof(uint64_t) * uint64_t(seq.blocks);  // record, host and device tables
+      allocated += seq.table_dev.bytes + seq.table.capacity() * sizeof(uint64_t) + sizeof(SeqState);
+      if (!layer.shape.traced) continue;
+      // OTT: the pool and spill tokens (K, V, position) and the pool's norms, as the CPU counts them.
+      meta += uint64_t(Hkv) * 16;  // the state headers
+      if (!seq.ott_ready) continue;
+      std::vector<uint32_t> headers(4 * Hkv);
+      check_cuda(cudaMemcpy2DAsync(headers.data(), 16, ott_state(layer, seq, seq.ott_side), layer.shape.ott.bytes, 16,
+                                   Hkv, cudaMemcpyDeviceToHost, stream_),
+                 "reading the OTT state");
+      check_cuda(cudaStreamSynchronize(stream_), "reading the OTT state");
+      const uint64_t per_token = 2 * token_bytes_ / Hkv + sizeof(uint32_t);
+      for (uint32_t h = 0; h < Hkv; ++h)
+        full += uint64_t(headers[4 * h] + headers[4 * h + 1]) * per_token + uint64_t(headers[4 * h]) * sizeof(float);
+    }
+    if (layer.otts) allocated += layer.otts->bytes_reserved();
+  }
+  out.tokens = tokens;
+  out.bytes_keys_quantized = keys_q;
+  out.bytes_values_quantized = values_q;
+  out.bytes_full_precision = full;
+  out.bytes_metadata = meta + padding;  // block padding is stored, so it counts
+  out.bytes_used = keys_q + values_q + full + meta + padding;
+  out.bytes_reserved = allocated;
+  const uint64_t numbers = tokens * Hkv * cfg.head_dim * 2;
+  out.bytes_fp16_equivalent = numbers * 2;
+  out.bits_per_number = numbers ? double(out.bytes_used) * 8.0 / double(numbers) : 0.0;
+}
+
+}  // namespace
+}  // namespace qjlkv::cuda
+
+namespace qjlkv {
+
+std::unique_ptr<qjlkv_cache> make_cuda_cache(CacheSpec spec) {
+  const int device = spec.cfg.device;
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.device is %d, but no CUDA device is usable: cudaGetDeviceCount failed with %s (%s)",
+         device, cudaGetErrorName(status), cudaGetErrorString(status));
+  }
+  if (device >= count)
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.device is %d, but this machine has %d CUDA device(s)", device, count);
+  return std::make_unique<cuda::CudaCache>(std::move(spec));
+}
+
+}  // namespace qjlkv

@@ -1,0 +1,154 @@
+// The interface between the CUDA backend's host code (cuda_backend.cpp) and its kernels (*.cu):
+// plain structs passed by value to the kernels, and one launch function per kernel family. Each
+// launch function only enqueues work on the given stream and returns the launch status.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "layout.hpp"
+#include "qjlkv/qjlkv.h"
+
+namespace qjlkv::cuda {
+
+// The constants of a cache and a layer that the kernels read.
+struct KernelShape {
+  qjlkv_dtype dtype;        // input/output and tail dtype
+  bool stored_bf16;         // 16-bit storage is bf16 (else fp16)
+  KeyKind kind;
+  uint32_t d, Hkv, Hq, G;   // head_dim, kv heads, query heads, group size
+  uint32_t B;               // block_tokens
+  uint32_t ring;            // tail ring capacity in tokens (residual_tokens + block_tokens)
+  uint32_t key_bits, value_bits, value_group;
+  uint32_t m, m_out, sketch_rows, outlier_channels;  // QJL, for this layer
+  float qjl_constant;
+  const float *sketch_t;    // QJL: the layer sketch transposed, [d][sketch_rows]
+  // BlockLayout offsets (bytes inside one head's block) and the per-token sizes.
+  uint32_t key_norm_in, key_norm_out, key_bits_in, key_bits_out, key_outlier_idx;
+  uint32_t key_scale, key_min, key_codes;
+  uint32_t value_scale, value_min, value_codes;
+  uint32_t bits_in_bpt, bits_out_bpt, key_codes_bpt, value_codes_bpt;
+  uint32_t head_stride;     // bytes between the blocks of two kv heads in one slot (16-aligned)
+  // OTT (kind kivi with a mask): moved slots are masked; traced layers keep outlier tokens.
+  uint32_t key_mask;        // offset of the mask bits in a block, when has_mask
+  bool has_mask, traced;
+  uint32_t ott_pool, ott_spill;  // P and S
+  OttLayout ott;                 // one head's state; a sequence holds [2 sides][Hkv] of them
+};
+
+// ---- append ---------------------------------------------------------------------------------
+// One block (all kv heads) to quantize. Its tokens are positions first_pos .. first_pos + B - 1;
+// positions below old_length come from the sequence's tail ring, the others from the input.
+struct QuantJob {
+  uint8_t *slot;
+  const uint8_t *ring_k, *ring_v;
+  const uint8_t *in_k, *in_v;  // this sequence's input tokens ([n][Hkv][d])
+  uint32_t first_pos, old_length;
+};
+
+// What becomes visible once an append is validated: block table entries and tail tokens.
+struct CommitJob {
+  uint64_t *table;            // the sequence's device block table (maybe newly allocated)
+  const uint64_t *old_table;  // when not null, entries [0, n_old) are copied from it first
+  const uint64_t *entries;    // n_new slot addresses written at [n_old, n_old + n_new)
+  uint32_t n_old, n_new;
+  uint8_t *ring_k, *ring_v;
+  const uint8_t *in_k, *in_v;
+  uint32_t first_token, n_tokens;  // input tokens stored in the ring ...
+  uint32_t first_pos;              // ... at positions first_pos, first_pos + 1, ...
+};
+
+// flags[0], [1], [2] receive the first bad key element, value element and QJL key vector
+// (UINT64_MAX when none); values may be null (a query check).
+cudaError_t launch_validate(const KernelShape &shape, const void *keys, const void *values, size_t elements,
+                            float key_limit, float value_limit, bool check_key_norms, unsigned long long *flags,
+                            cudaStream_t stream);
+cudaError_t launch_quantize(const KernelShape &shape, const QuantJob *jobs, uint32_t n_jobs, cudaStream_t stream);
+
+// OTT-traced layers: the new blocks of one sequence, quantized in order by one CTA per kv head,
+// which first copies the committed outlier state (`from`, or a fresh one) to `to` and updates it.
+struct OttJob {
+  const QuantJob *blocks;  // n_blocks consecutive jobs, in position order
+  uint32_t n_blocks;
+  bool fresh;              // the sequence has no outlier state yet
+  const uint8_t *from;     // committed state of the sequence ([Hkv] heads)
+  uint8_t *to;             // the state this append commits
+};
+cudaError_t launch_ott_quantize(const KernelShape &shape, const OttJob *jobs, uint32_t n_jobs, cudaStream_t stream);
+// Dynamic shared memory of the OTT quantizer; raised to the device's maximum once, at creation.
+size_t ott_quantize_smem(const KernelShape &shape);
+cudaError_t configure_ott_quantize(size_t smem_limit);
+cudaError_t launch_commit(const KernelShape &shape, const CommitJob *jobs, uint32_t n_jobs, cudaStream_t stream);
+
+// ---- attend -----------------------------------------------------------------------------------
+struct AttendSeq {
+  const uint64_t *table;
+  const uint8_t *ring_k, *ring_v;
+  const uint8_t *ott;  // OTT-traced layers: the committed outlier state ([Hkv] heads), else null
+  uint32_t length, blocks;
+};
+
+struct AttendArgs {
+  KernelShape shape;
+  AttendSmem smem;
+  const AttendSeq *seqs;
+  uint32_t n_seqs;
+  const void *queries;      // [n_seqs][qps][Hq][d]
+  uint32_t qps;             // queries per sequence (the last qps positions, causal)
+  uint32_t row_tiles;       // CTAs along the qps * G query rows of one kv head
+  SplitPlan split;
+  float scale;
+  float *part_acc;          // [n_seqs][splits][qps * Hq][d]
+  float *part_ml;           // [n_seqs][splits][qps * Hq][2]: running max and sum
+  float *scores;            // when not null (scores()): raw logits [Hq][length] of sequence 0
+  void *out;                // [n_seqs][qps][Hq][d]
+};
+
+// The shared-memory shape of the attention kernel of this layer for `rows` query rows per CTA.
+inline AttendShape attend_shape(const KernelShape &shape, uint32_t rows) {
+  AttendShape s;
+  s.kind = shape.kind;
+  s.rows = rows;
+  s.d = shape.d;
+  s.m = shape.m;
+  s.m_out = shape.m_out;
+  s.sketch_rows = shape.sketch_rows;
+  s.outlier_channels = shape.outlier_channels;
+  s.key_bits = shape.key_bits;
+  s.value_bits = shape.value_bits;
+  s.value_groups = shape.d / shape.value_group;
+  s.io_elem = shape.dtype == QJLKV_DTYPE_F32 ? 4 : 2;
+  return s;
+}
+// Per dtype (one translation unit each, compiled in parallel).
+cudaError_t configure_attend_f32(const KernelShape &, size_t);
+cudaError_t configure_attend_f16(const KernelShape &, size_t);
+cudaError_t configure_attend_bf16(const KernelShape &, size_t);
+cudaError_t launch_attend_f32(const AttendArgs &, uint32_t, cudaStream_t);
+cudaError_t launch_attend_f16(const AttendArgs &, uint32_t, cudaStream_t);
+cudaError_t launch_attend_bf16(const AttendArgs &, uint32_t, cudaStream_t);
+
+// Raises the dynamic shared memory limit of the attention kernels of this dtype and key method to
+// smem_limit (the device's maximum; at creation).
+inline cudaError_t configure_attend(const KernelShape &shape, size_t smem_limit) {
+  switch (shape.dtype) {
+    case QJLKV_DTYPE_F32: return configure_attend_f32(shape, smem_limit);
+    case QJLKV_DTYPE_F16: return configure_attend_f16(shape, smem_limit);
+    default: return configure_attend_bf16(shape, smem_limit);
+  }
+}
+// The split kernel (partials), then the reduction kernel (out) unless args.scores is set: two
+// launches whatever the number of sequences.
+inline cudaError_t launch_attend(const AttendArgs &args, uint32_t rows, cudaStream_t stream) {
+  switch (args.shape.dtype) {
+    case QJLKV_DTYPE_F32: return launch_attend_f32(args, rows, stream);
+    case QJLKV_DTYPE_F16: return launch_attend_f16(args, rows, stream);
+    default: return launch_attend_bf16(args, rows, stream);
+  }
+}
+
+// Whether this binary has kernels for the current device (cudaErrorNoKernelImageForDevice if not).
+cudaError_t probe_kernels();
+
+}  // namespace qjlkv::cuda

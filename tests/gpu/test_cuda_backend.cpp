@@ -1,0 +1,520 @@
+// The CUDA backend against the CPU backend on the same inputs: stored bytes (through their
+// reconstructions, which decode the bytes with the same CPU code on both backends), scores and
+// attention outputs, for every key method (QJL, KIVI, OTT, exact), every dtype, head dims
+// 64/128/256 and GQA ratios 1/4/7; batching, causal multi-query attention, sequence reuse, data
+// validation, streams, long contexts and large batches.
+//
+// Built twice (see gpu_test_util.hpp): on a GPU (skipping with the CUDA error without one) and on
+// the CPU emulator, where the large cases shrink to what a CPU can emulate in seconds.
+#include <ostream>
+#include <tuple>
+
+#include "gpu_test_util.hpp"
+
+namespace {
+
+using namespace gputest;
+
+#if defined(QJLKV_CUDA_EMULATION)
+constexpr bool kEmulated = true;
+#else
+constexpr bool kEmulated = false;
+#endif
+
+struct Case {
+  const char *preset;
+  qjlkv_dtype dtype;
+  uint32_t head_dim, group;
+};
+
+void PrintTo(const Case &c, std::ostream *os) {
+  *os << c.preset << ", " << dtype_name(c.dtype) << ", head_dim " << c.head_dim << ", group " << c.group;
+}
+
+std::string case_name(const testing::TestParamInfo<Case> &info) {
+  return std::string(info.param.preset) + "_" + dtype_name(info.param.dtype) + "_d" +
+         std::to_string(info.param.head_dim) + "_g" + std::to_string(info.param.group);
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (const char *preset : {"qjl", "kivi", "ott", "exact"})
+    for (qjlkv_dtype dtype : {QJLKV_DTYPE_F32, QJLKV_DTYPE_F16, QJLKV_DTYPE_BF16})
+      for (uint32_t d : {64u, 128u, 256u})
+        for (uint32_t g : {1u, 4u, 7u}) {
+          // The emulator covers every preset, dtype, head dim and ratio, not every combination.
+          if (kEmulated && !((d == 64 && g == 4) || (dtype == QJLKV_DTYPE_BF16 && g == 7) ||
+                             (dtype == QJLKV_DTYPE_F16 && d == 128 && g == 1) ||
+                             (dtype == QJLKV_DTYPE_F32 && d == 256 && g == 1)))
+            continue;
+          cases.push_back({preset, dtype, d, g});
+        }
+  return cases;
+}
+
+qjlkv_config make_config(const Case &c, uint32_t kv_heads = 2, uint32_t layers = 2) {
+  qjlkv_config cfg;
+  EXPECT_EQ(qjlkv_config_init(&cfg, c.preset, layers, kv_heads * c.group, kv_heads, c.head_dim), QJLKV_OK);
+  cfg.dtype = c.dtype;
+  cfg.seed = 1234;
+  if (std::string(c.preset) == "kivi" || std::string(c.preset) == "ott") cfg.block_tokens = 32;  // more blocks
+  if (std::string(c.preset) == "ott") cfg.outlier_skip_layers = std::min(1u, layers - 1);  // layer 1 traced
+  if (std::string(c.preset) == "exact") cfg.residual_tokens = 16;
+  return cfg;
+}
+
+// Compares everything observable about (layer, seq) on the two backends.
+void expect_same_sequence(CachePair &pair, uint32_t layer, uint32_t seq, std::mt19937 &rng, const char *when) {
+  SCOPED_TRACE(std::string(when) + ", seq " + std::to_string(seq));
+  const qjlkv_config &cfg = pair.cfg();
+  uint64_t length_cpu = 0, length_gpu = 0;
+  ASSERT_EQ(qjlkv_cache_length(pair.cpu(), layer, seq, &length_cpu), QJLKV_OK);
+  ASSERT_EQ(qjlkv_cache_length(pair.gpu(), layer, seq, &length_gpu), QJLKV_OK);
+  ASSERT_EQ(length_cpu, length_gpu);
+
+  // Stored bytes: values and KIVI/exact keys decode identically; QJL keys too, but for the rare
+  // projection within float rounding of zero (each counted vector holds at least one such bit).
+  const auto r = pair.reconstruct(layer, seq);
+  EXPECT_EQ(count_bit_differences(r[3], r[2]), 0u) << "value reconstructions differ";
+  const size_t key_diffs = count_bit_differences(r[1], r[0]);
+  if (cfg.key_method == QJLKV_KEYS_QJL) {
+    const size_t vectors = size_t(length_cpu) * cfg.num_kv_heads;
+    size_t differing_vectors = 0;
+    for (size_t v = 0; v < vectors; ++v)
+      differing_vectors +=
+          std::memcmp(&r[1][v * cfg.head_dim], &r[0][v * cfg.head_dim], cfg.head_dim * sizeof(float)) != 0;
+    const double bits = double(vectors) * (cfg.key_sketch_dim + cfg.outlier_sketch_dim);
+    EXPECT_LE(double(differing_vectors), 1e-4 * bits)
+        << differing_vectors << " of " << vectors << " QJL key vectors differ";
+    if (differing_vectors) std::printf("note: %zu of %zu QJL key vectors differ\n", differing_vectors, vectors);
+  } else {
+    EXPECT_EQ(key_diffs, 0u) << "key reconstructions differ";
+  }
+
+  // Raw scores of one query.
+  const auto query = make_values(rng, pair.query_elems());
+  const auto [s_cpu, s_gpu] = pair.scores(layer, seq, query);
+  const Mismatch ms = compare_close(s_gpu, s_cpu, 1e-3);
+  EXPECT_EQ(ms.count, 0u) << "scores: first mismatch at " << ms.first << ": gpu " << s_gpu[ms.first] << ", cpu "
+                          << s_cpu[ms.first] << " (worst relative error " << ms.worst << ")";
+
+  // Decode attention, one query and (causal) several.
+  for (uint32_t n_queries : {1u, 5u}) {
+    if (n_queries > length_cpu) continue;
+    const auto queries = make_values(rng, n_queries * pair.query_elems());
+    const auto [o_cpu, o_gpu] = pair.attend(layer, {seq}, n_queries, queries, 0.0f, false);
+    const Mismatch mo = compare_close(o_gpu, o_cpu, output_tolerance(cfg.dtype));
+    EXPECT_EQ(mo.count, 0u) << "attend (" << n_queries << " queries): first mismatch at " << mo.first << ": gpu "
+                            << o_gpu[mo.first] << ", cpu " << o_cpu[mo.first] << " (worst " << mo.worst << ")";
+  }
+}
+
+class CudaVsCpu : public testing::TestWithParam<Case> {};
+
+TEST_P(CudaVsCpu, SameBytesScoresAndOutputs) {
+  REQUIRE_CUDA_DEVICE();
+  const Case c = GetParam();
+  CachePair pair(make_config(c));
+  ASSERT_TRUE(pair.ok()) << pair.error();
+  const qjlkv_config &cfg = pair.cfg();
+  std::mt19937 rng(c.head_dim * 31 + c.group);
+  const size_t te = pair.token_elems();
+
+  // seq 7: a prefill in one call, then decode steps (blocks built from the tail ring and the input).
+  const uint32_t prefill = 150;
+  pair.append(1, 7, make_keys(rng, prefill, cfg.num_kv_heads, cfg.head_dim), make_values(rng, prefill * te));
+  expect_same_sequence(pair, 1, 7, rng, "after the prefill");
+  for (int step = 0; step < 45; ++step)
+    pair.append(1, 7, make_keys(rng, 1, cfg.num_kv_heads, cfg.head_dim), make_values(rng, te));
+  expect_same_sequence(pair, 1, 7, rng, "after 45 decode steps");
+
+  // seq 3: appends of 37 tokens, in layer 0 (another sketch for QJL).
+  for (int chunk = 0; chunk < 4; ++chunk)
+    pair.append(0, 3, make_keys(rng, 37, cfg.num_kv_heads, cfg.head_dim), make_values(rng, 37 * te));
+  expect_same_sequence(pair, 0, 3, rng, "after chunked appends");
+
+  // A sequence cleared and refilled reuses the freed memory.
+  ASSERT_EQ(qjlkv_cache_clear_sequence(pair.cpu(), 7), QJLKV_OK);
+  ASSERT_EQ(qjlkv_cache_clear_sequence(pair.gpu(), 7), QJLKV_OK);
+  pair.append(1, 7, make_keys(rng, 70, cfg.num_kv_heads, cfg.head_dim), make_values(rng, 70 * te));
+  expect_same_sequence(pair, 1, 7, rng, "after clear and refill");
+
+  // The statistics count the same stored bytes.
+  qjlkv_stats a{}, b{};
+  a.struct_size = b.struct_size = sizeof(qjlkv_stats);
+  ASSERT_EQ(qjlkv_cache_stats(pair.cpu(), &a), QJLKV_OK);
+  ASSERT_EQ(qjlkv_cache_stats(pair.gpu(), &b), QJLKV_OK);
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_EQ(a.bytes_keys_quantized, b.bytes_keys_quantized);
+  EXPECT_EQ(a.bytes_values_quantized, b.bytes_values_quantized);
+  EXPECT_EQ(a.bytes_full_precision, b.bytes_full_precision);
+  EXPECT_GE(b.bytes_reserved, b.bytes_used);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllMethods, CudaVsCpu, testing::ValuesIn(all_cases()), case_name);
+
+// Configurations off the presets' paths: sketch sizes that are not multiples of 32 (bit rows
+// not 4-byte aligned), no outlier channels, initial layers, head dims that are not multiples of
+// 32, value groups that straddle the kernels' 8-channel slices, 4- and 8-bit codes, 16-bit values
+// under quantized keys, blocks that are not multiples of the 32-position tile, and GQA groups
+// larger than the 8 rows of one CTA.
+struct Corner {
+  const char *name, *preset;
+  qjlkv_dtype dtype;
+  uint32_t q_heads, kv_heads, head_dim;
+  void (*adjust)(qjlkv_config &);
+};
+
+void PrintTo(const Corner &c, std::ostream *os) { *os << c.name; }
+
+const Corner kCorners[] = {
+    {"qjl_m40_mout24_c3", "qjl", QJLKV_DTYPE_F32, 8, 2, 64,
+     [](qjlkv_config &c) {
+       c.key_sketch_dim = 40;
+       c.outlier_sketch_dim = 24;
+       c.outlier_channels = 3;
+     }},
+    {"qjl_m8_no_outliers", "qjl", QJLKV_DTYPE_F16, 4, 1, 64,
+     [](qjlkv_config &c) {
+       c.key_sketch_dim = 8;
+       c.outlier_channels = 0;
+       c.outlier_sketch_dim = 0;
+     }},
+    {"qjl_initial_layers_m520", "qjl", QJLKV_DTYPE_BF16, 4, 2, 128,
+     [](qjlkv_config &c) {
+       c.initial_layers = 1;
+       c.initial_key_sketch_dim = 520;
+       c.initial_outlier_sketch_dim = 136;
+       c.outlier_channels = 20;
+     }},
+    {"qjl_d24_g3_vbits8", "qjl", QJLKV_DTYPE_F32, 6, 2, 24,
+     [](qjlkv_config &c) {
+       c.value_bits = 8;
+       c.value_group_size = 3;
+     }},
+    {"qjl_d8", "qjl", QJLKV_DTYPE_F16, 2, 1, 8, [](qjlkv_config &) {}},
+    {"kivi_kbits4_vbits4_d96_g12", "kivi", QJLKV_DTYPE_F16, 4, 2, 96,
+     [](qjlkv_config &c) {
+       c.key_bits = 4;
+       c.value_bits = 4;
+       c.value_group_size = 12;
+       c.block_tokens = 40;
+     }},
+    {"kivi_kbits8_vbits16_d72", "kivi", QJLKV_DTYPE_BF16, 2, 2, 72,
+     [](qjlkv_config &c) {
+       c.key_bits = 8;
+       c.value_bits = 16;
+       c.block_tokens = 24;
+       c.residual_tokens = 5;
+     }},
+    {"kivi_d40_group1_b8", "kivi", QJLKV_DTYPE_F32, 2, 1, 40,
+     [](qjlkv_config &c) {
+       c.value_group_size = 1;
+       c.block_tokens = 8;
+       c.residual_tokens = 0;
+     }},
+    {"exact_mqa_16_heads", "exact", QJLKV_DTYPE_F16, 16, 1, 64, [](qjlkv_config &) {}},
+    {"exact_keys_2bit_values_b48", "exact", QJLKV_DTYPE_F32, 12, 4, 128,
+     [](qjlkv_config &c) {
+       c.value_bits = 2;
+       c.value_group_size = 64;
+       c.block_tokens = 48;
+     }},
+    {"qjl_group_12_d256", "qjl", QJLKV_DTYPE_BF16, 12, 1, 256, [](qjlkv_config &) {}},
+    {"qjl_b256_r100", "qjl", QJLKV_DTYPE_F16, 8, 2, 128,
+     [](qjlkv_config &c) {
+       c.block_tokens = 256;
+       c.residual_tokens = 100;
+     }},
+    {"kivi_preset_b128", "kivi", QJLKV_DTYPE_BF16, 8, 2, 128, [](qjlkv_config &) {}},
+    {"ott_preset_b128_all_layers_traced", "ott", QJLKV_DTYPE_F16, 8, 2, 128,
+     [](qjlkv_config &c) { c.outlier_skip_layers = 0; }},
+    {"ott_spill_overflows_p6_s4", "ott", QJLKV_DTYPE_F32, 4, 2, 64,
+     [](qjlkv_config &c) {
+       c.block_tokens = 16;
+       c.outlier_tokens = 6;
+       c.outlier_spill_tokens = 4;
+       c.outlier_skip_layers = 0;
+     }},
+    {"ott_no_spill_p1_kbits4", "ott", QJLKV_DTYPE_BF16, 6, 3, 96,
+     [](qjlkv_config &c) {
+       c.block_tokens = 24;
+       c.outlier_tokens = 1;
+       c.outlier_spill_tokens = 0;
+       c.key_bits = 4;
+       c.outlier_skip_layers = 1;
+     }},
+};
+
+class CudaVsCpuCorners : public testing::TestWithParam<Corner> {};
+
+TEST_P(CudaVsCpuCorners, SameBytesScoresAndOutputs) {
+  REQUIRE_CUDA_DEVICE();
+  const Corner &c = GetParam();
+  qjlkv_config cfg;
+  QJLKV_OK(qjlkv_config_init(&cfg, c.preset, 2, c.q_heads, c.kv_heads, c.head_dim));
+  cfg.dtype = c.dtype;
+  cfg.seed = 77;
+  c.adjust(cfg);
+  QJLKV_OK(qjlkv_config_validate(&cfg));
+  CachePair pair(cfg);
+  ASSERT_TRUE(pair.ok()) << pair.error();
+  std::mt19937 rng(c.head_dim + c.q_heads);
+  const size_t te = pair.token_elems();
+  for (uint32_t layer : {0u, 1u}) {
+    pair.append(layer, 4, make_keys(rng, 131, c.kv_heads, c.head_dim), make_values(rng, 131 * te));
+    for (int step = 0; step < 30; ++step)
+      pair.append(layer, 4, make_keys(rng, 1, c.kv_heads, c.head_dim), make_values(rng, te));
+    expect_same_sequence(pair, layer, 4, rng, "corner case");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Corners, CudaVsCpuCorners, testing::ValuesIn(kCorners),
+                         [](const testing::TestParamInfo<Corner> &info) { return std::string(info.param.name); });
+
+// Batched decode: append_batch and attend_batch over many sequences of different lengths.
+TEST(CudaBackend, BatchedDecodeMatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  const uint32_t n_seqs = kEmulated ? 6 : 64, steps = kEmulated ? 36 : 40;
+  for (const char *preset : {"qjl", "kivi"}) {
+    SCOPED_TRACE(preset);
+    CachePair pair(make_config({preset, QJLKV_DTYPE_F16, 128, 4}, 2, 1));
+    ASSERT_TRUE(pair.ok()) << pair.error();
+    std::mt19937 rng(5);
+    const size_t te = pair.token_elems();
+    std::vector<uint32_t> seqs(n_seqs);
+    for (uint32_t i = 0; i < n_seqs; ++i) {
+      seqs[i] = 1000 + 17 * i;
+      const uint32_t n = 20 + 13 * i % 90;
+      pair.append(0, seqs[i], make_keys(rng, n, 2, 128), make_values(rng, n * te));
+    }
+    for (uint32_t step = 0; step < steps; ++step)
+      pair.append_batch(0, seqs, make_keys(rng, n_seqs, 2, 128), make_values(rng, n_seqs * te));
+    // attend_batch lists sequences in any order, repeats allowed.
+    std::vector<uint32_t> order(seqs.rbegin(), seqs.rend());
+    order.push_back(seqs[0]);
+    const auto queries = make_values(rng, order.size() * pair.query_elems());
+    const auto [o_cpu, o_gpu] = pair.attend(0, order, 1, queries, 0.0f, true);
+    const Mismatch m = compare_close(o_gpu, o_cpu, output_tolerance(QJLKV_DTYPE_F16));
+    EXPECT_EQ(m.count, 0u) << "attend_batch: first mismatch at " << m.first << " (worst " << m.worst << ")";
+    for (uint32_t i = 0; i < n_seqs; i += kEmulated ? 5 : 21) expect_same_sequence(pair, 0, seqs[i], rng, "batch");
+  }
+}
+
+// A long context, split over many CTAs and merged by the reduction kernel.
+TEST(CudaBackend, LongContextMatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  const uint32_t tokens = kEmulated ? 1100 : 131072, chunk = kEmulated ? 550 : 8192;
+  for (const char *preset : {"qjl", "kivi"}) {
+    SCOPED_TRACE(preset);
+    CachePair pair(make_config({preset, QJLKV_DTYPE_BF16, 128, 4}, 2, 1));
+    ASSERT_TRUE(pair.ok()) << pair.error();
+    std::mt19937 rng(9);
+    const size_t te = pair.token_elems();
+    for (uint32_t done = 0; done < tokens; done += chunk)
+      pair.append(0, 1, make_keys(rng, chunk, 2, 128), make_values(rng, size_t(chunk) * te));
+    const auto query = make_values(rng, pair.query_elems());
+    const auto [o_cpu, o_gpu] = pair.attend(0, {1}, 1, query, 0.0f, false);
+    const Mismatch m = compare_close(o_gpu, o_cpu, output_tolerance(QJLKV_DTYPE_BF16));
+    EXPECT_EQ(m.count, 0u) << "first mismatch at " << m.first << " (worst " << m.worst << ")";
+    const auto [s_cpu, s_gpu] = pair.scores(0, 1, query);
+    const Mismatch ms = compare_close(s_gpu, s_cpu, 1e-3);
+    EXPECT_EQ(ms.count, 0u) << "scores: first mismatch at " << ms.first << " (worst " << ms.worst << ")";
+  }
+}
+
+// Non-finite or out-of-range data is rejected naming the element, and nothing changes.
+TEST(CudaBackend, RejectsBadDataAndStaysUnchanged) {
+  REQUIRE_CUDA_DEVICE();
+  CachePair pair(make_config({"qjl", QJLKV_DTYPE_F32, 64, 4}, 2, 1));
+  ASSERT_TRUE(pair.ok()) << pair.error();
+  std::mt19937 rng(3);
+  const size_t te = pair.token_elems();
+  pair.append(0, 5, make_keys(rng, 60, 2, 64), make_values(rng, 60 * te));
+  const auto query = make_values(rng, pair.query_elems());
+  const auto before = pair.attend(0, {5}, 1, query, 0.0f, false).second;
+
+  struct BadInput {
+    bool in_keys;
+    size_t index;
+    float value;
+    const char *expect;
+  };
+  const BadInput bad[] = {
+      {true, 77, std::nanf(""), "keys[77]"},
+      {false, 5, INFINITY, "values[5]"},
+      {false, 200, 1e6f, "outside the fp16 range"},
+      {true, 64, 60000.0f, "L2 norm"},  // one key vector of norm > 65504 (two elements of 60000)
+  };
+  for (const BadInput &b : bad) {
+    SCOPED_TRACE(b.expect);
+    auto keys = make_keys(rng, 40, 2, 64), values = make_values(rng, 40 * te);
+    (b.in_keys ? keys : values)[b.index] = b.value;
+    if (std::string(b.expect) == "L2 norm") keys[b.index + 1] = b.value;
+    const auto k = encode(keys, QJLKV_DTYPE_F32), v = encode(values, QJLKV_DTYPE_F32);
+    DeviceBytes dk(k), dv(v);
+    EXPECT_EQ(qjlkv_cache_append(pair.gpu(), 0, 5, 40, dk.get(), dv.get()), QJLKV_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(qjlkv_last_error_message()).find(b.expect), std::string::npos)
+        << qjlkv_last_error_message();
+    // A new sequence is not created either.
+    EXPECT_EQ(qjlkv_cache_append(pair.gpu(), 0, 6, 40, dk.get(), dv.get()), QJLKV_ERROR_INVALID_ARGUMENT);
+    uint64_t length = 0;
+    ASSERT_EQ(qjlkv_cache_length(pair.gpu(), 0, 5, &length), QJLKV_OK);
+    EXPECT_EQ(length, 60u);
+    ASSERT_EQ(qjlkv_cache_length(pair.gpu(), 0, 6, &length), QJLKV_OK);
+    EXPECT_EQ(length, 0u);
+  }
+  const auto after = pair.attend(0, {5}, 1, query, 0.0f, false).second;
+  EXPECT_EQ(count_bit_differences(after, before), 0u) << "a rejected append changed the cache";
+
+  // scores() rejects a non-finite query (it reads back anyway); attend does not check (no sync).
+  auto bad_query = query;
+  bad_query[3] = std::nanf("");
+  const auto q = encode(bad_query, QJLKV_DTYPE_F32);
+  DeviceBytes dq(q);
+  std::vector<float> out(60 * pair.cfg().num_q_heads);
+  EXPECT_EQ(qjlkv_cache_scores(pair.gpu(), 0, 5, dq.get(), out.data(), out.size()), QJLKV_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(qjlkv_last_error_message()).find("query[3]"), std::string::npos)
+      << qjlkv_last_error_message();
+}
+
+// Work is ordered on the stream given to set_stream; results do not depend on the stream.
+TEST(CudaBackend, StreamsOrderWork) {
+  REQUIRE_CUDA_DEVICE();
+  CachePair pair(make_config({"kivi", QJLKV_DTYPE_F16, 64, 4}, 2, 1));
+  ASSERT_TRUE(pair.ok()) << pair.error();
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  QJLKV_OK(qjlkv_cache_set_stream(pair.gpu(), stream));
+  std::mt19937 rng(11);
+  const size_t te = pair.token_elems();
+  pair.append(0, 2, make_keys(rng, 300, 2, 64), make_values(rng, 300 * te));
+  const auto query = make_values(rng, pair.query_elems());
+  const auto q = encode(query, QJLKV_DTYPE_F16);
+  DeviceBytes dq(q), dout(q.size());
+  QJLKV_OK(qjlkv_cache_attend(pair.gpu(), 0, 2, 1, dq.get(), 0.0f, dout.get()));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const auto on_stream = decode(dout.download(), QJLKV_DTYPE_F16);
+  QJLKV_OK(qjlkv_cache_set_stream(pair.gpu(), nullptr));
+  CUDA_OK(cudaStreamDestroy(stream));
+  const auto [o_cpu, o_gpu] = pair.attend(0, {2}, 1, query, 0.0f, false);
+  EXPECT_EQ(count_bit_differences(on_stream, o_gpu), 0u);
+  EXPECT_EQ(compare_close(o_gpu, o_cpu, output_tolerance(QJLKV_DTYPE_F16)).count, 0u);
+}
+
+#if !defined(QJLKV_CUDA_EMULATION)
+// attend_batch enqueues the same work whatever the number of sequences — one upload, the split
+// kernel and the reduction kernel — and never waits for the device, so a CUDA graph can capture it
+// (a synchronization inside the capture would fail the call).
+TEST(CudaBackend, AttendBatchIsCapturableWithConstantWork) {
+  REQUIRE_CUDA_DEVICE();
+  qjlkv_config cfg = make_config({"qjl", QJLKV_DTYPE_F16, 128, 4}, 2, 1);
+  cfg.device = 0;
+  qjlkv_cache *cache = nullptr;
+  QJLKV_OK(qjlkv_cache_create(&cfg, &cache));
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  QJLKV_OK(qjlkv_cache_set_stream(cache, stream));
+  std::mt19937 rng(21);
+  const uint32_t n_max = 64, tokens = 100;
+  std::vector<uint32_t> seqs(n_max);
+  for (uint32_t i = 0; i < n_max; ++i) {
+    seqs[i] = i;
+    DeviceBytes k(encode(make_keys(rng, tokens, 2, 128), QJLKV_DTYPE_F16));
+    DeviceBytes v(encode(make_values(rng, tokens * 2 * 128), QJLKV_DTYPE_F16));
+    QJLKV_OK(qjlkv_cache_append(cache, 0, i, tokens, k.get(), v.get()));
+  }
+  DeviceBytes q(encode(make_values(rng, n_max * 8 * 128), QJLKV_DTYPE_F16)), out(n_max * 8 * 128 * 2);
+  for (uint32_t n : {1u, 8u, 64u}) {
+    SCOPED_TRACE(n);
+    QJLKV_OK(qjlkv_cache_attend_batch(cache, 0, n, seqs.data(), q.get(), 0.0f, out.get()));  // sizes scratch
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+    const qjlkv_status status = qjlkv_cache_attend_batch(cache, 0, n, seqs.data(), q.get(), 0.0f, out.get());
+    const std::string message = qjlkv_last_error_message();
+    cudaGraph_t graph = nullptr;
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    EXPECT_EQ(status, QJLKV_OK) << message;
+    size_t n_nodes = 0;
+    CUDA_OK(cudaGraphGetNodes(graph, nullptr, &n_nodes));
+    std::vector<cudaGraphNode_t> nodes(n_nodes);
+    CUDA_OK(cudaGraphGetNodes(graph, nodes.data(), &n_nodes));
+    size_t kernels = 0, copies = 0;
+    for (cudaGraphNode_t node : nodes) {
+      cudaGraphNodeType type;
+      CUDA_OK(cudaGraphNodeGetType(node, &type));
+      kernels += type == cudaGraphNodeTypeKernel;
+      copies += type == cudaGraphNodeTypeMemcpy;
+    }
+    EXPECT_EQ(kernels, 2u);
+    EXPECT_EQ(copies, 1u);
+    CUDA_OK(cudaGraphDestroy(graph));
+  }
+  QJLKV_OK(qjlkv_cache_set_stream(cache, nullptr));
+  qjlkv_cache_destroy(cache);
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+#endif
+
+// Runs everywhere: without a device, device >= 0 fails cleanly, naming the CUDA error.
+TEST(CudaBackend, CreateWithoutDeviceFailsCleanly) {
+  std::string why;
+  qjlkv_config cfg;
+  QJLKV_OK(qjlkv_config_init(&cfg, "qjl", 1, 4, 1, 64));
+  cfg.device = 0;
+  qjlkv_cache *c = nullptr;
+  const qjlkv_status s = qjlkv_cache_create(&cfg, &c);
+  if (cuda_device_available(&why)) {
+    EXPECT_EQ(s, QJLKV_OK) << qjlkv_last_error_message();
+    qjlkv_cache_destroy(c);
+    // An ordinal past the last device is reported as such.
+    int count = 0;
+    CUDA_OK(cudaGetDeviceCount(&count));
+    cfg.device = count;
+    EXPECT_EQ(qjlkv_cache_create(&cfg, &c), QJLKV_ERROR_UNSUPPORTED);
+    EXPECT_NE(std::string(qjlkv_last_error_message()).find("config.device"), std::string::npos);
+    return;
+  }
+  std::printf("no CUDA device here (%s): checking the error path\n", why.c_str());
+  EXPECT_EQ(s, QJLKV_ERROR_UNSUPPORTED);
+  EXPECT_EQ(c, nullptr);
+  const std::string message = qjlkv_last_error_message();
+  EXPECT_NE(message.find("config.device"), std::string::npos) << message;
+  EXPECT_NE(message.find("cuda"), std::string::npos) << message;  // the CUDA error's name
+}
+
+#if defined(QJLKV_CUDA_EMULATION)
+// On a device with less shared memory per block, the attention kernels take fewer query rows per
+// CTA; where not even one row fits, creation says which sizes are too large.
+TEST(CudaBackend, SmallSharedMemoryTakesFewerRowsOrFailsClearly) {
+  setenv("QJLKV_EMU_SMEM_OPTIN", "90000", 1);  // 2 rows per CTA for this shape, not 8
+  {
+    CachePair pair(make_config({"qjl", QJLKV_DTYPE_F32, 256, 7}, 1, 1));
+    ASSERT_TRUE(pair.ok()) << pair.error();
+    std::mt19937 rng(4);
+    pair.append(0, 1, make_keys(rng, 90, 1, 256), make_values(rng, 90 * pair.token_elems()));
+    expect_same_sequence(pair, 0, 1, rng, "90000 bytes of shared memory");
+  }
+  setenv("QJLKV_EMU_SMEM_OPTIN", "20000", 1);
+  qjlkv_config cfg = make_config({"qjl", QJLKV_DTYPE_F32, 128, 4}, 1, 1);
+  cfg.key_sketch_dim = 2048;
+  cfg.device = 0;
+  qjlkv_cache *c = nullptr;
+  EXPECT_EQ(qjlkv_cache_create(&cfg, &c), QJLKV_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(qjlkv_last_error_message()).find("key_sketch_dim"), std::string::npos)
+      << qjlkv_last_error_message();
+  unsetenv("QJLKV_EMU_SMEM_OPTIN");
+}
+
+// The emulator saw no divergent barrier, shared memory overrun, bad free or leak in any test.
+class EmulatorClean : public testing::Environment {
+ public:
+  void TearDown() override {
+    EXPECT_STREQ(emu::first_error(), "");
+    EXPECT_EQ(emu::live_allocations(), 0u) << "device allocations leaked";
+  }
+};
+const auto *const kEmulatorClean = testing::AddGlobalTestEnvironment(new EmulatorClean);
+#endif
+
+}  // namespace

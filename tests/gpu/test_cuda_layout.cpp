@@ -1,0 +1,196 @@
+// Host checks of the CUDA backend's arithmetic that needs no GPU (cuda/layout.hpp): the
+// per-element tricks of the kernels against the CPU backend's definitions, the shared memory
+// carve-up of the attention kernel and the split plan.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "cpu/kernels.hpp"
+#include "layout.hpp"
+
+namespace {
+
+using namespace qjlkv::cuda;
+
+TEST(CudaLayout, SignFactorIsTheSignBitConvention) {
+  std::mt19937 rng(1);
+  for (int trial = 0; trial < 200; ++trial) {
+    const uint32_t word = rng();
+    uint8_t bytes[4];
+    for (int b = 0; b < 4; ++b) bytes[b] = uint8_t(word >> (8 * b));  // LSB-first, as stored
+    for (uint32_t i = 0; i < 32; ++i)
+      EXPECT_EQ(sign_factor(word, i), qjlkv::sign_bit(bytes, i) ? 1.0f : -1.0f) << word << " row " << i;
+  }
+  // Σ v_i · sign_factor equals the reference signed dot product.
+  std::vector<float> v(32);
+  std::normal_distribution<float> normal;
+  for (float &x : v) x = normal(rng);
+  const uint32_t word = 0x9a3c51e7u;
+  uint8_t bytes[4] = {0xe7, 0x51, 0x3c, 0x9a};
+  float sum = 0.0f;
+  for (uint32_t i = 0; i < 32; ++i) sum += v[i] * sign_factor(word, i);
+  EXPECT_EQ(sum, qjlkv::signed_dot(v.data(), bytes, 32));
+}
+
+TEST(CudaLayout, CodeToFloatIsExact) {
+  for (uint32_t code = 0; code < (1u << 16); ++code) ASSERT_EQ(code_to_float(code), float(code));
+  EXPECT_EQ(code_to_float((1u << 23) - 1), float((1u << 23) - 1));
+}
+
+// The device's descending sort of outlier_sort_key picks the CPU backend's outlier channels,
+// ties (equal energies, zeros) included.
+TEST(CudaLayout, OutlierKeysSelectTheCpuChannels) {
+  std::mt19937 rng(2);
+  for (uint32_t d : {16u, 64u, 128u, 256u}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      const uint32_t tokens = 8, c = 1 + rng() % 12;
+      std::vector<float> keys(tokens * d);
+      for (float &x : keys) x = float(int(rng() % 7) - 3);  // small integers: many equal energies
+      if (trial % 3 == 0)
+        for (uint32_t t = 0; t < tokens; ++t) keys[t * d + 5] = keys[t * d + 9] = 0.0f;
+      std::vector<float> energy(d), scratch_energy(d);
+      std::vector<uint32_t> order(d);
+      std::vector<uint8_t> expected(c);
+      qjlkv::cpu::select_outlier_channels(keys.data(), tokens, d, c, scratch_energy.data(), order.data(),
+                                          expected.data());
+      std::vector<uint64_t> sort_keys(256, 0);
+      for (uint32_t j = 0; j < d; ++j) {
+        float e = 0.0f;
+        for (uint32_t t = 0; t < tokens; ++t) e += keys[t * d + j] * keys[t * d + j];
+        sort_keys[j] = outlier_sort_key(e, j);
+      }
+      std::sort(sort_keys.begin(), sort_keys.end(), std::greater<uint64_t>());
+      std::vector<uint8_t> got;
+      for (uint32_t i = 0; i < c; ++i) got.push_back(uint8_t(outlier_sort_channel(sort_keys[i])));
+      std::sort(got.begin(), got.end());
+      EXPECT_EQ(got, expected) << "d " << d << " c " << c;
+    }
+  }
+}
+
+// The min/max rules keep the CPU backend's choice between +0 and -0, which the stored fp16
+// minimum keeps.
+TEST(CudaLayout, MinMaxRulesMatchTheCpuOnSignedZeros) {
+  const std::vector<std::vector<float>> groups = {
+      {0.0f, -0.0f}, {-0.0f, 0.0f}, {0.0f, -0.0f, 1.0f}, {-0.0f, 2.0f, 0.0f}, {1.0f, -0.0f, 0.0f, -0.0f}};
+  for (const auto &g : groups) {
+    float lo = g[0], hi = g[0];
+    for (size_t i = 1; i < g.size(); ++i) group_minmax_step(g[i], lo, hi);
+    const auto [lo_ref, hi_ref] = std::minmax_element(g.begin(), g.end());
+    EXPECT_EQ(qjlkv::float_bits(lo), qjlkv::float_bits(*lo_ref));
+    EXPECT_EQ(qjlkv::float_bits(hi), qjlkv::float_bits(*hi_ref));
+    float klo = g[0], khi = g[0];
+    for (size_t i = 1; i < g.size(); ++i) kivi_minmax_step(g[i], klo, khi);
+    float rlo = g[0], rhi = g[0];
+    for (size_t i = 1; i < g.size(); ++i) {
+      rlo = std::min(rlo, g[i]);
+      rhi = std::max(rhi, g[i]);
+    }
+    EXPECT_EQ(qjlkv::float_bits(klo), qjlkv::float_bits(rlo));
+    EXPECT_EQ(qjlkv::float_bits(khi), qjlkv::float_bits(rhi));
+  }
+}
+
+AttendShape shape(KeyKind kind, uint32_t rows, uint32_t d, uint32_t io_elem, uint32_t value_bits = 2,
+                  uint32_t group = 32) {
+  AttendShape s;
+  s.kind = kind;
+  s.rows = rows;
+  s.d = d;
+  s.m = 2 * d;
+  s.m_out = d / 2;
+  s.sketch_rows = 2 * d;
+  s.outlier_channels = 8;
+  s.key_bits = 2;
+  s.value_bits = value_bits;
+  s.value_groups = d / group;
+  s.io_elem = io_elem;
+  return s;
+}
+
+// The regions of the attention kernel's shared memory are 16-aligned, in order, and as large as
+// the kernel's tiles need.
+TEST(CudaLayout, AttendSharedMemoryRegionsHoldTheirTiles) {
+  for (KeyKind kind : {KeyKind::qjl, KeyKind::kivi, KeyKind::exact})
+    for (uint32_t rows : {1u, 2u, 4u, 8u})
+      for (uint32_t d : {8u, 64u, 96u, 128u, 256u})
+        for (uint32_t io : {2u, 4u})
+          for (uint32_t vb : {2u, 4u, 8u, 16u}) {
+            const AttendShape s = shape(kind, rows, d, io, vb, d % 32 == 0 ? 32 : 8);
+            const AttendSmem m = attend_smem(s);
+            const uint32_t d32 = round_up(d, 32);
+            for (uint32_t offset : {m.q, m.scores, m.red, m.state, m.stage_k, m.stage_v, m.final_buf})
+              EXPECT_EQ(offset % 16, 0u);
+            EXPECT_GE(m.scores - m.q, 4 * rows * d32);
+            EXPECT_GE(m.stage_k, m.state + 4 * 3 * rows);
+            // keys: the method's tile and the full-precision tail rows
+            uint32_t key_tile = 4 * kTile * padded_row_words(d * io);
+            if (kind == KeyKind::qjl) {
+              EXPECT_GE(m.k_bits_in - m.k_norm_out, 2 * kTile);
+              EXPECT_GE(m.k_bits_out - m.k_bits_in, kTile * s.m / 8 + 4);
+              key_tile = std::max(key_tile, m.k_bits_out + kTile * s.m_out / 8 + 4);
+              EXPECT_GE(m.sq_in - m.sq, 4 * rows * round_up(s.sketch_rows, 32));
+            } else if (kind == KeyKind::kivi) {
+              key_tile = std::max(key_tile, kTile * d * s.key_bits / 8 + 4);
+            } else {
+              key_tile = std::max(key_tile, 4 * kTile * padded_row_words(2 * d));
+            }
+            EXPECT_GE(m.stage_v - m.stage_k, key_tile);
+            uint32_t value_tile = kTile * d * io;
+            if (vb == 16) {
+              value_tile = std::max(value_tile, kTile * 2 * d);
+            } else {
+              EXPECT_GE(m.v_min - m.v_scale, kTile * s.value_groups * 2);
+              EXPECT_GE(m.v_codes - m.v_min, kTile * s.value_groups * 2);
+              value_tile = std::max(value_tile, m.v_codes + kTile * d * vb / 8);
+            }
+            EXPECT_GE(m.total - m.stage_v, value_tile);
+            const uint32_t lanes = kAttendThreads / (d / kSliceChannels);
+            EXPECT_GE(m.total - m.final_buf, 4 * rows * std::max(lanes * d, d32));
+          }
+}
+
+// The presets' attention kernels fit an H100/H200 (227 KiB) with 8 rows, an A100 (163 KiB) too.
+TEST(CudaLayout, PresetShapesFitTheDevices) {
+  for (KeyKind kind : {KeyKind::qjl, KeyKind::kivi, KeyKind::exact})
+    for (uint32_t d : {64u, 128u, 256u}) {
+      const uint32_t total = attend_smem(shape(kind, 8, d, 4, kind == KeyKind::exact ? 16 : 2)).total;
+      EXPECT_LE(total, 166912u) << "d " << d;
+    }
+}
+
+TEST(CudaLayout, SplitPlanCoversEveryUnitOnce) {
+  for (uint32_t units : {1u, 2u, 7u, 100u, 4096u, 70000u})
+    for (uint64_t base : {1ull, 8ull, 256ull, 5000ull}) {
+      const SplitPlan p = plan_splits(units, base, 1056);
+      EXPECT_GE(uint64_t(p.splits) * p.units_per_split, units);
+      EXPECT_LT(uint64_t(p.splits - 1) * p.units_per_split, units);  // no empty split at the end
+      EXPECT_LE(p.splits, units);
+      if (base >= 1056) {
+        EXPECT_EQ(p.splits, 1u);
+      }
+      if (base * units <= 1056) {
+        EXPECT_EQ(p.units_per_split, 1u);
+      }
+    }
+  const SplitPlan empty = plan_splits(0, 8, 1056);
+  EXPECT_EQ(empty.splits, 1u);
+}
+
+TEST(CudaLayout, RowsAndUnits) {
+  EXPECT_EQ(pick_rows(1, 8), 1u);
+  EXPECT_EQ(pick_rows(4, 8), 4u);
+  EXPECT_EQ(pick_rows(7, 8), 8u);
+  EXPECT_EQ(pick_rows(3, 8), 4u);
+  EXPECT_EQ(pick_rows(40, 8), 8u);
+  EXPECT_EQ(pick_rows(40, 2), 2u);
+  EXPECT_EQ(pick_rows(40, 1), 1u);
+  EXPECT_EQ(attend_units(0, 0, 32), 0u);
+  EXPECT_EQ(attend_units(10, 0, 32), 1u);
+  EXPECT_EQ(attend_units(64, 1, 32), 2u);
+  EXPECT_EQ(attend_units(100, 2, 32), 4u);  // 36 tail tokens: two pieces
+}
+
+}  // namespace
