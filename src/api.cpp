@@ -145,7 +145,7 @@ qjlkv_status qjlkv_cache_config(const qjlkv_cache *c, qjlkv_config *out) {
   return guarded([&] {
     require_pointer(c, "c");
     require_pointer(out, "out");
-    qjlkv::write_caller_config(*out, c->spec().cfg);
+    qjlkv::write_caller_config(*out, c->spec().created_with);
   });
 }
 

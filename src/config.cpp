@@ -230,8 +230,16 @@ BlockLayout make_layout(const qjlkv_config &cfg, const LayerSpec &layer) {
 
 CacheSpec make_cache_spec(const qjlkv_config &caller_cfg) {
   validate_config(caller_cfg);
-  const qjlkv_config cfg = complete_config(caller_cfg);
   CacheSpec spec;
+  spec.created_with = complete_config(caller_cfg);
+  // Validation ignores the fields of other key methods, so nothing downstream may read them.
+  qjlkv_config cfg = spec.created_with;
+  if (cfg.key_method != QJLKV_KEYS_QJL) {
+    cfg.key_sketch_dim = cfg.outlier_channels = cfg.outlier_sketch_dim = 0;
+    cfg.initial_layers = cfg.initial_key_sketch_dim = cfg.initial_outlier_sketch_dim = 0;
+  }
+  if (cfg.key_method != QJLKV_KEYS_KIVI && cfg.key_method != QJLKV_KEYS_OTT) cfg.key_bits = 0;
+  if (cfg.key_method != QJLKV_KEYS_OTT) cfg.outlier_tokens = cfg.outlier_spill_tokens = cfg.outlier_skip_layers = 0;
   spec.cfg = cfg;
   spec.group_size = cfg.num_q_heads / cfg.num_kv_heads;
   spec.io_elem = dtype_size(cfg.dtype);

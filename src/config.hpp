@@ -55,7 +55,8 @@ struct LayerSpec {
 };
 
 struct CacheSpec {
-  qjlkv_config cfg{};
+  qjlkv_config cfg{};             // with the fields of other key methods zeroed: backends never see them
+  qjlkv_config created_with{};    // what the caller passed (qjlkv_cache_config returns it)
   uint32_t group_size = 1;        // Hq / Hkv
   size_t io_elem = 4;             // bytes of one input/output element
   qjlkv_dtype stored_dtype{};     // full-precision storage: tails, pools, EXACT blocks (16-bit)

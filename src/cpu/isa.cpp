@@ -105,8 +105,11 @@ size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out
   const auto words = [Bp](size_t bytes) { return (bytes + 3) / 4 * Bp + slack; };
   const size_t qjl = words(m / 8) + words(m_out / 8) + 2 * (Bp + slack) + 8 * (padded_sketch_rows(sketch_rows) + slack) +
                      4 * 16 * size_t(m / 4 + m_out / 4) + 2 * slack + 8 * Bp + 2 * slack;
-  const size_t kivi = words(d * cfg.key_bits / 8) + 2 * (d + slack) + 4 * 16 * (d * cfg.key_bits / 4) + slack +
-                      4 * Bp + slack;
+  // key_bits is unvalidated (and ignored) unless the keys are KIVI/OTT: size from it only then.
+  const bool kivi_keys = cfg.key_method == QJLKV_KEYS_KIVI || cfg.key_method == QJLKV_KEYS_OTT;
+  const size_t kivi = kivi_keys ? words(d * cfg.key_bits / 8) + 2 * (d + slack) + 4 * 16 * (d * cfg.key_bits / 4) +
+                                      slack + 4 * Bp + slack
+                                : 0;
   const size_t groups = cfg.value_bits == 16 ? 0 : d / cfg.value_group_size;
   const size_t values = 2 * (size_t(cfg.block_tokens) * groups + 16 + slack);
   return std::max({qjl, kivi, values});
