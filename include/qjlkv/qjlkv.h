@@ -291,7 +291,13 @@ QJLKV_API void qjlkv_cache_destroy(qjlkv_cache *c);
 QJLKV_API qjlkv_status qjlkv_cache_config(const qjlkv_cache *c, qjlkv_config *out);
 
 /* Orders all work of a CUDA cache on the given cudaStream_t (NULL = default
- * stream). On a CPU cache only NULL is accepted (a no-op).
+ * stream). The stream must outlive the cache, or be replaced by NULL before it
+ * is destroyed. On a CPU cache only NULL is accepted (a no-op).
+ * CUDA caches, in this release: each append synchronizes the host once, to read
+ * back the validation of the keys and values (non-finite data is rejected and
+ * the cache stays unchanged); attend does not read back, so non-finite queries
+ * are not rejected there and give NaN outputs for their heads (scores does
+ * reject them).
  * Errors: INVALID_ARGUMENT (c == NULL), UNSUPPORTED (non-NULL on CPU). */
 QJLKV_API qjlkv_status qjlkv_cache_set_stream(qjlkv_cache *c, void *cuda_stream);
 
