@@ -490,10 +490,17 @@ cudaError_t launch_quantize(const KernelShape &s, const QuantJob *jobs, uint32_t
 
 size_t ott_quantize_smem(const KernelShape &s) { return ott_smem(s.B, s.ott_pool, s.d).total; }
 
-cudaError_t configure_ott_quantize(size_t smem_limit) {
+cudaError_t configure_ott_quantize(size_t smem_optin, size_t *max_dynamic) {
+  *max_dynamic = smem_optin;
   for (auto kernel : {ott_quantize_kernel<IoF32>, ott_quantize_kernel<IoF16>, ott_quantize_kernel<IoBF16>}) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_limit));
+    // Static and dynamic shared memory together must fit the device's limit.
+    cudaFuncAttributes attributes;
+    cudaError_t e = cudaFuncGetAttributes(&attributes, kernel);
     if (e != cudaSuccess) return e;
+    const size_t dynamic = smem_optin > attributes.sharedSizeBytes ? smem_optin - attributes.sharedSizeBytes : 0;
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic));
+    if (e != cudaSuccess) return e;
+    if (dynamic < *max_dynamic) *max_dynamic = dynamic;
   }
   return cudaSuccess;
 }

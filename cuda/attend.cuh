@@ -549,9 +549,14 @@ __global__ void __launch_bounds__(kAttendThreads) attend_reduce_kernel(const Att
 
 // ---- dispatch (instantiated once per dtype in attend_<dtype>.cu) ----
 template <class IO, KeyKind KIND, uint32_t ROWS>
-cudaError_t configure_one(size_t smem_bytes) {
+cudaError_t configure_one(size_t smem_optin) {
+  // The kernel has no static shared memory; the limit covers static and dynamic together.
+  cudaFuncAttributes attributes;
+  const cudaError_t e = cudaFuncGetAttributes(&attributes, attend_kernel<IO, KIND, ROWS>);
+  if (e != cudaSuccess) return e;
+  if (attributes.sharedSizeBytes > 0) return cudaErrorInvalidValue;  // attend_smem() would not account for it
   return cudaFuncSetAttribute(attend_kernel<IO, KIND, ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              int(smem_bytes));
+                              int(smem_optin));
 }
 
 // A kernel's shared memory limit is process-wide (every layer and every cache launches the same

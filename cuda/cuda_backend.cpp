@@ -107,7 +107,7 @@ class CudaCache final : public qjlkv_cache {
   void download(void *host, const void *device, size_t bytes) const;
   // Element `index` of a device tensor in the I/O dtype (error paths only).
   float read_element(const void *tensor, size_t index) const;
-  [[noreturn]] void fail_data(const char *name, const void *tensor, unsigned long long index, bool fp16_range) const;
+  [[noreturn]] void fail_data(const char *name, const void *tensor, unsigned long long index, float limit) const;
   void run_attention(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uint32_t queries_per_seq,
                      const void *queries, float scale, void *out, float *scores_host);
   const SeqState &find(uint32_t layer, uint32_t seq) const {
@@ -240,13 +240,14 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   layer.blocks = std::make_unique<SlotPool>(size_t(k.head_stride) * k.Hkv, 16);
   layer.rings = std::make_unique<SlotPool>(align_up(ring_bytes_), 4);
   if (k.traced) {
+    size_t max_dynamic = 0;
+    check_cuda(configure_ott_quantize(smem_optin, &max_dynamic), "cudaFuncSetAttribute");
     const size_t need = ott_quantize_smem(k);
-    if (need > smem_optin)
+    if (need > max_dynamic)
       fail(QJLKV_ERROR_UNSUPPORTED,
            "layer %u: OTT tracing of blocks of %u tokens with %u outlier tokens needs %zu bytes of shared memory, "
            "the device offers %zu; use smaller config.block_tokens or config.outlier_tokens",
-           l, k.B, k.ott_pool, need, smem_optin);
-    check_cuda(configure_ott_quantize(smem_optin), "cudaFuncSetAttribute");
+           l, k.B, k.ott_pool, need, max_dynamic);
     layer.otts = std::make_unique<SlotPool>(2 * size_t(k.Hkv) * k.ott.bytes, 4);
   }
 
@@ -317,13 +318,8 @@ float CudaCache::read_element(const void *tensor, size_t index) const {
   return cpu::load_element(&bits, 0, spec().cfg.dtype);
 }
 
-void CudaCache::fail_data(const char *name, const void *tensor, unsigned long long index, bool fp16_range) const {
-  const float x = read_element(tensor, size_t(index));
-  if (!std::isfinite(x) || !fp16_range)
-    fail(QJLKV_ERROR_INVALID_ARGUMENT, "%s[%llu] is %g: keys, values and queries must be finite", name, index,
-         double(x));
-  fail(QJLKV_ERROR_INVALID_ARGUMENT,
-       "%s[%llu] is %g, outside the fp16 range (|x| <= 65504) that this configuration stores", name, index, double(x));
+void CudaCache::fail_data(const char *name, const void *tensor, unsigned long long index, float limit) const {
+  fail_bad_element(name, size_t(index), read_element(tensor, size_t(index)), limit);
 }
 
 void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_seqs, uint32_t tokens_per_seq,
@@ -454,8 +450,7 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
     check_cuda(cudaMemsetAsync(flags, 0xff, 3 * sizeof(unsigned long long), stream_), "cudaMemsetAsync");
     check_cuda(cudaMemcpyAsync(blob_dev, blob_host, blob_bytes, cudaMemcpyHostToDevice, stream_),
                "uploading the append jobs");
-    check_cuda(launch_validate(k, keys, values, elements, spec().keys_need_fp16_range ? kHalfMax : FLT_MAX,
-                               spec().values_need_fp16_range ? kHalfMax : FLT_MAX, k.kind == KeyKind::qjl, flags,
+    check_cuda(launch_validate(k, keys, values, elements, spec().key_limit, spec().value_limit, k.kind == KeyKind::qjl, flags,
                                stream_),
                "the validation kernel");
     if (k.traced)
@@ -468,8 +463,8 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
                "reading the validation result");
     check_cuda(cudaStreamSynchronize(stream_), "append (validation and quantization)");
     constexpr unsigned long long kNone = ~0ull;
-    if (flags_host_[0] != kNone) fail_data("keys", keys, flags_host_[0], spec().keys_need_fp16_range);
-    if (flags_host_[1] != kNone) fail_data("values", values, flags_host_[1], spec().values_need_fp16_range);
+    if (flags_host_[0] != kNone) fail_data("keys", keys, flags_host_[0], spec().key_limit);
+    if (flags_host_[1] != kNone) fail_data("values", values, flags_host_[1], spec().value_limit);
     if (flags_host_[2] != kNone) {
       const size_t vector = size_t(flags_host_[2]);
       double norm2 = 0.0;
@@ -585,7 +580,7 @@ void CudaCache::scores(uint32_t layer, uint32_t seq, const void *query, float *o
   check_cuda(cudaMemcpyAsync(flags_host_, flags, sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream_),
              "reading the validation result");
   check_cuda(cudaStreamSynchronize(stream_), "scores (validation)");
-  if (flags_host_[0] != ~0ull) fail_data("query", query, flags_host_[0], false);
+  if (flags_host_[0] != ~0ull) fail_data("query", query, flags_host_[0], FLT_MAX);
   run_attention(layer, &seq, 1, 1, query, 1.0f, nullptr, out);
   check_cuda(cudaStreamSynchronize(stream_), "scores");
 }

@@ -76,9 +76,11 @@ struct OttJob {
   uint8_t *to;             // the state this append commits
 };
 cudaError_t launch_ott_quantize(const KernelShape &shape, const OttJob *jobs, uint32_t n_jobs, cudaStream_t stream);
-// Dynamic shared memory of the OTT quantizer; raised to the device's maximum once, at creation.
+// Dynamic shared memory of the OTT quantizer for this shape.
 size_t ott_quantize_smem(const KernelShape &shape);
-cudaError_t configure_ott_quantize(size_t smem_limit);
+// Raises the OTT quantizer's dynamic shared memory limit to what the device allows next to its
+// static shared memory (once, at creation); *max_dynamic receives that limit.
+cudaError_t configure_ott_quantize(size_t smem_optin, size_t *max_dynamic);
 cudaError_t launch_commit(const KernelShape &shape, const CommitJob *jobs, uint32_t n_jobs, cudaStream_t stream);
 
 // ---- attend -----------------------------------------------------------------------------------

@@ -234,6 +234,15 @@ qjlkv_status qjlkv_cache_scores(qjlkv_cache *c, uint32_t layer, uint32_t seq, co
     QJLKV_REQUIRE(out_len >= needed, "out_len is %zu, need num_q_heads (%u) x length (%llu) = %llu floats", out_len,
                   c->spec().cfg.num_q_heads, (unsigned long long)length, (unsigned long long)needed);
     c->scores(layer, seq, query, out);
+    // A finite query whose products overflow float gives inf - inf somewhere: refuse, as attend does.
+    const float *nan = std::find_if(out, out + needed, [](float x) { return std::isnan(x); });
+    if (nan != out + needed) {
+      const size_t i = size_t(nan - out);
+      fail(QJLKV_ERROR_INVALID_ARGUMENT,
+           "query: the logit of query head %zu at position %zu of seq %u overflows the float range; "
+           "scale the query down",
+           i / length, i % length, seq);
+    }
   });
 }
 

@@ -3,9 +3,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string_view>
 
+#include <unistd.h>
+
 #include "error.hpp"
+#include "half.hpp"
 
 namespace qjlkv {
 
@@ -112,12 +116,25 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
   write_caller_config(out, cfg);
 }
 
+// A C caller may store any int in an enum field, and loading an out-of-range value as the C++
+// enum is undefined behaviour: validation reads the field's bytes as an int instead.
+template <class Enum>
+int raw_enum(const Enum &field) {
+  static_assert(sizeof(Enum) == sizeof(int));
+  int value;
+  std::memcpy(&value, &field, sizeof value);
+  return value;
+}
+
 void validate_config(const qjlkv_config &caller_cfg) {
   const qjlkv_config cfg = complete_config(caller_cfg);
   check_shape(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim);
   const uint32_t d = cfg.head_dim;
-  QJLKV_REQUIRE(cfg.dtype == QJLKV_DTYPE_F32 || cfg.dtype == QJLKV_DTYPE_F16 || cfg.dtype == QJLKV_DTYPE_BF16,
-                "config.dtype is %d, must be QJLKV_DTYPE_F32, _F16 or _BF16", int(cfg.dtype));
+  const int dtype = raw_enum(cfg.dtype), key_method = raw_enum(cfg.key_method);
+  QJLKV_REQUIRE(dtype == QJLKV_DTYPE_F32 || dtype == QJLKV_DTYPE_F16 || dtype == QJLKV_DTYPE_BF16,
+                "config.dtype is %d, must be QJLKV_DTYPE_F32, _F16 or _BF16", dtype);
+  QJLKV_REQUIRE(key_method >= QJLKV_KEYS_QJL && key_method <= QJLKV_KEYS_EXACT,
+                "config.key_method is %d, must be a qjlkv_key_method", key_method);
   QJLKV_REQUIRE(cfg.device >= -1, "config.device is %d, must be -1 (CPU) or a CUDA device ordinal >= 0",
                 cfg.device);
   QJLKV_REQUIRE((cfg.sketch_flags & ~QJLKV_SKETCH_ORTHOGONAL) == 0,
@@ -163,9 +180,6 @@ void validate_config(const qjlkv_config &caller_cfg) {
       break;
     case QJLKV_KEYS_EXACT:
       break;
-    default:
-      fail(QJLKV_ERROR_INVALID_ARGUMENT, "config.key_method is %d, must be a qjlkv_key_method",
-           int(cfg.key_method));
   }
   QJLKV_REQUIRE(is_bits(cfg.value_bits) || cfg.value_bits == 16, "config.value_bits is %u, must be 2, 4, 8 or 16",
                 cfg.value_bits);
@@ -228,6 +242,38 @@ BlockLayout make_layout(const qjlkv_config &cfg, const LayerSpec &layer) {
 
 }  // namespace
 
+namespace {
+// Every QJL layer owns a sketch (and the CPU backend a transposed copy). A valid config can ask
+// for terabytes of them (65536 layers of 65536 x 256): fail before generating any rather than
+// spend hours and be killed by the kernel's out-of-memory handler.
+void check_sketch_memory(const qjlkv_config &cfg) {
+  const auto rows = [&](uint32_t m, uint32_t m_out) { return double(std::max(m, cfg.outlier_channels ? m_out : 0u)); };
+  const double initial = cfg.initial_layers;
+  const double sketch_rows = initial * rows(cfg.initial_key_sketch_dim, cfg.initial_outlier_sketch_dim) +
+                             (cfg.num_layers - initial) * rows(cfg.key_sketch_dim, cfg.outlier_sketch_dim);
+  const double bytes = 2.0 * sketch_rows * cfg.head_dim * sizeof(float);
+  const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_size <= 0) return;  // unknown: let the allocations decide
+  const double physical = double(pages) * double(page_size);
+  if (bytes > physical)
+    fail(QJLKV_ERROR_OUT_OF_MEMORY,
+         "the sketches of %u layers (key_sketch_dim %u, head_dim %u) need %.3g GiB, more than this machine's "
+         "%.3g GiB of memory",
+         cfg.num_layers, cfg.key_sketch_dim, cfg.head_dim, bytes / 1073741824.0, physical / 1073741824.0);
+}
+}  // namespace
+
+void fail_bad_element(const char *name, size_t index, float x, float limit) {
+  if (!std::isfinite(x))
+    fail(QJLKV_ERROR_INVALID_ARGUMENT, "%s[%zu] is %g: keys, values and queries must be finite", name, index, double(x));
+  if (limit == kHalfMax)
+    fail(QJLKV_ERROR_INVALID_ARGUMENT,
+         "%s[%zu] is %g, outside the fp16 range (|x| <= 65504) that this configuration stores", name, index, double(x));
+  fail(QJLKV_ERROR_INVALID_ARGUMENT,
+       "%s[%zu] is %g: |x| must be at most %g, so that attention's sum over up to 2^32 tokens stays finite", name,
+       index, double(x), double(limit));
+}
+
 CacheSpec make_cache_spec(const qjlkv_config &caller_cfg) {
   validate_config(caller_cfg);
   CacheSpec spec;
@@ -248,8 +294,9 @@ CacheSpec make_cache_spec(const qjlkv_config &caller_cfg) {
   const bool orthogonal = cfg.sketch_flags & QJLKV_SKETCH_ORTHOGONAL;
   spec.qjl_constant = float(qjl_constant(cfg.head_dim, orthogonal));
   const bool exact_keys_in_bf16 = cfg.key_method == QJLKV_KEYS_EXACT && spec.stored_dtype == QJLKV_DTYPE_BF16;
-  spec.keys_need_fp16_range = !exact_keys_in_bf16;
-  spec.values_need_fp16_range = !(cfg.value_bits == 16 && spec.stored_dtype == QJLKV_DTYPE_BF16);
+  spec.key_limit = exact_keys_in_bf16 ? std::numeric_limits<float>::max() : kHalfMax;
+  spec.value_limit = cfg.value_bits == 16 && spec.stored_dtype == QJLKV_DTYPE_BF16 ? kSummableMax : kHalfMax;
+  if (cfg.key_method == QJLKV_KEYS_QJL) check_sketch_memory(cfg);
   spec.layers.resize(cfg.num_layers);
   for (uint32_t l = 0; l < cfg.num_layers; ++l) {
     LayerSpec &layer = spec.layers[l];

@@ -62,11 +62,20 @@ struct CacheSpec {
   qjlkv_dtype stored_dtype{};     // full-precision storage: tails, pools, EXACT blocks (16-bit)
   size_t tail_elem = 4;           // bytes of one tail element (input dtype)
   float qjl_constant = 0.0f;      // c_d
-  // Whether keys / values must lie within the fp16 range because something derived from them
-  // (norms, scales, minima, 16-bit copies) is stored as fp16.
-  bool keys_need_fp16_range = true, values_need_fp16_range = true;
+  // The largest |x| accepted in keys / values: kHalfMax where something derived from them
+  // (norms, scales, minima, 16-bit copies) is stored as fp16, else kSummableMax for values
+  // (attention sums up to 2^32 of them in float) and FLT_MAX for keys (logit overflow is
+  // refused at attend).
+  float key_limit = 65504.0f, value_limit = 65504.0f;
   std::vector<LayerSpec> layers;
 };
+
+// 2^95: a weighted sum of up to 2^32 values of at most this magnitude stays below FLT_MAX.
+inline constexpr float kSummableMax = 0x1p95f;
+
+// Throws INVALID_ARGUMENT for element `index` of keys/values/queries, whose value x is not finite
+// or exceeds `limit`, with a message that names the tensor, the element and the rule broken.
+[[noreturn]] void fail_bad_element(const char *name, size_t index, float x, float limit);
 
 // Validates cfg and derives the spec; builds every layer's sketch.
 CacheSpec make_cache_spec(const qjlkv_config &cfg);

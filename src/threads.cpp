@@ -1,6 +1,9 @@
 #include "threads.hpp"
 
 #include <algorithm>
+#include <system_error>
+
+#include "error.hpp"
 
 namespace qjlkv {
 
@@ -9,6 +12,12 @@ ThreadPool::ThreadPool(unsigned threads) {
   try {
     workers_.reserve(threads - 1);
     for (unsigned i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  } catch (const std::system_error &e) {
+    // The system is out of threads (or memory for their stacks): a resource the caller can
+    // free, like memory, not a bug of the library.
+    stop();
+    fail(QJLKV_ERROR_OUT_OF_MEMORY, "starting worker thread %zu of %u failed (%s); lower config.num_threads",
+         workers_.size() + 1, threads, e.what());
   } catch (...) {
     stop();
     throw;

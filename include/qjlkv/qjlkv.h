@@ -39,7 +39,9 @@
  *   pointers, dimensions, ranges, sizes that overflow, and the data itself
  *   (keys, values and queries must be finite; for quantized storage they must
  *   also lie within the fp16 range |x| <= 65504, because scales, minima and
- *   norms are stored in fp16).
+ *   norms are stored in fp16; bf16 values stored at 16 bits must lie within
+ *   |x| <= 2^95, so that attention's float sum over up to 2^32 tokens stays
+ *   finite).
  * Threads. One cache handle is used by one thread at a time (the caller
  *   serializes); distinct handles are fully independent. A sketch is immutable
  *   and may be shared by any number of threads. qjlkv_last_error_message() is
@@ -353,8 +355,11 @@ QJLKV_API qjlkv_status qjlkv_cache_attend_batch(qjlkv_cache *c, uint32_t layer,
  * the exact product. OTT: positions whose token moved to the outlier pool
  * give -INFINITY (their exact score is not part of this listing); tokens in the
  * pool or spill area are not listed.
+ * Logits beyond the float range read +-INFINITY; where they would be NaN (a
+ * finite query so large that its products overflow) the call fails instead.
  * Errors: INVALID_ARGUMENT (NULL, layer, unknown sequence, out_len too small,
- * non-finite query), OUT_OF_MEMORY. */
+ * non-finite query, a logit that overflows to NaN; out's contents are then
+ * unspecified), OUT_OF_MEMORY. */
 QJLKV_API qjlkv_status qjlkv_cache_scores(qjlkv_cache *c, uint32_t layer, uint32_t seq,
                                           const void *query, float *out, size_t out_len);
 

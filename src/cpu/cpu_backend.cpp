@@ -107,7 +107,8 @@ class CpuCache final : public qjlkv_cache {
   }
 
  private:
-  void check_data(const char *name, const void *data, size_t elems, bool fp16_range) const;
+  // Refuses non-finite elements and those beyond `limit` (a CacheSpec limit, or FLT_MAX).
+  void check_data(const char *name, const void *data, size_t elems, float limit) const;
   void check_key_norms(const void *keys, size_t tokens) const;
   // Fills plan (whose seq is set) with the blocks to quantize and every buffer they need.
   void plan_append(AppendPlan &plan, uint32_t layer, uint32_t n_new, const uint8_t *keys,
@@ -164,16 +165,11 @@ float *aligned_floats(std::vector<float> &v, size_t n) {
   return v.data() + ((64 - address % 64) % 64) / sizeof(float);
 }
 
-void CpuCache::check_data(const char *name, const void *data, size_t elems, bool fp16_range) const {
+void CpuCache::check_data(const char *name, const void *data, size_t elems, float limit) const {
   const qjlkv_dtype dtype = spec().cfg.dtype;
-  const float limit = fp16_range ? kHalfMax : std::numeric_limits<float>::max();
   for (size_t i = kernels_->first_invalid(data, dtype, elems, limit); i < elems; ++i) {
     const float x = load_element(data, i, dtype);
-    if (!std::isfinite(x))
-      fail(QJLKV_ERROR_INVALID_ARGUMENT, "%s[%zu] is %g: keys, values and queries must be finite", name, i, double(x));
-    if (std::fabs(x) > limit)
-      fail(QJLKV_ERROR_INVALID_ARGUMENT,
-           "%s[%zu] is %g, outside the fp16 range (|x| <= 65504) that this configuration stores", name, i, double(x));
+    if (!std::isfinite(x) || std::fabs(x) > limit) fail_bad_element(name, i, x, limit);
   }
 }
 
@@ -443,8 +439,8 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
                       const void *keys, const void *values) {
   const qjlkv_config &cfg = spec().cfg;
   const size_t tokens = size_t(n_seqs) * tokens_per_seq;
-  check_data("keys", keys, tokens * token_elems_, spec().keys_need_fp16_range);
-  check_data("values", values, tokens * token_elems_, spec().values_need_fp16_range);
+  check_data("keys", keys, tokens * token_elems_, spec().key_limit);
+  check_data("values", values, tokens * token_elems_, spec().value_limit);
   if (cfg.key_method == QJLKV_KEYS_QJL) check_key_norms(keys, tokens);
 
   const auto *key_bytes = static_cast<const uint8_t *>(keys);
@@ -623,7 +619,7 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
     QJLKV_REQUIRE(queries_per_seq <= found[i]->length, "n_queries is %u, but seq %u holds only %llu tokens",
                   queries_per_seq, seqs[i], (unsigned long long)found[i]->length);
   }
-  check_data("queries", queries, n_seqs * q_seq_elems, false);  // only once their count is known to be sane
+  check_data("queries", queries, n_seqs * q_seq_elems, std::numeric_limits<float>::max());  // only once their count is known to be sane
   const uint32_t Hkv = cfg.num_kv_heads, d = cfg.head_dim, dp = padded_dim(d), G = spec().group_size;
   const uint32_t rows = queries_per_seq * G, run = std::max(1u, kTaskTokens / cfg.block_tokens);
   const uint32_t heads = n_seqs * Hkv;
@@ -703,7 +699,7 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
   const qjlkv_config &cfg = spec().cfg;
   const uint32_t d = cfg.head_dim, dp = padded_dim(d), B = cfg.block_tokens, G = spec().group_size;
   const uint32_t Bp = padded_tokens(B);
-  check_data("query", query, size_t(cfg.num_q_heads) * d, false);
+  check_data("query", query, size_t(cfg.num_q_heads) * d, std::numeric_limits<float>::max());
   const Sequence &seq = find(layer, seq_id);
   const size_t L = seq.length;
   std::vector<float> q_storage, scratch_storage;

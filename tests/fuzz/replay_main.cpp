@@ -1,12 +1,18 @@
 // Runs a fuzz harness over files without libFuzzer: the regression test that replays the
 // committed corpus (tests/fuzz/corpus/<harness>/) in every build, sanitizer builds included.
+// Each input runs in its own child process, so that one failing input does not hide the others.
 //   usage: replay FILE_OR_DIRECTORY...   (fails when given nothing to run)
-#include <cstdint>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <string>
 #include <vector>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -32,12 +38,28 @@ int main(int argc, char **argv) {
     return 2;
   }
   std::sort(files.begin(), files.end());
+  std::vector<std::string> failed;
   for (const fs::path &file : files) {
     std::ifstream stream(file, std::ios::binary);
     const std::vector<uint8_t> data{std::istreambuf_iterator<char>(stream), std::istreambuf_iterator<char>()};
-    std::fprintf(stderr, "replaying %s (%zu bytes)\n", file.filename().c_str(), data.size());
-    LLVMFuzzerTestOneInput(data.data(), data.size());
+    std::fflush(nullptr);
+    const pid_t pid = fork();
+    if (pid < 0) {
+      std::perror("fork");
+      return 2;
+    }
+    if (pid == 0) {
+      LLVMFuzzerTestOneInput(data.data(), data.size());
+      std::exit(0);  // exit, not _exit: LeakSanitizer checks the child at exit
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      std::fprintf(stderr, "FAILED: %s (%zu bytes)\n\n", file.filename().c_str(), data.size());
+      failed.push_back(file.filename().string());
+    }
   }
-  std::printf("%zu inputs replayed without a failure\n", files.size());
-  return 0;
+  std::printf("%zu inputs replayed, %zu failed\n", files.size(), failed.size());
+  for (const std::string &name : failed) std::printf("  failed: %s\n", name.c_str());
+  return failed.empty() ? 0 : 1;
 }

@@ -147,15 +147,26 @@ struct Mismatch {
   double worst = 0.0;  // largest |a - b| / (|b| + rms)
 };
 inline Mismatch compare_close(const std::vector<float> &a, const std::vector<float> &b, double rel) {
+  // Infinite entries (OTT's masked slots in scores) must match exactly and stay out of the scale.
   Mismatch m;
   double sum2 = 0.0;
-  for (float x : b) sum2 += double(x) * x;
-  const double rms = b.empty() ? 0.0 : std::sqrt(sum2 / double(b.size()));
+  size_t finite = 0;
+  for (float x : b)
+    if (std::isfinite(x)) {
+      sum2 += double(x) * x;
+      ++finite;
+    }
+  const double rms = finite ? std::sqrt(sum2 / double(finite)) : 0.0;
   for (size_t i = 0; i < a.size(); ++i) {
-    const double scale = std::fabs(double(b[i])) + rms + 1e-30;
-    const double err = std::isfinite(a[i]) ? std::fabs(double(a[i]) - double(b[i])) / scale : 1e30;
+    double err;
+    if (std::isinf(b[i])) {
+      err = a[i] == b[i] ? 0.0 : 1e30;
+    } else {
+      const double scale = std::fabs(double(b[i])) + rms + 1e-30;
+      err = std::isfinite(a[i]) ? std::fabs(double(a[i]) - double(b[i])) / scale : 1e30;
+    }
     m.worst = std::max(m.worst, err);
-    if (!(err <= rel) && !(std::isinf(a[i]) && a[i] == b[i])) {
+    if (!(err <= rel)) {
       if (m.count == 0) m.first = i;
       ++m.count;
     }

@@ -114,10 +114,12 @@ elif [ -x "$TEST" ]; then
   short+=':CudaBackend.RejectsBadDataAndStaysUnchanged:CudaBackend.StreamsOrderWork'
   step memcheck sanitizer 100 "$SAN" --tool memcheck --error-exitcode 9 --leak-check full "$TEST" \
     --gtest_filter="$short" || true
-  step racecheck sanitizer 60 "$SAN" --tool racecheck --error-exitcode 9 "$TEST" \
-    --gtest_filter='AllMethods/CudaVsCpu.SameBytesScoresAndOutputs/qjl_bf16_d64_g7' || true
+  # Shared memory hazards and barrier misuse: small tests that reach every kernel (QJL, OTT, KIVI).
+  step racecheck sanitizer 75 "$SAN" --tool racecheck --racecheck-report all --error-exitcode 9 "$TEST" \
+    --gtest_filter='CudaBackend.RejectsBadDataAndStaysUnchanged:AllMethods/CudaVsCpu.SameBytesScoresAndOutputs/ott_f16_d64_g4' ||
+    true
   step synccheck sanitizer 45 "$SAN" --tool synccheck --error-exitcode 9 "$TEST" \
-    --gtest_filter='AllMethods/CudaVsCpu.SameBytesScoresAndOutputs/kivi_f16_d64_g4' || true
+    --gtest_filter='CudaBackend.StreamsOrderWork:AllMethods/CudaVsCpu.SameBytesScoresAndOutputs/exact_bf16_d64_g7' || true
 elif [ -x "$BENCH" ]; then
   step memcheck sanitizer 100 "$SAN" --tool memcheck --error-exitcode 9 "$BENCH" --quick || true
 fi
@@ -129,7 +131,11 @@ else
   note "FAIL bench: $BENCH was not built"
   failures=$((failures + 1))
 fi
-step bench-sdpa bench 60 python3 "$ROOT/tests/gpu/bench_sdpa.py" || true
+if command -v python3 >/dev/null; then
+  step bench-sdpa bench 60 python3 "$ROOT/tests/gpu/bench_sdpa.py" || true
+else
+  note "     (no python3: the torch SDPA baseline is skipped)"
+fi
 {
   echo "---- benchmark lines (time_us per call; read_GBps = compressed bytes read / time) ----"
   grep -E "^(copy_bandwidth|attend|append|append_batch|sdpa:) " "$OUT/bench.log" || true

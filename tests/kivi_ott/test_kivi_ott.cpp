@@ -214,11 +214,11 @@ struct OttToken {
 struct OttSimulation {
   uint32_t d, B, R, P, spill_capacity;
   bool traced;
-  std::vector<OttToken> pool, spill;
+  std::vector<OttToken> pool{}, spill{};
   bool tracing = true;
-  Matrix blocks_k, blocks_v;           // stored (dequantized) block tokens
-  std::vector<bool> masked;            // per quantized position
-  std::set<uint32_t> ever_pooled;
+  Matrix blocks_k{}, blocks_v{};       // stored (dequantized) block tokens
+  std::vector<bool> masked{};          // per quantized position
+  std::set<uint32_t> ever_pooled{};
   uint32_t key_bits = 2;
 
   static float norm_of(const float *k, uint32_t d) {
@@ -330,7 +330,7 @@ TEST(Ott, MatchesBruteForceSimulation) {
         SCOPED_TRACE("spill " + std::to_string(spill) + " tokens " + std::to_string(tokens) + " layer " +
                      std::to_string(layer));
         ASSERT_EQ(qjlkv_cache_append(cache.c, layer, 1, tokens, k.data(), v.data()), QJLKV_OK);
-        OttSimulation sim{d, B, R, 3, spill, layer >= 1, {}, {}};
+        OttSimulation sim{.d = d, .B = B, .R = R, .P = 3, .spill_capacity = spill, .traced = layer >= 1};
         sim.run(k, v, tokens);
         // Masked slots (scores -inf) are exactly the positions that entered the pool.
         std::vector<float> scores(tokens);
@@ -339,7 +339,9 @@ TEST(Ott, MatchesBruteForceSimulation) {
         for (uint32_t t = 0; t < tokens; ++t)
           if (std::isinf(scores[t])) masked.insert(t);
         EXPECT_EQ(masked, sim.ever_pooled);
-        if (layer == 0) EXPECT_TRUE(masked.empty()) << "skip layers do no tracing";
+        if (layer == 0) {
+          EXPECT_TRUE(masked.empty()) << "skip layers do no tracing";
+        }
         // Unmasked quantized scores come from the mean-replaced, KIVI-quantized block.
         for (uint32_t t = 0; t < sim.masked.size(); ++t) {
           if (sim.masked[t]) continue;

@@ -56,6 +56,93 @@ TEST_P(LogitOverflow, HugeFiniteScaleGivesFiniteOutputOrIsRefused) {
 
 INSTANTIATE_TEST_SUITE_P(Presets, LogitOverflow, ::testing::Values("qjl", "kivi", "ott", "exact"));
 
+// A finite query whose products with the keys overflow fp32 gave NaN scores (QJL: the projected
+// query S·q holds +-inf of both signs; exact and KIVI: a running dot product of +inf meets a -inf
+// product). scores reports raw logits, so +-inf is an honest result; NaN is not. Found by
+// tests/fuzz/corpus/api/regression-scores-nan.
+class ScoresOverflow : public ::testing::TestWithParam<const char *> {};
+
+TEST_P(ScoresOverflow, HugeFiniteQueryGivesNoNaN) {
+  const qjlkv_config cfg = small_config(GetParam());
+  qjlkv_cache *c = nullptr;
+  RELIABILITY_ASSERT_OK(qjlkv_cache_create(&cfg, &c));
+  Cache cache(c);
+  const uint32_t n = cfg.residual_tokens + 2 * cfg.block_tokens + 1;
+  const size_t token_elems = size_t(cfg.num_kv_heads) * cfg.head_dim;
+  std::vector<float> keys(n * token_elems), values(n * token_elems, 0.5f);
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = i % 3 == 0 ? -100.0f : 100.0f;
+  RELIABILITY_ASSERT_OK(qjlkv_cache_append(c, 0, 0, n, keys.data(), values.data()));
+  const Snapshot before = snapshot(c, {{0, 0}});
+  std::vector<float> query(size_t(cfg.num_q_heads) * cfg.head_dim);
+  for (size_t i = 0; i < query.size(); ++i) query[i] = i % 2 ? -3e38f : 3e38f;
+  std::vector<float> scores(size_t(cfg.num_q_heads) * n);
+  const qjlkv_status s = qjlkv_cache_scores(c, 0, 0, query.data(), scores.data(), scores.size());
+  if (s == QJLKV_OK) {
+    for (size_t i = 0; i < scores.size(); ++i) ASSERT_FALSE(std::isnan(scores[i])) << "scores[" << i << "] is NaN";
+  } else {
+    EXPECT_EQ(s, QJLKV_ERROR_INVALID_ARGUMENT) << describe(s);
+    EXPECT_TRUE(names_identifier(qjlkv_last_error_message(), "query")) << qjlkv_last_error_message();
+  }
+  EXPECT_TRUE(snapshot(c, {{0, 0}}) == before);
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, ScoresOverflow, ::testing::Values("qjl", "kivi", "ott", "exact"));
+
+// bf16 values with 16-bit storage need not fit fp16, so values near the float maximum were
+// accepted; attention sums weighted values before normalizing and returned +inf (40 tokens of
+// value 2.99e38 with equal weights gave inf instead of 2.99e38). Such values are now refused
+// (|x| <= 2^95 keeps a sum over 2^32 tokens finite), and values at that bound average exactly.
+class ValuesNearFloatMax : public ::testing::Test {
+ protected:
+  static constexpr uint16_t kOne = 0x3f80;  // bf16 1.0
+  qjlkv_config cfg = small_config("exact", QJLKV_DTYPE_BF16);
+  uint32_t n = cfg.residual_tokens + 4 * cfg.block_tokens;
+  size_t token_elems = size_t(cfg.num_kv_heads) * cfg.head_dim;
+  std::vector<uint16_t> keys = std::vector<uint16_t>(n * token_elems, kOne);
+};
+
+TEST_F(ValuesNearFloatMax, Bf16ValuesBeyondTwoTo95AreRefused) {
+  qjlkv_cache *c = nullptr;
+  RELIABILITY_ASSERT_OK(qjlkv_cache_create(&cfg, &c));
+  Cache cache(c);
+  std::vector<uint16_t> values(n * token_elems, 0x3f80);
+  values[7] = 0x7f61;  // 2.99e38
+  const Snapshot before = snapshot(c, {});
+  const qjlkv_status appended = qjlkv_cache_append(c, 0, 0, n, keys.data(), values.data());
+  EXPECT_EQ(appended, QJLKV_ERROR_INVALID_ARGUMENT) << describe(appended);
+  EXPECT_TRUE(names_identifier(qjlkv_last_error_message(), "values")) << qjlkv_last_error_message();
+  EXPECT_NE(std::string(qjlkv_last_error_message()).find("values[7]"), std::string::npos)
+      << qjlkv_last_error_message();
+  EXPECT_TRUE(snapshot(c, {}) == before);
+}
+
+TEST_F(ValuesNearFloatMax, Bf16ValuesAtTwoTo95AverageExactly) {
+  qjlkv_cache *c = nullptr;
+  RELIABILITY_ASSERT_OK(qjlkv_cache_create(&cfg, &c));
+  Cache cache(c);
+  const uint16_t bound = 0x6f00;  // bf16 2^95
+  std::vector<uint16_t> values(n * token_elems, bound);
+  RELIABILITY_ASSERT_OK(qjlkv_cache_append(c, 0, 0, n, keys.data(), values.data()));
+  std::vector<uint16_t> query(size_t(cfg.num_q_heads) * cfg.head_dim, kOne), out(query.size());
+  RELIABILITY_ASSERT_OK(qjlkv_cache_attend(c, 0, 0, 1, query.data(), 0.0f, out.data()));
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], bound) << "out[" << i << "] is bf16 0x" << std::hex << out[i];
+}
+
+// A valid config could ask for terabytes of sketches (every QJL layer owns one) and spend hours
+// generating them before the kernel killed the process; create now refuses it up front.
+TEST(SketchMemory, ConfigNeedingMoreThanTheMachineFailsFast) {
+  qjlkv_config cfg;
+  RELIABILITY_ASSERT_OK(qjlkv_config_init(&cfg, "qjl", 65536, 1, 1, 256));
+  cfg.key_sketch_dim = 65536;  // 2 x 65536 layers x 65536 x 256 floats: 8 TiB
+  RELIABILITY_ASSERT_OK(qjlkv_config_validate(&cfg));
+  qjlkv_cache *c = nullptr;
+  const qjlkv_status s = qjlkv_cache_create(&cfg, &c);
+  EXPECT_EQ(s, QJLKV_ERROR_OUT_OF_MEMORY) << describe(s);
+  EXPECT_EQ(c, nullptr);
+  EXPECT_NE(std::string(qjlkv_last_error_message()).find("sketches of 65536 layers"), std::string::npos)
+      << qjlkv_last_error_message();
+}
+
 // Fields of another key method are ignored by validation (qjlkv_config_validate accepts any
 // key_bits on a QJL cache), so they must not change anything either. src/cpu/isa.cpp
 // kernel_scratch_floats() sized attend's scratch from key_bits for every key method: a QJL
