@@ -49,9 +49,11 @@ for h in $HARNESSES; do
       "coverage $(grep -oE 'cov: [0-9]+' "$BUILD/fuzz_$h.log" | tail -1)"
   else
     status=1
-    echo "   FAILED after $((SECONDS - start)) s; the log ends with:"
-    tail -n 40 "$BUILD/fuzz_$h.log"
-    echo "   crashing inputs: $(ls "$BUILD/artifacts/$h")"
+    echo "   FAILED after $((SECONDS - start)) s (full log: $BUILD/fuzz_$h.log):"
+    grep -m 12 -E "runtime error|invariant failed|^  [a-z]|ERROR: (AddressSanitizer|LeakSanitizer|libFuzzer)|^SUMMARY|#[0-9]+ .* in (qjlkv|\(anonymous)" \
+      "$BUILD/fuzz_$h.log" | sed 's/^/     /'
+    echo "   crashing inputs: $(ls "$BUILD/artifacts/$h");" \
+      "QJLKV_FUZZ_TRACE=1 $BUILD/fuzz_$h <input> replays one with a trace of its calls"
   fi
 done
 exit $status

@@ -3,8 +3,10 @@
 # builds the library once and reuses that build across the suites.
 #
 #   tools/test-all.sh            # everything
-#   QJLKV_SUITES="cpp python" tools/test-all.sh   # a subset of: deps cpp cuda packaging python rust eval
-#   QJLKV_SUITES="sanitize fuzz" tools/test-all.sh  # the sanitizer and fuzzing suites (issue 8), not yet in CI
+#   QJLKV_SUITES="cpp python" tools/test-all.sh   # a subset of:
+#       deps cpp cuda packaging python rust eval sanitize fuzz
+# (sanitize: ASan+UBSan and TSan builds running the whole ctest suite, valgrind on the C demo;
+# fuzz: the libFuzzer harnesses for QJLKV_FUZZ_SECONDS each, default 60.)
 #
 # Each suite prints its own closing line; the script ends with "N passed, N failed".
 set -uo pipefail
@@ -12,7 +14,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 BUILD=${QJLKV_BUILD:-$ROOT/build}
 JOBS=${QJLKV_JOBS:-$(nproc)}
-SUITES=${QJLKV_SUITES:-"deps cpp cuda packaging python rust eval"}
+SUITES=${QJLKV_SUITES:-"deps cpp cuda packaging python rust eval sanitize fuzz"}
 passed=0
 failed=0
 failed_names=()
@@ -46,7 +48,7 @@ apt_install() {  # installs the Debian packages that are missing
 
 deps() {
   apt_install cmake make g++ clang pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
-    libeigen3-dev abigail-tools bindgen libclang-dev valgrind file dpkg-dev
+    libeigen3-dev abigail-tools bindgen libclang-dev libclang-rt-dev valgrind file dpkg-dev
 }
 
 # The main build is CPU-only and serves every suite; the CUDA backend is compiled and linked in a
@@ -80,9 +82,10 @@ want cuda && run_suite cuda cuda_build
 if want packaging && [ -x tests/packaging/run.sh ]; then run_suite packaging tests/packaging/run.sh "$BUILD"; fi
 if want python && [ -x bindings/python/run_tests.sh ]; then run_suite python bindings/python/run_tests.sh "$BUILD"; fi
 if want rust && [ -x bindings/rust/run_tests.sh ]; then run_suite rust bindings/rust/run_tests.sh "$BUILD"; fi
-if want sanitize && [ -x tools/sanitize.sh ]; then run_suite sanitize tools/sanitize.sh; fi
-if want fuzz && [ -x tools/fuzz.sh ]; then run_suite fuzz tools/fuzz.sh "${QJLKV_FUZZ_SECONDS:-60}"; fi
 if want eval && [ -x tests/eval/run.sh ]; then run_suite eval tests/eval/run.sh; fi
+# valgrind runs the main build's demo; the sanitizer builds are their own.
+want sanitize && run_suite sanitize env QJLKV_VALGRIND_BUILD="$BUILD" tools/sanitize.sh
+want fuzz && run_suite fuzz tools/fuzz.sh "${QJLKV_FUZZ_SECONDS:-60}"
 
 echo
 [ $failed -gt 0 ] && echo "failed suites: ${failed_names[*]}"

@@ -662,10 +662,12 @@ inline void expect_same_snapshot(const Snapshot &before, const Snapshot &after, 
   EXPECT_EQ(before.lengths, after.lengths) << what << ": lengths changed";
   EXPECT_EQ(before.stat_fields, after.stat_fields) << what << ": statistics changed";
   ASSERT_EQ(before.scores.size(), after.scores.size());
-  for (size_t i = 0; i < before.scores.size(); ++i)
-    EXPECT_EQ(0, std::memcmp(before.scores[i].data(), after.scores[i].data(),
-                             std::min(before.scores[i].size(), after.scores[i].size()) * sizeof(float)))
+  for (size_t i = 0; i < before.scores.size(); ++i) {
+    const std::vector<float> &a = before.scores[i], &b = after.scores[i];
+    // Bitwise (NaN and -0 included); memcmp of empty vectors' null data() would be undefined.
+    EXPECT_TRUE(a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0))
         << what << ": scores of stream " << i << " changed";
+  }
 }
 
 }  // namespace qt
