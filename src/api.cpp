@@ -299,6 +299,11 @@ qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out) {
                   sizeof(qjlkv_stats));
     qjlkv_stats full{};
     c->stats(full);
+    full.bytes_used = full.bytes_keys_quantized + full.bytes_values_quantized + full.bytes_full_precision +
+                      full.bytes_metadata;
+    const uint64_t numbers = full.tokens * c->spec().cfg.num_kv_heads * c->spec().cfg.head_dim * 2;  // K and V
+    full.bytes_fp16_equivalent = numbers * 2;
+    full.bits_per_number = numbers ? double(full.bytes_used) * 8.0 / double(numbers) : 0.0;
     full.struct_size = size;
     std::memcpy(out, &full, size);
   });

@@ -33,6 +33,8 @@ struct qjlkv_cache {
   // Length of (layer, seq); 0 when absent.
   virtual uint64_t length(uint32_t layer, uint32_t seq) const = 0;
   virtual void clear(uint32_t seq) = 0;
+  // Fills tokens, bytes_reserved and the per-component byte counts; the C layer derives
+  // bytes_used, bytes_fp16_equivalent and bits_per_number from them.
   virtual void stats(qjlkv_stats &out) const = 0;
   virtual void set_stream(void *stream) = 0;
 

@@ -6,7 +6,10 @@
 #   tools/fuzz.sh [SECONDS_PER_HARNESS]      (default 60)
 #
 # Environment: QJLKV_FUZZ_BUILD (build directory, default build-fuzz), QJLKV_FUZZ_HARNESSES
-# (default "config api"), QJLKV_JOBS (build jobs, default nproc).
+# (default "config api"), QJLKV_JOBS (build jobs, default nproc), QJLKV_FUZZ_SEED (libFuzzer's
+# seed, default 1: every CI run explores the same inputs, as far as its time allows, so a
+# failure there points at a change rather than at luck; "random" or another number explores
+# further by hand).
 # New interesting inputs go to $QJLKV_FUZZ_BUILD/corpus/<harness>/, never into the repository.
 # A crash leaves its input in $QJLKV_FUZZ_BUILD/artifacts/<harness>/ and fails the script: fix
 # the bug, then commit the input to tests/fuzz/corpus/<harness>/ (the ctest
@@ -19,6 +22,8 @@ SECONDS_EACH=${1:-60}
 BUILD=${QJLKV_FUZZ_BUILD:-$ROOT/build-fuzz}
 HARNESSES=${QJLKV_FUZZ_HARNESSES:-"config api"}
 JOBS=${QJLKV_JOBS:-$(nproc)}
+SEED=${QJLKV_FUZZ_SEED:-1}
+[ "$SEED" = random ] && SEED=0  # libFuzzer: 0 picks a seed from the clock
 case $SECONDS_EACH in '' | *[!0-9]*) echo "usage: $0 [seconds per harness]" >&2; exit 2 ;; esac
 
 command -v clang++ >/dev/null || { echo "clang++ not found (apt-get install clang)" >&2; exit 1; }
@@ -42,7 +47,7 @@ for h in $HARNESSES; do
   echo "== fuzz_$h: ${SECONDS_EACH} s from $(ls "$ROOT/tests/fuzz/corpus/$h" | wc -l) seed inputs"
   start=$SECONDS
   # -timeout: one input running 20 s is a hang; -rss_limit_mb: a leak or an unbounded allocation.
-  if "$BUILD/fuzz_$h" -max_total_time="$SECONDS_EACH" -timeout=20 -rss_limit_mb=2048 -max_len=4096 \
+  if "$BUILD/fuzz_$h" -seed="$SEED" -max_total_time="$SECONDS_EACH" -timeout=20 -rss_limit_mb=2048 -max_len=4096 \
       -print_final_stats=1 -artifact_prefix="$BUILD/artifacts/$h/" \
       "$BUILD/corpus/$h" "$ROOT/tests/fuzz/corpus/$h" >"$BUILD/fuzz_$h.log" 2>&1; then
     echo "   ok after $((SECONDS - start)) s: $(grep -E '^stat::number_of_executed_units' "$BUILD/fuzz_$h.log" | awk '{print $2}') runs," \

@@ -400,7 +400,11 @@ QJLKV_API qjlkv_status qjlkv_cache_clear_sequence(qjlkv_cache *c, uint32_t seq);
 /* Memory accounting. Every stored byte is counted: sign bits, norms, outlier
  * indices, key/value codes, scales and minima, full-precision tails, OTT pools
  * and spill areas, per-block metadata. Capacity held but unused is counted
- * apart in bytes_reserved (>= bytes_used). */
+ * apart in bytes_reserved (>= bytes_used). Not cache data, so not counted:
+ * the sketches (one per QJL layer, max(m, m_out) x head_dim floats, plus a
+ * transposed copy on the CPU or a device copy on CUDA; fixed at creation) and
+ * the scratch buffers of append/attend, which grow to the largest call and
+ * are kept for the next. */
 typedef struct qjlkv_stats {
   uint32_t struct_size;          /* set by the caller: sizeof(qjlkv_stats)    */
   uint64_t tokens;               /* cached positions, all layers and seqs     */

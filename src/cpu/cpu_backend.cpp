@@ -795,11 +795,7 @@ void CpuCache::stats(qjlkv_stats &out) const {
   out.bytes_values_quantized = values_q;
   out.bytes_full_precision = full;
   out.bytes_metadata = meta + padding;  // block padding is stored, so it counts
-  out.bytes_used = keys_q + values_q + full + meta + padding;
   out.bytes_reserved = allocated + meta;  // every allocated byte, used or not
-  const uint64_t numbers = tokens * Hkv * cfg.head_dim * 2;
-  out.bytes_fp16_equivalent = numbers * 2;
-  out.bits_per_number = numbers ? double(out.bytes_used) * 8.0 / double(numbers) : 0.0;
 }
 
 }  // namespace

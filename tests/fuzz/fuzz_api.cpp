@@ -161,6 +161,11 @@ class Harness {
   // is +-inf, or NaN and refused.
   bool logit_representable(const Stream &stream, const std::vector<float> &q, uint32_t h, uint64_t t) const;
   bool logits_representable(const Stream &stream, const std::vector<float> &q, uint64_t length) const;
+  // QJL: the most sketch rows (key and outlier sketches) a score sums over.
+  double sketch_rows() const {
+    return double(std::max(cfg_.key_sketch_dim, cfg_.initial_key_sketch_dim)) +
+           double(std::max(cfg_.outlier_sketch_dim, cfg_.initial_outlier_sketch_dim));
+  }
   bool logits_may_overflow(uint32_t layer, const std::vector<uint32_t> &seqs, const std::vector<float> &queries,
                            float scale) const;
   void check_output(uint32_t layer, uint32_t seq, uint32_t n_queries, const std::vector<float> &queries, float scale,
@@ -443,7 +448,10 @@ bool Harness::logits_may_overflow(uint32_t layer, const std::vector<uint32_t> &s
       k_max = std::max(k_max, std::sqrt(k2));
     }
   }
-  return 2.0 * (std::sqrt(double(d)) + 1.0) * used_scale * q_max * k_max >= 0x1p126;
+  if (2.0 * (std::sqrt(double(d)) + 1.0) * used_scale * q_max * k_max >= 0x1p126) return true;
+  // QJL: the sign sums of S·q (see logit_representable), before or after the scale.
+  return cfg_.key_method == QJLKV_KEYS_QJL &&
+         4.0 * sketch_rows() * std::sqrt(double(d)) * std::max(1.0, used_scale) * q_max >= 0x1p126;
 }
 
 // Output of n_queries queries against (layer, seq): finite, within the values' range, and for
@@ -525,12 +533,9 @@ bool Harness::logit_representable(const Stream &stream, const std::vector<float>
     k2 += double(k[j]) * k[j];
   }
   if (2.0 * (std::sqrt(double(d)) + 1.0) * std::sqrt(q2 * k2) >= 0x1p126) return false;
-  if (cfg_.key_method != QJLKV_KEYS_QJL) return true;
-  // QJL sums signed entries of S·q before the key's norm scales them: up to m of them, each at
-  // most |S row|·|q| (rows of norm about sqrt(d)), whatever the key.
-  const double m = double(std::max(cfg_.key_sketch_dim, cfg_.initial_key_sketch_dim)) +
-                   double(std::max(cfg_.outlier_sketch_dim, cfg_.initial_outlier_sketch_dim));
-  return 4.0 * m * std::sqrt(double(d)) * std::sqrt(q2) < 0x1p126;
+  // QJL sums signed entries of S·q before the key's norm scales them: up to sketch_rows() of
+  // them, each at most |S row|·|q| (rows of norm about sqrt(d)), whatever the key.
+  return cfg_.key_method != QJLKV_KEYS_QJL || 4.0 * sketch_rows() * std::sqrt(double(d)) * std::sqrt(q2) < 0x1p126;
 }
 
 bool Harness::logits_representable(const Stream &stream, const std::vector<float> &q, uint64_t length) const {
@@ -574,7 +579,7 @@ void Harness::do_scores() {
       const float *k = &stream.keys[(t * cfg_.num_kv_heads + h / G) * d];
       FUZZ_CHECK(std::isfinite(got) || (!representable(h, t) && !std::isnan(got)),
                  "score (head %u, position %llu) is %g", h, (unsigned long long)t, double(got));
-      if (cfg_.key_method != QJLKV_KEYS_EXACT) continue;
+      if (cfg_.key_method != QJLKV_KEYS_EXACT || !std::isfinite(got)) continue;  // +-inf: checked just above
       double dot = 0.0, abs_dot = 0.0;
       for (uint32_t j = 0; j < d; ++j) {
         const double kj = t < q_len ? stored16(k[j]) : k[j];

@@ -83,7 +83,7 @@ std::vector<std::string> wrong_fields(const qjlkv_config &c) {
       }
       break;
     case QJLKV_KEYS_OTT:
-      rule(c.outlier_tokens <= c.block_tokens, "outlier_tokens");
+      rule(c.outlier_tokens < c.block_tokens, "outlier_tokens");  // a block keeps a token to average
       rule(c.outlier_spill_tokens <= 4096, "outlier_spill_tokens");
       rule(c.outlier_skip_layers <= c.num_layers, "outlier_skip_layers");
       [[fallthrough]];
