@@ -127,44 +127,34 @@ __device__ void quantize_qjl_keys(const KernelShape &s, const BlockSource<IO> &s
       }
       norm_out[t0 + tt] = float_to_half(sqrtf(norm2));
     }
-    // Sign bits: thread i projects the chunk's tokens on sketch row i; a warp ballot packs 8 rows
-    // per byte (bit j of byte b = row 8b + j).
-    for (uint32_t base = 0; base < s.m; base += kThreads) {
-      const uint32_t i = base + tid;
-      float projection[kQuantizeChunk] = {};
-      if (i < s.m)
-        for (uint32_t j = 0; j < d; ++j) {
-          const float w = sketch_t[size_t(j) * rows + i];
-#pragma unroll
-          for (uint32_t tt = 0; tt < kQuantizeChunk; ++tt)
-            projection[tt] = __fadd_rn(projection[tt], __fmul_rn(w, inlier_keys[tt][j]));
-        }
-#pragma unroll
-      for (uint32_t tt = 0; tt < kQuantizeChunk; ++tt) {
-        const uint32_t bits = __ballot_sync(0xffffffffu, i < s.m && projection[tt] > 0.0f);
-        if (i < s.m && (lane & 7u) == 0)
-          block[s.key_bits_in + size_t(t0 + tt) * s.bits_in_bpt + i / 8] = uint8_t(bits >> lane);
-      }
-    }
-    if (c > 0)
-      for (uint32_t base = 0; base < s.m_out; base += kThreads) {
+    // Sign bits of n_rows sketch rows over the channels channel(0..n_channels-1) of keys: thread i
+    // projects the chunk's tokens on sketch row i; a warp ballot packs 8 rows per byte (bit j of
+    // byte b = row 8b + j) into the rows of bytes_per_token bytes at block offset `first_byte`.
+    const auto pack_signs = [&](uint32_t n_rows, uint32_t n_channels, auto channel,
+                                const float (&keys)[kQuantizeChunk][kThreads], size_t first_byte,
+                                uint32_t bytes_per_token) {
+      for (uint32_t base = 0; base < n_rows; base += kThreads) {
         const uint32_t i = base + tid;
         float projection[kQuantizeChunk] = {};
-        if (i < s.m_out)
-          for (uint32_t k = 0; k < c; ++k) {
-            const uint32_t j = outliers[k];
+        if (i < n_rows)
+          for (uint32_t k = 0; k < n_channels; ++k) {
+            const uint32_t j = channel(k);
             const float w = sketch_t[size_t(j) * rows + i];
 #pragma unroll
             for (uint32_t tt = 0; tt < kQuantizeChunk; ++tt)
-              projection[tt] = __fadd_rn(projection[tt], __fmul_rn(w, raw_keys[tt][j]));
+              projection[tt] = __fadd_rn(projection[tt], __fmul_rn(w, keys[tt][j]));
           }
 #pragma unroll
         for (uint32_t tt = 0; tt < kQuantizeChunk; ++tt) {
-          const uint32_t bits = __ballot_sync(0xffffffffu, i < s.m_out && projection[tt] > 0.0f);
-          if (i < s.m_out && (lane & 7u) == 0)
-            block[s.key_bits_out + size_t(t0 + tt) * s.bits_out_bpt + i / 8] = uint8_t(bits >> lane);
+          const uint32_t bits = __ballot_sync(0xffffffffu, i < n_rows && projection[tt] > 0.0f);
+          if (i < n_rows && (lane & 7u) == 0)
+            block[first_byte + size_t(t0 + tt) * bytes_per_token + i / 8] = uint8_t(bits >> lane);
         }
       }
+    };
+    pack_signs(s.m, d, [](uint32_t k) { return k; }, inlier_keys, s.key_bits_in, s.bits_in_bpt);
+    if (c > 0)
+      pack_signs(s.m_out, c, [&](uint32_t k) { return outliers[k]; }, raw_keys, s.key_bits_out, s.bits_out_bpt);
     __syncthreads();
   }
 }

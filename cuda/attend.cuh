@@ -53,6 +53,19 @@ __device__ __forceinline__ void accumulate_codes(uint32_t word, const float *qs,
   }
 }
 
+// Σ q_r[e]·x_e over the two 16-bit numbers (fp16, or bf16 when BF16) of one word, for every
+// query row r; q points at the word's first element of row 0.
+template <bool BF16, uint32_t ROWS>
+__device__ __forceinline__ void accumulate_16bit_pair(uint32_t word, const float *q, uint32_t stride,
+                                                      float (&acc)[ROWS]) {
+  const float x0 = stored16_to_float<BF16>(word & 0xffffu), x1 = stored16_to_float<BF16>(word >> 16);
+#pragma unroll
+  for (uint32_t r = 0; r < ROWS; ++r) {
+    const float2 qq = *reinterpret_cast<const float2 *>(q + r * stride);
+    acc[r] = fmaf(qq.x, x0, fmaf(qq.y, x1, acc[r]));
+  }
+}
+
 // Rows of `words` 4-byte words from global memory into shared rows of dst_stride words:
 // one warp per row, lanes along the row (coalesced).
 template <class RowAddress>
@@ -300,12 +313,7 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
 #pragma unroll
           for (uint32_t r = 0; r < ROWS; ++r) acc_a[r] = fmaf(q[r * d32 + k], x, acc_a[r]);
         } else {
-          const float x0 = stored16_to_float<kBf16>(word & 0xffffu), x1 = stored16_to_float<kBf16>(word >> 16);
-#pragma unroll
-          for (uint32_t r = 0; r < ROWS; ++r) {
-            const float2 qq = *reinterpret_cast<const float2 *>(q + r * d32 + 2 * k);
-            acc_a[r] = fmaf(qq.x, x0, fmaf(qq.y, x1, acc_a[r]));
-          }
+          accumulate_16bit_pair<kBf16, ROWS>(word, q + 2 * k, d32, acc_a);
         }
       }
     }
@@ -433,15 +441,8 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
             }
           } else {
             const uint32_t *row = reinterpret_cast<const uint32_t *>(stage_k) + lane * padded_row_words(2 * d);
-            for (uint32_t k = warp; k < d / 2; k += kParts) {
-              const uint32_t word = row[k];
-              const float x0 = stored16_to_float<kBf16>(word & 0xffffu), x1 = stored16_to_float<kBf16>(word >> 16);
-#pragma unroll
-              for (uint32_t r = 0; r < ROWS; ++r) {
-                const float2 qq = *reinterpret_cast<const float2 *>(q + r * d32 + 2 * k);
-                acc_a[r] = fmaf(qq.x, x0, fmaf(qq.y, x1, acc_a[r]));
-              }
-            }
+            for (uint32_t k = warp; k < d / 2; k += kParts)
+              accumulate_16bit_pair<kBf16, ROWS>(row[k], q + 2 * k, d32, acc_a);
           }
         }
         write_partials(acc_a, acc_b);
