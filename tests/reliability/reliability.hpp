@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 #include <qjlkv/qjlkv.h>
 
-#include <cctype>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -15,23 +14,16 @@
 #include <utility>
 #include <vector>
 
+#include "testing.hpp"
+
 namespace qjlkv_test {
 
-struct CacheDeleter {
-  void operator()(qjlkv_cache *c) const noexcept { qjlkv_cache_destroy(c); }
-};
-using Cache = std::unique_ptr<qjlkv_cache, CacheDeleter>;
-
-inline std::string describe(qjlkv_status s) {
-  return std::string(qjlkv_status_string(s)) + " (" + qjlkv_last_error_message() + ")";
-}
-
-// Asserts that a call returns QJLKV_OK, printing the status and message otherwise.
-#define RELIABILITY_ASSERT_OK(expr)                                                                  \
-  do {                                                                                               \
-    const qjlkv_status reliability_status_ = (expr);                                                 \
-    ASSERT_EQ(reliability_status_, QJLKV_OK) << #expr << ": " << ::qjlkv_test::describe(reliability_status_); \
-  } while (0)
+// Handles, statuses, dtypes and message checks are those of the core tests (tests/cpp); assert
+// success with QT_ASSERT_OK.
+using qt::Cache;
+using qt::describe;
+using qt::dtype_bytes;
+using qt::names_identifier;
 
 // A small preset config: B = 8 and R = 5 so that a few dozen tokens cross several block
 // boundaries; one worker thread unless told otherwise.
@@ -47,8 +39,6 @@ inline qjlkv_config small_config(const char *preset, qjlkv_dtype dtype = QJLKV_D
   cfg.seed = 7;
   return cfg;
 }
-
-inline size_t dtype_bytes(qjlkv_dtype t) { return t == QJLKV_DTYPE_F32 ? 4 : 2; }
 
 // Deterministic tensor bytes in dtype t: N(0, sd) numbers, converted by truncation for the
 // 16-bit types (any finite pattern is fine here; what matters is that calls are repeatable).
@@ -136,20 +126,6 @@ inline Snapshot snapshot(qjlkv_cache *c, const std::vector<Stream> &streams) {
     }
   }
   return snap;
-}
-
-inline bool is_identifier_char(char ch) { return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_'; }
-
-// Whether `message` mentions `name` as a whole identifier ("out" does not match "out_len");
-// a dotted name such as "config.dtype" matches as written.
-inline bool names_identifier(const std::string &message, const std::string &name) {
-  for (size_t at = message.find(name); at != std::string::npos; at = message.find(name, at + 1)) {
-    const bool starts = at == 0 || !is_identifier_char(message[at - 1]);
-    const size_t end = at + name.size();
-    const bool ends = end == message.size() || !is_identifier_char(message[end]);
-    if (starts && ends) return true;
-  }
-  return false;
 }
 
 }  // namespace qjlkv_test

@@ -219,7 +219,7 @@ void walk_non_allocating(const qjlkv_config &cfg) {
     Snapshot expected_state;
     {
       Cache cache = fresh_cache(cfg, setup);
-      RELIABILITY_ASSERT_OK(call.call(cache.get(), expected_output.data()));
+      QT_ASSERT_OK(call.call(cache.get(), expected_output.data()));
       expected_state = snapshot(cache.get(), kStreams);
     }
     for (uint64_t n = 1; n <= 4; ++n) {

@@ -774,14 +774,14 @@ TEST_P(BadInput, EveryFunctionEveryArgumentClass) {
   World w;
   w.cfg = small_config(GetParam().preset, GetParam().dtype);
   qjlkv_cache *c = nullptr;
-  RELIABILITY_ASSERT_OK(qjlkv_cache_create(&w.cfg, &c));
+  QT_ASSERT_OK(qjlkv_cache_create(&w.cfg, &c));
   w.cache.reset(c);
   w.io = dtype_bytes(w.cfg.dtype);
   w.token_elems = size_t(w.cfg.num_kv_heads) * w.cfg.head_dim;
   w.query_elems = size_t(w.cfg.num_q_heads) * w.cfg.head_dim;
   w.length = w.cfg.residual_tokens + 2 * w.cfg.block_tokens + 3;  // blocks and a tail
-  RELIABILITY_ASSERT_OK(append_tokens(c, w.cfg, 0, kSeq, w.length, 1));
-  RELIABILITY_ASSERT_OK(append_tokens(c, w.cfg, 1, kOtherLayerSeq, 4, 2));
+  QT_ASSERT_OK(append_tokens(c, w.cfg, 0, kSeq, w.length, 1));
+  QT_ASSERT_OK(append_tokens(c, w.cfg, 1, kOtherLayerSeq, 4, 2));
 
   const std::vector<Row> rows = table(w);
   size_t failures = 0;

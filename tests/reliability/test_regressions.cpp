@@ -35,7 +35,7 @@ TEST_P(LogitOverflow, HugeFiniteQueryGivesFiniteOutputOrIsRefused) {
   const size_t token_elems = size_t(cfg.num_kv_heads) * cfg.head_dim;
   std::vector<float> keys(n * token_elems, 1.0f), values(n * token_elems);
   for (size_t i = 0; i < values.size(); ++i) values[i] = float(i % 5) - 2.0f;
-  RELIABILITY_ASSERT_OK(qjlkv_cache_append(c, 0, 0, n, keys.data(), values.data()));
+  QT_ASSERT_OK(qjlkv_cache_append(c, 0, 0, n, keys.data(), values.data()));
   const Snapshot before = snapshot(c, {{0, 0}});
   std::vector<float> query(size_t(cfg.num_q_heads) * cfg.head_dim, 3e38f), out(query.size());
   expect_finite_or_refused(qjlkv_cache_attend(c, 0, 0, 1, query.data(), 0.0f, out.data()), out);
@@ -48,7 +48,7 @@ TEST_P(LogitOverflow, HugeFiniteScaleGivesFiniteOutputOrIsRefused) {
   ASSERT_EQ(qjlkv_cache_create(&cfg, &c), QJLKV_OK);
   Cache cache(c);
   const uint32_t n = cfg.residual_tokens + cfg.block_tokens + 2;
-  RELIABILITY_ASSERT_OK(append_tokens(c, cfg, 0, 0, n, 3));
+  QT_ASSERT_OK(append_tokens(c, cfg, 0, 0, n, 3));
   const std::vector<uint8_t> q = queries(cfg, 1, 4);
   std::vector<float> out(size_t(cfg.num_q_heads) * cfg.head_dim);
   expect_finite_or_refused(qjlkv_cache_attend(c, 0, 0, 1, q.data(), 3e38f, out.data()), out);
@@ -65,13 +65,13 @@ class ScoresOverflow : public ::testing::TestWithParam<const char *> {};
 TEST_P(ScoresOverflow, HugeFiniteQueryGivesNoNaN) {
   const qjlkv_config cfg = small_config(GetParam());
   qjlkv_cache *c = nullptr;
-  RELIABILITY_ASSERT_OK(qjlkv_cache_create(&cfg, &c));
+  QT_ASSERT_OK(qjlkv_cache_create(&cfg, &c));
   Cache cache(c);
   const uint32_t n = cfg.residual_tokens + 2 * cfg.block_tokens + 1;
   const size_t token_elems = size_t(cfg.num_kv_heads) * cfg.head_dim;
   std::vector<float> keys(n * token_elems), values(n * token_elems, 0.5f);
   for (size_t i = 0; i < keys.size(); ++i) keys[i] = i % 3 == 0 ? -100.0f : 100.0f;
-  RELIABILITY_ASSERT_OK(qjlkv_cache_append(c, 0, 0, n, keys.data(), values.data()));
+  QT_ASSERT_OK(qjlkv_cache_append(c, 0, 0, n, keys.data(), values.data()));
   const Snapshot before = snapshot(c, {{0, 0}});
   std::vector<float> query(size_t(cfg.num_q_heads) * cfg.head_dim);
   for (size_t i = 0; i < query.size(); ++i) query[i] = i % 2 ? -3e38f : 3e38f;
@@ -103,7 +103,7 @@ class ValuesNearFloatMax : public ::testing::Test {
 
 TEST_F(ValuesNearFloatMax, Bf16ValuesBeyondTwoTo95AreRefused) {
   qjlkv_cache *c = nullptr;
-  RELIABILITY_ASSERT_OK(qjlkv_cache_create(&cfg, &c));
+  QT_ASSERT_OK(qjlkv_cache_create(&cfg, &c));
   Cache cache(c);
   std::vector<uint16_t> values(n * token_elems, 0x3f80);
   values[7] = 0x7f61;  // 2.99e38
@@ -118,13 +118,13 @@ TEST_F(ValuesNearFloatMax, Bf16ValuesBeyondTwoTo95AreRefused) {
 
 TEST_F(ValuesNearFloatMax, Bf16ValuesAtTwoTo95AverageExactly) {
   qjlkv_cache *c = nullptr;
-  RELIABILITY_ASSERT_OK(qjlkv_cache_create(&cfg, &c));
+  QT_ASSERT_OK(qjlkv_cache_create(&cfg, &c));
   Cache cache(c);
   const uint16_t bound = 0x6f00;  // bf16 2^95
   std::vector<uint16_t> values(n * token_elems, bound);
-  RELIABILITY_ASSERT_OK(qjlkv_cache_append(c, 0, 0, n, keys.data(), values.data()));
+  QT_ASSERT_OK(qjlkv_cache_append(c, 0, 0, n, keys.data(), values.data()));
   std::vector<uint16_t> query(size_t(cfg.num_q_heads) * cfg.head_dim, kOne), out(query.size());
-  RELIABILITY_ASSERT_OK(qjlkv_cache_attend(c, 0, 0, 1, query.data(), 0.0f, out.data()));
+  QT_ASSERT_OK(qjlkv_cache_attend(c, 0, 0, 1, query.data(), 0.0f, out.data()));
   for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], bound) << "out[" << i << "] is bf16 0x" << std::hex << out[i];
 }
 
@@ -132,9 +132,9 @@ TEST_F(ValuesNearFloatMax, Bf16ValuesAtTwoTo95AverageExactly) {
 // generating them before the kernel killed the process; create now refuses it up front.
 TEST(SketchMemory, ConfigNeedingMoreThanTheMachineFailsFast) {
   qjlkv_config cfg;
-  RELIABILITY_ASSERT_OK(qjlkv_config_init(&cfg, "qjl", 65536, 1, 1, 256));
+  QT_ASSERT_OK(qjlkv_config_init(&cfg, "qjl", 65536, 1, 1, 256));
   cfg.key_sketch_dim = 65536;  // 2 x 65536 layers x 65536 x 256 floats: 8 TiB
-  RELIABILITY_ASSERT_OK(qjlkv_config_validate(&cfg));
+  QT_ASSERT_OK(qjlkv_config_validate(&cfg));
   qjlkv_cache *c = nullptr;
   const qjlkv_status s = qjlkv_cache_create(&cfg, &c);
   EXPECT_EQ(s, QJLKV_ERROR_OUT_OF_MEMORY) << describe(s);

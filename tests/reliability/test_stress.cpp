@@ -138,7 +138,7 @@ TEST(Stress, ThreadsWithOwnCachesAndASharedSketch) {
         own.cfg = small_config(kPresets[p], p == 3 ? QJLKV_DTYPE_BF16 : QJLKV_DTYPE_F32, p == t % 4 ? 2 : 1);
         own.cfg.seed = 99;
         qjlkv_cache *c = nullptr;
-        RELIABILITY_ASSERT_OK(qjlkv_cache_create(&own.cfg, &c));
+        QT_ASSERT_OK(qjlkv_cache_create(&own.cfg, &c));
         own.cache.reset(c);
         const uint32_t max_tokens = own.cfg.residual_tokens + 2 * own.cfg.block_tokens + 12;
         own.keys = tokens(own.cfg, max_tokens, 10 + t);
