@@ -23,7 +23,6 @@
 #include <qjlkv/qjlkv.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -39,20 +38,10 @@
 namespace {
 
 using qjlkv_fuzz::Input;
+using qjlkv_fuzz::names;
 
 constexpr float kHalfMax = 65504.0f;
 constexpr double kEps32 = 0x1p-24;
-
-bool is_identifier_char(char ch) { return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_'; }
-bool names(const std::string &message, const std::string &name) {
-  for (size_t at = message.find(name); at != std::string::npos; at = message.find(name, at + 1)) {
-    const size_t end = at + name.size();
-    if ((at == 0 || !is_identifier_char(message[at - 1])) &&
-        (end == message.size() || !is_identifier_char(message[end])))
-      return true;
-  }
-  return false;
-}
 
 // ---- tensors in the cache's dtype --------------------------------------------------------------
 struct Tensor {

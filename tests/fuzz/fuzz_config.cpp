@@ -11,7 +11,6 @@
 //     orthogonal, and two calls give the same matrix.
 #include <qjlkv/qjlkv.h>
 
-#include <cctype>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -23,6 +22,7 @@
 namespace {
 
 using qjlkv_fuzz::Input;
+using qjlkv_fuzz::names;
 
 constexpr uint32_t kInteresting[] = {0,    1,     2,     3,     4,     7,     8,          9,          15,
                                      16,   24,    31,    32,    33,    64,    127,        128,        255,
@@ -99,17 +99,6 @@ std::vector<std::string> wrong_fields(const qjlkv_config &c) {
   rule(c.value_group_size >= 1 && (!d_ok || c.head_dim % c.value_group_size == 0), "value_group_size");
   rule(c.num_threads <= 1024, "num_threads");
   return wrong;
-}
-
-bool is_identifier_char(char ch) { return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_'; }
-bool names(const std::string &message, const std::string &name) {
-  for (size_t at = message.find(name); at != std::string::npos; at = message.find(name, at + 1)) {
-    const size_t end = at + name.size();
-    if ((at == 0 || !is_identifier_char(message[at - 1])) &&
-        (end == message.size() || !is_identifier_char(message[end])))
-      return true;
-  }
-  return false;
 }
 
 // Small enough that creating it costs milliseconds.

@@ -2,11 +2,13 @@
 // the empty one included, is a complete program for the harnesses. Also the check macro that
 // the harnesses use instead of assert() (which NDEBUG builds would drop).
 #pragma once
+#include <cctype>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 namespace qjlkv_fuzz {
 
@@ -38,6 +40,17 @@ class Input {
 inline bool tracing() {
   static const bool on = std::getenv("QJLKV_FUZZ_TRACE") != nullptr;
   return on;
+}
+
+// Whether `message` mentions `name` as a whole identifier ("out" does not match "out_len").
+inline bool names(const std::string &message, const std::string &name) {
+  const auto identifier_char = [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_'; };
+  for (size_t at = message.find(name); at != std::string::npos; at = message.find(name, at + 1)) {
+    const size_t end = at + name.size();
+    if ((at == 0 || !identifier_char(message[at - 1])) && (end == message.size() || !identifier_char(message[end])))
+      return true;
+  }
+  return false;
 }
 
 }  // namespace qjlkv_fuzz
