@@ -369,21 +369,9 @@ void CpuCache::qjl_quantize_fast(uint32_t layer, const float *keys, uint8_t *blo
   auto *order = reinterpret_cast<uint32_t *>(energy + d);  // [d]
   uint8_t *outlier_idx = block + l.key_outlier_idx;
   if (c) select_outlier_channels(keys, B, d, c, energy, order, outlier_idx);
-  // Norms exactly as the reference computes them.
-  for (uint32_t t = 0; t < B; ++t) {
-    const float *k = keys + size_t(t) * d;
-    float *inlier = inlier_keys + size_t(t) * d;
-    std::copy(k, k + d, inlier);
-    float outlier_norm2 = 0.0f;
-    for (uint32_t i = 0; i < c; ++i) {
-      const float x = k[outlier_idx[i]];
-      outlier_norm2 += x * x;
-      inlier[outlier_idx[i]] = 0.0f;
-      outlier_keys[size_t(t) * c + i] = x;
-    }
-    at<uint16_t>(block, l.key_norm_in)[t] = float_to_half(std::sqrt(dot(inlier, inlier, d)));
-    if (c) at<uint16_t>(block, l.key_norm_out)[t] = float_to_half(std::sqrt(outlier_norm2));
-  }
+  for (uint32_t t = 0; t < B; ++t)
+    qjl_split_key(l, keys + size_t(t) * d, d, outlier_idx, c, t, inlier_keys + size_t(t) * d,
+                  outlier_keys + size_t(t) * c, block);
   // The projections S·k_in and S_out·k_out as blocked products with the reference's sums.
   const float *columns[256];
   for (uint32_t j = 0; j < d; ++j) columns[j] = lk.sketch_t.data() + j * lk.qjl.sketch_t_stride;

@@ -15,6 +15,20 @@ void select_outlier_channels(const float *keys, uint32_t tokens, uint32_t d, uin
   for (uint32_t i = 0; i < c; ++i) out_idx[i] = uint8_t(order[i]);
 }
 
+void qjl_split_key(const BlockLayout &l, const float *k, uint32_t d, const uint8_t *outlier_idx, uint32_t c,
+                   uint32_t t, float *inlier, float *outliers, uint8_t *block) {
+  std::copy(k, k + d, inlier);
+  float outlier_norm2 = 0.0f;
+  for (uint32_t i = 0; i < c; ++i) {
+    const float x = k[outlier_idx[i]];
+    outlier_norm2 += x * x;
+    inlier[outlier_idx[i]] = 0.0f;
+    if (outliers) outliers[i] = x;
+  }
+  at<uint16_t>(block, l.key_norm_in)[t] = float_to_half(std::sqrt(dot(inlier, inlier, d)));
+  if (c) at<uint16_t>(block, l.key_norm_out)[t] = float_to_half(std::sqrt(outlier_norm2));
+}
+
 void qjl_quantize_block(const LayerSpec &layer, const qjlkv_config &cfg, const float *keys, uint8_t *block,
                         float *scratch) {
   const uint32_t B = cfg.block_tokens, d = cfg.head_dim, c = layer.m_out ? cfg.outlier_channels : 0;
@@ -29,19 +43,10 @@ void qjl_quantize_block(const LayerSpec &layer, const qjlkv_config &cfg, const f
   std::memset(block + l.key_bits_out, 0, B * l.key_bytes_per_token_bits_out);
   for (uint32_t t = 0; t < B; ++t) {
     const float *k = keys + size_t(t) * d;
-    std::copy(k, k + d, inlier_key);
-    float outlier_norm2 = 0.0f;
-    for (uint32_t i = 0; i < c; ++i) {
-      const float x = k[outlier_idx[i]];
-      outlier_norm2 += x * x;
-      inlier_key[outlier_idx[i]] = 0.0f;
-    }
-    const float inlier_norm2 = dot(inlier_key, inlier_key, d);
-    at<uint16_t>(block, l.key_norm_in)[t] = float_to_half(std::sqrt(inlier_norm2));
+    qjl_split_key(l, k, d, outlier_idx, c, t, inlier_key, nullptr, block);
     uint8_t *bits_in = block + l.key_bits_in + t * l.key_bytes_per_token_bits_in;
     for (uint32_t i = 0; i < layer.m; ++i) set_sign_bit(bits_in, i, dot(S + size_t(i) * d, inlier_key, d));
     if (c) {
-      at<uint16_t>(block, l.key_norm_out)[t] = float_to_half(std::sqrt(outlier_norm2));
       uint8_t *bits_out = block + l.key_bits_out + t * l.key_bytes_per_token_bits_out;
       for (uint32_t i = 0; i < layer.m_out; ++i) {
         float p = 0.0f;

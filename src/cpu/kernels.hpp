@@ -63,6 +63,10 @@ inline const T *at(const uint8_t *block, size_t offset) {
 // the lower channel index.
 void select_outlier_channels(const float *keys, uint32_t tokens, uint32_t d, uint32_t c, float *channel_energy,
                              uint32_t *order, uint8_t *out_idx);
+// Token t of a QJL block: key k into `inlier` with the block's c outlier channels zeroed, their
+// values into `outliers` (c floats; may be null), and the fp16 norms of both parts into the block.
+void qjl_split_key(const BlockLayout &l, const float *k, uint32_t d, const uint8_t *outlier_idx, uint32_t c,
+                   uint32_t t, float *inlier, float *outliers, uint8_t *block);
 
 // Scratch: 3·d floats (masked key, channel energies, channel order).
 void qjl_quantize_block(const LayerSpec &layer, const qjlkv_config &cfg, const float *keys /*[B][d]*/,
