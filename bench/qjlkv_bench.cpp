@@ -143,6 +143,7 @@ BenchCache &bench_cache(const Shape &shape, const char *preset) {
   if (!slot) {
     slot = std::make_unique<BenchCache>();
     slot->shape = shape;
+    slot->cfg.struct_size = sizeof slot->cfg;
     check(qjlkv_config_init(&slot->cfg, preset, shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim),
           "config_init");
     slot->cfg.dtype = QJLKV_DTYPE_F16;
@@ -246,7 +247,8 @@ void bm_attend_batch(benchmark::State &state, const Shape &shape, const char *pr
 }
 
 void bm_append(benchmark::State &state, const Shape &shape, const char *preset) {
-  qjlkv_config cfg;
+  qjlkv_config cfg{};
+  cfg.struct_size = sizeof cfg;
   check(qjlkv_config_init(&cfg, preset, 1, shape.q_heads, shape.kv_heads, shape.head_dim), "config_init");
   cfg.dtype = QJLKV_DTYPE_F16;
   cfg.num_threads = bench_threads();

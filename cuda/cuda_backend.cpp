@@ -38,6 +38,16 @@
 namespace qjlkv::cuda {
 namespace {
 
+KeyKind key_kind(qjlkv_key_method method) {
+  switch (method) {
+    case QJLKV_KEYS_QJL: return KeyKind::qjl;
+    case QJLKV_KEYS_EXACT: return KeyKind::exact;
+    case QJLKV_KEYS_KIVI:
+    case QJLKV_KEYS_OTT: return KeyKind::kivi;  // OTT: KIVI blocks plus the token mask
+  }
+  unreachable();
+}
+
 constexpr size_t kAlign = 256;
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -131,7 +141,7 @@ class CudaCache final : public qjlkv_cache {
 };
 
 CudaCache::CudaCache(CacheSpec spec) : qjlkv_cache(std::move(spec)) {
-  device_ = this->spec().cfg.device;
+  device_ = int(this->spec().cfg.device_ordinal);  // below the device count: make_cuda_cache checked
   try {
     init();
   } catch (...) {
@@ -147,15 +157,15 @@ void CudaCache::init() {
   const int minor = device_attribute(cudaDevAttrComputeCapabilityMinor, device_, "cudaDeviceGetAttribute");
   if (major < 8)
     fail(QJLKV_ERROR_UNSUPPORTED,
-         "config.device %d has compute capability %d.%d; the CUDA backend needs 8.0 or newer", device_, major, minor);
+         "config.device_ordinal %d has compute capability %d.%d; the CUDA backend needs 8.0 or newer", device_, major, minor);
   const cudaError_t probe = probe_kernels();
   if (probe != cudaSuccess) {
     (void)cudaGetLastError();
-    fail(QJLKV_ERROR_UNSUPPORTED, "config.device %d (compute capability %d.%d) cannot run this build's kernels: %s (%s)",
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.device_ordinal %d (compute capability %d.%d) cannot run this build's kernels: %s (%s)",
          device_, major, minor, cudaGetErrorName(probe), cudaGetErrorString(probe));
   }
   if (!device_attribute(cudaDevAttrMemoryPoolsSupported, device_, "cudaDeviceGetAttribute"))
-    fail(QJLKV_ERROR_UNSUPPORTED, "config.device %d does not support stream-ordered memory pools", device_);
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.device_ordinal %d does not support stream-ordered memory pools", device_);
   sm_count_ = uint32_t(device_attribute(cudaDevAttrMultiProcessorCount, device_, "cudaDeviceGetAttribute"));
   const size_t smem_optin =
       size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device_, "cudaDeviceGetAttribute"));
@@ -180,11 +190,9 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   const BlockLayout &b = ls.layout;
   LayerState &layer = layers_[l];
   KernelShape &k = layer.shape;
-  k.dtype = cfg.dtype;
+  k.dtype = dtype_of(cfg);
   k.stored_bf16 = spec().stored_dtype == QJLKV_DTYPE_BF16;
-  k.kind = cfg.key_method == QJLKV_KEYS_QJL     ? KeyKind::qjl
-           : cfg.key_method == QJLKV_KEYS_EXACT ? KeyKind::exact
-                                                : KeyKind::kivi;  // KIVI and OTT
+  k.kind = key_kind(key_method_of(cfg));
   k.d = cfg.head_dim;
   k.Hkv = cfg.num_kv_heads;
   k.Hq = cfg.num_q_heads;
@@ -315,7 +323,7 @@ float CudaCache::read_element(const void *tensor, size_t index) const {
   const size_t elem = spec().io_elem;
   uint32_t bits = 0;
   download(&bits, static_cast<const uint8_t *>(tensor) + index * elem, elem);
-  return cpu::load_element(&bits, 0, spec().cfg.dtype);
+  return cpu::load_element(&bits, 0, dtype_of(spec().cfg));
 }
 
 void CudaCache::fail_data(const char *name, const void *tensor, unsigned long long index, float limit) const {
@@ -623,8 +631,8 @@ void CudaCache::reconstruct(uint32_t layer_index, uint32_t seq_id, uint64_t firs
       float *v = values_out ? values_out + ((p - first) * Hkv + h) * d : nullptr;
       if (p >= quantized) {  // ring slot p % ring: keys, then values half a ring later
         const size_t element = size_t(p % layer.shape.ring) * Hkv * d + size_t(h) * d;
-        if (k) cpu::load_row(ring.data(), element, d, cfg.dtype, k);
-        if (v) cpu::load_row(ring.data() + ring_bytes_ / 2, element, d, cfg.dtype, v);
+        if (k) cpu::load_row(ring.data(), element, d, dtype_of(cfg), k);
+        if (v) cpu::load_row(ring.data() + ring_bytes_ / 2, element, d, dtype_of(cfg), v);
         continue;
       }
       const uint8_t *block = slot.data() + h * head_stride;
@@ -637,20 +645,21 @@ void CudaCache::reconstruct(uint32_t layer_index, uint32_t seq_id, uint64_t firs
         for (uint32_t o = 0; o < header[0] + header[1]; ++o) {
           const uint32_t where = ott_slot(o, header[0], cfg.outlier_tokens);
           if (positions[where] != p) continue;
-          if (k) cpu::load_row(state + ol.keys, size_t(where) * d, d, cfg.dtype, k);
-          if (v) cpu::load_row(state + ol.values, size_t(where) * d, d, cfg.dtype, v);
+          if (k) cpu::load_row(state + ol.keys, size_t(where) * d, d, dtype_of(cfg), k);
+          if (v) cpu::load_row(state + ol.values, size_t(where) * d, d, dtype_of(cfg), v);
         }
         continue;
       }
       if (k) {
-        switch (cfg.key_method) {
+        switch (key_method_of(cfg)) {
           case QJLKV_KEYS_QJL: cpu::qjl_reconstruct_key(ls, cfg, spec().qjl_constant, block, t, k); break;
           case QJLKV_KEYS_EXACT:
             for (uint32_t j = 0; j < d; ++j)
               k[j] = cpu::from_16bit(cpu::at<uint16_t>(block, ls.layout.key_codes)[size_t(t) * d + j],
                                      spec().stored_dtype);
             break;
-          default: cpu::kivi_dequantize_token(cfg, ls.layout, block, t, k); break;
+          case QJLKV_KEYS_KIVI:
+          case QJLKV_KEYS_OTT: cpu::kivi_dequantize_token(cfg, ls.layout, block, t, k); break;
         }
       }
       if (v) cpu::values_dequantize_token(cfg, spec().stored_dtype, ls.layout, block, t, v);
@@ -718,16 +727,18 @@ void CudaCache::stats(qjlkv_stats &out) const {
 namespace qjlkv {
 
 std::unique_ptr<qjlkv_cache> make_cuda_cache(CacheSpec spec) {
-  const int device = spec.cfg.device;
+  const uint32_t device = spec.cfg.device_ordinal;
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess) {
     (void)cudaGetLastError();
-    fail(QJLKV_ERROR_UNSUPPORTED, "config.device is %d, but no CUDA device is usable: cudaGetDeviceCount failed with %s (%s)",
-         device, cudaGetErrorName(status), cudaGetErrorString(status));
+    fail(QJLKV_ERROR_UNSUPPORTED,
+         "config.device_ordinal is %u, but no CUDA device is usable: cudaGetDeviceCount failed with %s (%s)", device,
+         cudaGetErrorName(status), cudaGetErrorString(status));
   }
-  if (device >= count)
-    fail(QJLKV_ERROR_UNSUPPORTED, "config.device is %d, but this machine has %d CUDA device(s)", device, count);
+  if (count <= 0 || device >= uint32_t(count))
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.device_ordinal is %u, but this machine has %d CUDA device(s)", device,
+         count);
   return std::make_unique<cuda::CudaCache>(std::move(spec));
 }
 

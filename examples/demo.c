@@ -56,6 +56,7 @@ int main(int argc, char **argv) {
   qjlkv_cache *caches[NPRESETS];
   for (int p = 0; p < NPRESETS; ++p) {
     qjlkv_config cfg;
+    cfg.struct_size = sizeof cfg; /* the size of this header's struct: set before every call */
     check(qjlkv_config_init(&cfg, presets[p], LAYERS, HQ, HKV, D), "qjlkv_config_init");
     cfg.seed = 42;
     if (qjlkv_cache_create(&cfg, &caches[p]) != QJLKV_OK) {

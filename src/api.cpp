@@ -47,6 +47,10 @@ void require_room(const qjlkv_cache *c, uint32_t layer, uint32_t seq, uint32_t n
                 layer, (unsigned long long)length);
 }
 
+// Every size of qjlkv_stats that a release shipped, oldest first (see qjlkv_config's in config.cpp).
+constexpr uint32_t kStatsSizes[] = {QJLKV_STATS_SIZE_0_1};
+static_assert(sizeof(qjlkv_stats) == QJLKV_STATS_SIZE_0_1, "qjlkv_stats grew: list the new size in kStatsSizes");
+
 float resolve_scale(const qjlkv_cache *c, float scale) {
   QJLKV_REQUIRE(std::isfinite(scale), "scale is %g, must be finite (<= 0 selects 1/sqrt(head_dim))", double(scale));
   return scale > 0.0f ? scale : 1.0f / std::sqrt(float(c->spec().cfg.head_dim));
@@ -59,7 +63,12 @@ extern "C" {
 unsigned qjlkv_version_number(void) { return QJLKV_VERSION_NUMBER; }
 const char *qjlkv_version_string(void) { return kVersionString; }
 
-const char *qjlkv_status_string(qjlkv_status s) {
+const char *qjlkv_status_string(qjlkv_status status) {
+  // A C caller may pass any int: read it as one, since loading an out-of-range value as the C++
+  // enum is undefined behaviour.
+  int s;
+  static_assert(sizeof s == sizeof status);
+  std::memcpy(&s, &status, sizeof s);
   switch (s) {
     case QJLKV_OK: return "QJLKV_OK";
     case QJLKV_ERROR_INVALID_ARGUMENT: return "QJLKV_ERROR_INVALID_ARGUMENT";
@@ -79,9 +88,10 @@ qjlkv_status qjlkv_sketch_create(uint32_t head_dim, uint32_t sketch_dim, uint64_
   if (out) *out = nullptr;
   return guarded([&] {
     require_pointer(out, "out");
-    QJLKV_REQUIRE(head_dim >= 1 && head_dim <= 1024, "head_dim is %u, must be in [1, 1024]", head_dim);
-    QJLKV_REQUIRE(sketch_dim >= 8 && sketch_dim <= 65536 && sketch_dim % 8 == 0,
-                  "sketch_dim is %u, must be a multiple of 8 in [8, 65536]", sketch_dim);
+    QJLKV_REQUIRE(head_dim >= 1 && head_dim <= QJLKV_MAX_SKETCH_HEAD_DIM, "head_dim is %u, must be in [1, %u]",
+                  head_dim, QJLKV_MAX_SKETCH_HEAD_DIM);
+    QJLKV_REQUIRE(sketch_dim >= 8 && sketch_dim <= QJLKV_MAX_SKETCH_DIM && sketch_dim % 8 == 0,
+                  "sketch_dim is %u, must be a multiple of 8 in [8, %u]", sketch_dim, QJLKV_MAX_SKETCH_DIM);
     QJLKV_REQUIRE((flags & ~QJLKV_SKETCH_ORTHOGONAL) == 0,
                   "flags is 0x%x, only QJLKV_SKETCH_ORTHOGONAL (0x1) is defined", flags);
     *out = new qjlkv_sketch{
@@ -133,8 +143,11 @@ qjlkv_status qjlkv_cache_create(const qjlkv_config *cfg, qjlkv_cache **out) {
     require_pointer(out, "out");
     require_pointer(cfg, "cfg");
     qjlkv::CacheSpec spec = qjlkv::make_cache_spec(*cfg);
-    std::unique_ptr<qjlkv_cache> cache =
-        cfg->device < 0 ? qjlkv::make_cpu_cache(std::move(spec)) : qjlkv::make_cuda_cache(std::move(spec));
+    std::unique_ptr<qjlkv_cache> cache;
+    switch (qjlkv::backend_of(spec.cfg)) {
+      case QJLKV_BACKEND_CPU: cache = qjlkv::make_cpu_cache(std::move(spec)); break;
+      case QJLKV_BACKEND_CUDA: cache = qjlkv::make_cuda_cache(std::move(spec)); break;
+    }
     *out = cache.release();
   });
 }
@@ -293,10 +306,7 @@ qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out) {
     require_pointer(c, "c");
     require_pointer(out, "out");
     const uint32_t size = out->struct_size;
-    constexpr size_t kFirstSize = offsetof(qjlkv_stats, bytes_keys_quantized);
-    QJLKV_REQUIRE(size >= kFirstSize && size <= sizeof(qjlkv_stats),
-                  "out->struct_size is %u, must be in [%zu, %zu] (set it to sizeof(qjlkv_stats))", size, kFirstSize,
-                  sizeof(qjlkv_stats));
+    qjlkv::require_shipped_size("out->struct_size", size, kStatsSizes, "qjlkv_stats");
     qjlkv_stats full{};
     c->stats(full);
     full.bytes_used = full.bytes_keys_quantized + full.bytes_values_quantized + full.bytes_full_precision +

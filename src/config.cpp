@@ -13,58 +13,99 @@
 
 namespace qjlkv {
 
-size_t dtype_size(qjlkv_dtype dtype) { return dtype == QJLKV_DTYPE_F32 ? 4 : 2; }
+size_t dtype_size(qjlkv_dtype dtype) {
+  switch (dtype) {
+    case QJLKV_DTYPE_F32: return 4;
+    case QJLKV_DTYPE_F16:
+    case QJLKV_DTYPE_BF16: return 2;
+  }
+  unreachable();
+}
 
 namespace {
 
 void check_shape(uint32_t num_layers, uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim) {
-  QJLKV_REQUIRE(num_layers >= 1 && num_layers <= 65536, "num_layers is %u, must be in [1, 65536]", num_layers);
-  QJLKV_REQUIRE(num_kv_heads >= 1 && num_kv_heads <= 4096, "num_kv_heads is %u, must be in [1, 4096]",
-                num_kv_heads);
-  QJLKV_REQUIRE(num_q_heads >= 1 && num_q_heads <= 4096, "num_q_heads is %u, must be in [1, 4096]", num_q_heads);
+  QJLKV_REQUIRE(num_layers >= 1 && num_layers <= QJLKV_MAX_LAYERS, "num_layers is %u, must be in [1, %u]", num_layers,
+                QJLKV_MAX_LAYERS);
+  QJLKV_REQUIRE(num_kv_heads >= 1 && num_kv_heads <= QJLKV_MAX_HEADS, "num_kv_heads is %u, must be in [1, %u]",
+                num_kv_heads, QJLKV_MAX_HEADS);
+  QJLKV_REQUIRE(num_q_heads >= 1 && num_q_heads <= QJLKV_MAX_HEADS, "num_q_heads is %u, must be in [1, %u]",
+                num_q_heads, QJLKV_MAX_HEADS);
   QJLKV_REQUIRE(num_q_heads % num_kv_heads == 0,
                 "num_q_heads (%u) is not a multiple of num_kv_heads (%u): GQA needs an integer group size",
                 num_q_heads, num_kv_heads);
-  QJLKV_REQUIRE(head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0,
-                "head_dim is %u, must be a multiple of 8 in [8, 256]", head_dim);
+  QJLKV_REQUIRE(head_dim >= 8 && head_dim <= QJLKV_MAX_HEAD_DIM && head_dim % 8 == 0,
+                "head_dim is %u, must be a multiple of 8 in [8, %u]", head_dim, QJLKV_MAX_HEAD_DIM);
 }
 
 void check_sketch_dim(const char *field, uint32_t value, bool allow_zero) {
-  QJLKV_REQUIRE(value % 8 == 0 && value <= 65536 && (allow_zero || value > 0),
-                "%s is %u, must be a multiple of 8 in [%u, 65536]", field, value, allow_zero ? 0u : 8u);
+  QJLKV_REQUIRE(value % 8 == 0 && value <= QJLKV_MAX_SKETCH_DIM && (allow_zero || value > 0),
+                "%s is %u, must be a multiple of 8 in [%u, %u]", field, value, allow_zero ? 0u : 8u,
+                QJLKV_MAX_SKETCH_DIM);
 }
 
 bool is_bits(uint32_t b) { return b == 2 || b == 4 || b == 8; }
 
 }  // namespace
 
-// Every struct_size a release has had, oldest first.
-static_assert(sizeof(qjlkv_config) == QJLKV_CONFIG_SIZE_0_1, "qjlkv_config grew: add its new size here");
+// Every size of qjlkv_config that a release shipped, oldest first. 0.2 appended `backend` after
+// 0.1's tail padding, which became the named field unused_0_1.
+constexpr uint32_t kConfigSizes[] = {QJLKV_CONFIG_SIZE_0_1, uint32_t(sizeof(qjlkv_config))};
+static_assert(offsetof(qjlkv_config, backend) == QJLKV_CONFIG_SIZE_0_1, "0.2's fields start after 0.1's struct");
 
-size_t caller_config_size(const qjlkv_config &cfg) {
-  const size_t size = cfg.struct_size;
-  return size >= QJLKV_CONFIG_SIZE_0_1 && size <= sizeof(qjlkv_config) ? size : QJLKV_CONFIG_SIZE_0_1;
+namespace {
+
+// 0.1's `int32_t device` (-1 = CPU, >= 0 = CUDA ordinal) sits where device_ordinal is now.
+int32_t legacy_device(const qjlkv_config &cfg) {
+  int32_t device;
+  std::memcpy(&device, &cfg.device_ordinal, sizeof device);
+  return device;
 }
 
-void write_caller_config(qjlkv_config &dst, const qjlkv_config &src) {
-  const size_t size = caller_config_size(dst);
-  std::memcpy(&dst, &src, size);
-  dst.struct_size = uint32_t(size);
+void set_legacy_device(qjlkv_config &cfg, int32_t device) {
+  std::memcpy(&cfg.device_ordinal, &device, sizeof device);
 }
+
+}  // namespace
 
 qjlkv_config complete_config(const qjlkv_config &cfg) {
-  QJLKV_REQUIRE(cfg.struct_size >= QJLKV_CONFIG_SIZE_0_1 && cfg.struct_size <= sizeof(qjlkv_config),
-                "config.struct_size is %u, must be in [%u, %zu] (initialize the config with qjlkv_config_init)",
-                cfg.struct_size, QJLKV_CONFIG_SIZE_0_1, sizeof(qjlkv_config));
+  require_shipped_size("config.struct_size", cfg.struct_size, kConfigSizes, "qjlkv_config");
   qjlkv_config full;
   std::memset(&full, 0, sizeof full);  // fields added after the caller's release default to 0
   std::memcpy(&full, &cfg, cfg.struct_size);
   full.struct_size = sizeof full;
+  full.unused_0_1 = 0;
+  if (cfg.struct_size == QJLKV_CONFIG_SIZE_0_1) {
+    const int32_t device = legacy_device(cfg);
+    QJLKV_REQUIRE(device >= -1,
+                  "config.device (a 0.1-sized config: struct_size %u) is %d, must be -1 (CPU) or a CUDA device "
+                  "ordinal >= 0",
+                  cfg.struct_size, device);
+    full.backend = device < 0 ? QJLKV_BACKEND_CPU : QJLKV_BACKEND_CUDA;
+    full.device_ordinal = device < 0 ? 0 : uint32_t(device);
+  }
   return full;
+}
+
+void write_caller_config(qjlkv_config &dst, const qjlkv_config &full) {
+  const uint32_t size = dst.struct_size;
+  require_shipped_size("config.struct_size", size, kConfigSizes, "qjlkv_config");
+  qjlkv_config out = full;
+  out.struct_size = size;
+  out.unused_0_1 = 0;
+  if (size == QJLKV_CONFIG_SIZE_0_1) {
+    switch (backend_of(full)) {
+      case QJLKV_BACKEND_CPU: set_legacy_device(out, -1); break;
+      // A CUDA cache exists only for an ordinal the runtime reported, so it fits in an int32.
+      case QJLKV_BACKEND_CUDA: set_legacy_device(out, int32_t(full.device_ordinal)); break;
+    }
+  }
+  std::memcpy(&dst, &out, size);
 }
 
 void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uint32_t num_q_heads,
                  uint32_t num_kv_heads, uint32_t head_dim) {
+  require_shipped_size("cfg->struct_size", out.struct_size, kConfigSizes, "qjlkv_config");
   check_shape(num_layers, num_q_heads, num_kv_heads, head_dim);
   const std::string_view name = preset ? preset : "";
   qjlkv_config cfg;
@@ -75,7 +116,8 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
   cfg.num_kv_heads = num_kv_heads;
   cfg.head_dim = head_dim;
   cfg.dtype = QJLKV_DTYPE_F32;
-  cfg.device = -1;
+  cfg.backend = QJLKV_BACKEND_CPU;
+  cfg.device_ordinal = 0;
   cfg.seed = 0;
   cfg.sketch_flags = QJLKV_SKETCH_ORTHOGONAL;
   // QJL fields are filled in every preset so that switching key_method gives sane sizes.
@@ -92,7 +134,7 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
   cfg.outlier_spill_tokens = 32;
   cfg.outlier_skip_layers = std::min(2u, num_layers);
   cfg.value_bits = 2;
-  cfg.value_group_size = head_dim % 32 == 0 ? 32 : head_dim % 16 == 0 ? 16 : 8;
+  cfg.value_group_size = head_dim % 32 == 0 ? 32 : head_dim % 16 == 0 ? 16 : 8;  // head_dim % 8 == 0
   cfg.num_threads = 0;
   if (name.empty() || name == "qjl") {
     cfg.key_method = QJLKV_KEYS_QJL;
@@ -116,34 +158,28 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
   write_caller_config(out, cfg);
 }
 
-// A C caller may store any int in an enum field, and loading an out-of-range value as the C++
-// enum is undefined behaviour: validation reads the field's bytes as an int instead.
-template <class Enum>
-int raw_enum(const Enum &field) {
-  static_assert(sizeof(Enum) == sizeof(int));
-  int value;
-  std::memcpy(&value, &field, sizeof value);
-  return value;
-}
-
 void validate_config(const qjlkv_config &caller_cfg) {
   const qjlkv_config cfg = complete_config(caller_cfg);
   check_shape(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim);
   const uint32_t d = cfg.head_dim;
-  const int dtype = raw_enum(cfg.dtype), key_method = raw_enum(cfg.key_method);
-  QJLKV_REQUIRE(dtype == QJLKV_DTYPE_F32 || dtype == QJLKV_DTYPE_F16 || dtype == QJLKV_DTYPE_BF16,
-                "config.dtype is %d, must be QJLKV_DTYPE_F32, _F16 or _BF16", dtype);
-  QJLKV_REQUIRE(key_method >= QJLKV_KEYS_QJL && key_method <= QJLKV_KEYS_EXACT,
-                "config.key_method is %d, must be a qjlkv_key_method", key_method);
-  QJLKV_REQUIRE(cfg.device >= -1, "config.device is %d, must be -1 (CPU) or a CUDA device ordinal >= 0",
-                cfg.device);
+  // Enum fields are uint32_t: any value a caller stores is compared as an integer.
+  QJLKV_REQUIRE(cfg.dtype == QJLKV_DTYPE_F32 || cfg.dtype == QJLKV_DTYPE_F16 || cfg.dtype == QJLKV_DTYPE_BF16,
+                "config.dtype is %u, must be QJLKV_DTYPE_F32, _F16 or _BF16", cfg.dtype);
+  QJLKV_REQUIRE(cfg.key_method == QJLKV_KEYS_QJL || cfg.key_method == QJLKV_KEYS_KIVI ||
+                    cfg.key_method == QJLKV_KEYS_OTT || cfg.key_method == QJLKV_KEYS_EXACT,
+                "config.key_method is %u, must be QJLKV_KEYS_QJL, _KIVI, _OTT or _EXACT", cfg.key_method);
+  QJLKV_REQUIRE(cfg.backend == QJLKV_BACKEND_CPU || cfg.backend == QJLKV_BACKEND_CUDA,
+                "config.backend is %u, must be QJLKV_BACKEND_CPU or _CUDA", cfg.backend);
+  QJLKV_REQUIRE(cfg.backend != QJLKV_BACKEND_CPU || cfg.device_ordinal == 0,
+                "config.device_ordinal is %u, must be 0 for QJLKV_BACKEND_CPU", cfg.device_ordinal);
   QJLKV_REQUIRE((cfg.sketch_flags & ~QJLKV_SKETCH_ORTHOGONAL) == 0,
                 "config.sketch_flags is 0x%x, only QJLKV_SKETCH_ORTHOGONAL (0x1) is defined", cfg.sketch_flags);
-  QJLKV_REQUIRE(cfg.block_tokens >= 8 && cfg.block_tokens <= 4096 && cfg.block_tokens % 8 == 0,
-                "config.block_tokens is %u, must be a multiple of 8 in [8, 4096]", cfg.block_tokens);
-  QJLKV_REQUIRE(cfg.residual_tokens <= 65536, "config.residual_tokens is %u, must be <= 65536",
-                cfg.residual_tokens);
-  switch (cfg.key_method) {
+  QJLKV_REQUIRE(cfg.block_tokens >= 8 && cfg.block_tokens <= QJLKV_MAX_BLOCK_TOKENS && cfg.block_tokens % 8 == 0,
+                "config.block_tokens is %u, must be a multiple of 8 in [8, %u]", cfg.block_tokens,
+                QJLKV_MAX_BLOCK_TOKENS);
+  QJLKV_REQUIRE(cfg.residual_tokens <= QJLKV_MAX_RESIDUAL_TOKENS, "config.residual_tokens is %u, must be <= %u",
+                cfg.residual_tokens, QJLKV_MAX_RESIDUAL_TOKENS);
+  switch (key_method_of(cfg)) {
     case QJLKV_KEYS_QJL: {
       check_sketch_dim("config.key_sketch_dim", cfg.key_sketch_dim, false);
       QJLKV_REQUIRE(cfg.outlier_channels < d, "config.outlier_channels is %u, must be below head_dim (%u)",
@@ -165,12 +201,13 @@ void validate_config(const qjlkv_config &caller_cfg) {
       break;
     }
     case QJLKV_KEYS_OTT:
-      // A block must keep at least one token to take the mean of (SPEC §5).
+      // A block must keep at least one token to take the mean of.
       QJLKV_REQUIRE(cfg.outlier_tokens < cfg.block_tokens,
                     "config.outlier_tokens is %u, must be below block_tokens (%u)", cfg.outlier_tokens,
                     cfg.block_tokens);
-      QJLKV_REQUIRE(cfg.outlier_spill_tokens <= 4096, "config.outlier_spill_tokens is %u, must be <= 4096",
-                    cfg.outlier_spill_tokens);
+      QJLKV_REQUIRE(cfg.outlier_spill_tokens <= QJLKV_MAX_SPILL_TOKENS,
+                    "config.outlier_spill_tokens is %u, must be <= %u", cfg.outlier_spill_tokens,
+                    QJLKV_MAX_SPILL_TOKENS);
       QJLKV_REQUIRE(cfg.outlier_skip_layers <= cfg.num_layers,
                     "config.outlier_skip_layers is %u, must be <= num_layers (%u)", cfg.outlier_skip_layers,
                     cfg.num_layers);
@@ -185,8 +222,8 @@ void validate_config(const qjlkv_config &caller_cfg) {
                 cfg.value_bits);
   QJLKV_REQUIRE(cfg.value_group_size >= 1 && d % cfg.value_group_size == 0,
                 "config.value_group_size is %u, must divide head_dim (%u)", cfg.value_group_size, d);
-  QJLKV_REQUIRE(cfg.num_threads <= 1024, "config.num_threads is %u, must be <= 1024 (0 = cores available)",
-                cfg.num_threads);
+  QJLKV_REQUIRE(cfg.num_threads <= QJLKV_MAX_THREADS, "config.num_threads is %u, must be <= %u (0 = cores available)",
+                cfg.num_threads, QJLKV_MAX_THREADS);
 }
 
 namespace {
@@ -200,7 +237,7 @@ BlockLayout make_layout(const qjlkv_config &cfg, const LayerSpec &layer) {
     at += bytes;
     return offset;
   };
-  switch (cfg.key_method) {
+  switch (key_method_of(cfg)) {
     case QJLKV_KEYS_QJL:
       l.key_bytes_per_token_bits_in = layer.m / 8;
       l.key_bytes_per_token_bits_out = layer.m_out / 8;
@@ -288,7 +325,7 @@ CacheSpec make_cache_spec(const qjlkv_config &caller_cfg) {
   if (cfg.key_method != QJLKV_KEYS_OTT) cfg.outlier_tokens = cfg.outlier_spill_tokens = cfg.outlier_skip_layers = 0;
   spec.cfg = cfg;
   spec.group_size = cfg.num_q_heads / cfg.num_kv_heads;
-  spec.io_elem = dtype_size(cfg.dtype);
+  spec.io_elem = dtype_size(dtype_of(cfg));
   spec.stored_dtype = cfg.dtype == QJLKV_DTYPE_BF16 ? QJLKV_DTYPE_BF16 : QJLKV_DTYPE_F16;
   spec.tail_elem = spec.io_elem;
   const bool orthogonal = cfg.sketch_flags & QJLKV_SKETCH_ORTHOGONAL;

@@ -10,17 +10,27 @@
 
 namespace qjlkv {
 
-// The number of leading bytes of a caller's config to read or write: its struct_size when the
-// library knows that size, else the first release's size, which every caller's struct holds.
-size_t caller_config_size(const qjlkv_config &cfg);
-// Writes the first caller_config_size(dst) bytes of src into dst and sets dst.struct_size.
+// The struct_size rule of qjlkv.h ("Growing structs") for qjlkv_config.
+// A complete config from a caller's (possibly older, smaller) one: fields beyond its struct_size
+// take their defaults; a 0.1-sized config's `device` becomes backend + device_ordinal. Throws on a
+// struct_size no release shipped.
+qjlkv_config complete_config(const qjlkv_config &cfg);
+// Writes the first dst.struct_size bytes of the complete config src into dst (0.1-sized: with
+// 0.1's `device`). Throws, writing nothing, on a struct_size no release shipped.
 void write_caller_config(qjlkv_config &dst, const qjlkv_config &src);
+
+// The enum fields of a validated config as their enums (validation checked their range, so the
+// conversion is defined); switches use these, so that -Wswitch covers every enumerator.
+inline qjlkv_dtype dtype_of(const qjlkv_config &validated) { return static_cast<qjlkv_dtype>(validated.dtype); }
+inline qjlkv_key_method key_method_of(const qjlkv_config &validated) {
+  return static_cast<qjlkv_key_method>(validated.key_method);
+}
+inline qjlkv_backend backend_of(const qjlkv_config &validated) {
+  return static_cast<qjlkv_backend>(validated.backend);
+}
 
 void init_preset(qjlkv_config &cfg, const char *preset, uint32_t num_layers, uint32_t num_q_heads,
                  uint32_t num_kv_heads, uint32_t head_dim);
-// A complete config from a caller's (possibly older, smaller) one: fields beyond its
-// struct_size take their defaults. Throws on a struct_size no release has had.
-qjlkv_config complete_config(const qjlkv_config &cfg);
 // Throws Error(INVALID_ARGUMENT) naming the first wrong field.
 void validate_config(const qjlkv_config &cfg);
 

@@ -6,8 +6,9 @@ namespace qjlkv {
 
 std::unique_ptr<qjlkv_cache> make_cuda_cache(CacheSpec spec) {
   fail(QJLKV_ERROR_UNSUPPORTED,
-       "config.device is %d, but this libqjlkv was built without CUDA (configure with -DQJLKV_CUDA=ON)",
-       spec.cfg.device);
+       "config.backend is QJLKV_BACKEND_CUDA (config.device_ordinal %u), but this libqjlkv was built without CUDA "
+       "(configure with -DQJLKV_CUDA=ON)",
+       spec.cfg.device_ordinal);
 }
 
 }  // namespace qjlkv

@@ -1,6 +1,8 @@
 // Errors inside the library are exceptions carrying a status; the C layer turns them into a
 // status code plus the thread-local message (the only mutable global state).
 #pragma once
+#include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <new>
 #include <string>
@@ -27,6 +29,22 @@ class Error : public std::exception {
   do {                           \
     if (!(cond)) ::qjlkv::fail(QJLKV_ERROR_INVALID_ARGUMENT, __VA_ARGS__); \
   } while (0)
+
+// After a switch that handles every enumerator of a value the library validated (switches over
+// library enums have no `default:`, so that -Wswitch names a new enumerator's missing case).
+[[noreturn]] inline void unreachable() { __builtin_unreachable(); }
+
+// The struct_size rule of qjlkv.h ("Growing structs"): `size` must be one of the sizes that
+// releases shipped for `type` (oldest first; the last is this header's sizeof).
+template <size_t N>
+void require_shipped_size(const char *field, uint32_t size, const uint32_t (&shipped)[N], const char *type) {
+  for (uint32_t s : shipped)
+    if (size == s) return;
+  std::string sizes;
+  for (uint32_t s : shipped) sizes += (sizes.empty() ? "" : ", ") + std::to_string(s);
+  fail(QJLKV_ERROR_INVALID_ARGUMENT, "%s is %u, must be a size a release shipped (%s): set it to sizeof(%s) first",
+       field, size, sizes.c_str(), type);
+}
 
 void set_last_error(const char *message) noexcept;
 const char *last_error_message() noexcept;

@@ -34,7 +34,8 @@
  *   no-op.
  * Tensors. Keys, values, queries and outputs are dense, row-major, contiguous
  *   arrays in the cache's dtype (config.dtype); their shapes are given at each
- *   function. On a CUDA cache (config.device >= 0) they are device pointers.
+ *   function. On a CUDA cache (config.backend == QJLKV_BACKEND_CUDA) they are
+ *   device pointers.
  * Validation. Every argument is checked before anything changes: NULL
  *   pointers, dimensions, ranges, sizes that overflow, and the data itself
  *   (keys, values and queries must be finite; for quantized storage they must
@@ -49,6 +50,26 @@
  *   (config.num_threads); results do not depend on their number.
  * Memory. All memory is owned by the handles; a failed allocation returns
  *   QJLKV_ERROR_OUT_OF_MEMORY and leaves the cache unchanged.
+ * Enums. Every enumerator has a fixed number that never changes meaning; new
+ *   ones are appended. Struct fields that hold an enum value are uint32_t (a
+ *   C enum's size is the compiler's choice), and the library reads any enum
+ *   value it receives, field or argument, as an integer: values outside the
+ *   enum are refused (or, for qjlkv_status_string, named "unknown status").
+ * Growing structs. qjlkv_config and qjlkv_stats begin with uint32_t
+ *   struct_size so that later releases can append fields without breaking
+ *   programs built against earlier headers. One rule for both, and for every
+ *   function that reads or fills them: before the call, the caller sets
+ *   struct_size to sizeof the struct of the header it was compiled with
+ *   (qjlkv_config_init included: it does not guess from uninitialized memory).
+ *   The library accepts exactly the sizes that releases shipped, the
+ *   QJLKV_*_SIZE_<release> macros and this header's sizeof, reads or writes
+ *   exactly struct_size bytes, and treats fields beyond them as their
+ *   documented defaults. Any other size is refused with INVALID_ARGUMENT and
+ *   nothing is read or written. packaging/VERSIONING.md has the policy.
+ * Environment. QJLKV_CPU_ISA=scalar|avx2|avx512 forces the instruction set of
+ *   the CPU kernels (unset or empty: the best the CPU runs). qjlkv_cache_create
+ *   of a CPU cache fails with INVALID_ARGUMENT for any other value and with
+ *   UNSUPPORTED when this CPU cannot run the forced set.
  *
  * ---------------------------------------------------------------------------
  * Stored numbers (docs/DESIGN.md has the details)
@@ -94,14 +115,16 @@ extern "C" {
  * Version
  * ======================================================================== */
 #define QJLKV_VERSION_MAJOR 0
-#define QJLKV_VERSION_MINOR 1
+#define QJLKV_VERSION_MINOR 2
 #define QJLKV_VERSION_PATCH 0
 /* MAJOR*10000 + MINOR*100 + PATCH, as zstd does. */
 #define QJLKV_VERSION_NUMBER \
   (QJLKV_VERSION_MAJOR * 10000 + QJLKV_VERSION_MINOR * 100 + QJLKV_VERSION_PATCH)
 
-/* The version of the library linked at run time (compare with
- * QJLKV_VERSION_NUMBER to detect a header/library mismatch). Never fails. */
+/* The version of the library linked at run time. A program (or binding) built
+ * against this header needs qjlkv_version_number() >= QJLKV_VERSION_NUMBER:
+ * an older library lacks functions, fields or enumerators the header has.
+ * Never fails. */
 QJLKV_API unsigned qjlkv_version_number(void);
 /* "MAJOR.MINOR.PATCH" of the library linked at run time; a static string. */
 QJLKV_API const char *qjlkv_version_string(void);
@@ -112,17 +135,19 @@ QJLKV_API const char *qjlkv_version_string(void);
 /* Append-only: values never change meaning. */
 typedef enum qjlkv_status {
   QJLKV_OK = 0,
-  QJLKV_ERROR_INVALID_ARGUMENT, /* a bad pointer, size, range, config or data */
-  QJLKV_ERROR_OUT_OF_MEMORY,    /* an allocation failed; nothing changed      */
-  QJLKV_ERROR_UNSUPPORTED,      /* valid, but not available in this build or
-                                   on this machine (e.g. no CUDA device)     */
-  QJLKV_ERROR_DEVICE,           /* the CUDA runtime reported an error        */
-  QJLKV_ERROR_CORRUPT_DATA,     /* internal state failed a consistency check */
-  QJLKV_ERROR_INTERNAL          /* a bug in the library: please report it    */
+  QJLKV_ERROR_INVALID_ARGUMENT = 1, /* a bad pointer, size, range, config or
+                                       data                                   */
+  QJLKV_ERROR_OUT_OF_MEMORY = 2,    /* an allocation failed; nothing changed  */
+  QJLKV_ERROR_UNSUPPORTED = 3,      /* valid, but not available in this build
+                                       or on this machine (e.g. no CUDA device) */
+  QJLKV_ERROR_DEVICE = 4,           /* the CUDA runtime reported an error    */
+  QJLKV_ERROR_CORRUPT_DATA = 5,     /* internal state failed a consistency
+                                       check                                  */
+  QJLKV_ERROR_INTERNAL = 6          /* a bug in the library: please report it */
 } qjlkv_status;
 
 /* A static, constant name for a status ("QJLKV_OK", ...); "unknown status"
- * for values outside the enum. Never returns NULL. */
+ * for any other value (a C caller may pass any int). Never returns NULL. */
 QJLKV_API const char *qjlkv_status_string(qjlkv_status s);
 
 /* The reason for the last failure of a qjlkv_* call made by this thread, or ""
@@ -136,17 +161,38 @@ QJLKV_API const char *qjlkv_last_error_message(void);
 /* Element type of keys, values, queries and outputs. Computation is fp32. */
 typedef enum qjlkv_dtype {
   QJLKV_DTYPE_F32 = 0,
-  QJLKV_DTYPE_F16,  /* IEEE binary16 */
-  QJLKV_DTYPE_BF16  /* bfloat16      */
+  QJLKV_DTYPE_F16 = 1,  /* IEEE binary16 */
+  QJLKV_DTYPE_BF16 = 2  /* bfloat16      */
 } qjlkv_dtype;
 
 /* How keys are stored once their block is quantized. */
 typedef enum qjlkv_key_method {
-  QJLKV_KEYS_QJL = 0, /* sign bits of a JL sketch + norms (SPEC §3)         */
-  QJLKV_KEYS_KIVI,    /* per-channel asymmetric key_bits quantization        */
-  QJLKV_KEYS_OTT,     /* KIVI + outlier-token tracing                        */
-  QJLKV_KEYS_EXACT    /* 16-bit keys, no quantization                        */
+  QJLKV_KEYS_QJL = 0,   /* sign bits of a JL sketch + norms (see the top)    */
+  QJLKV_KEYS_KIVI = 1,  /* per-channel asymmetric key_bits quantization      */
+  QJLKV_KEYS_OTT = 2,   /* KIVI + outlier-token tracing                      */
+  QJLKV_KEYS_EXACT = 3  /* 16-bit keys, no quantization                      */
 } qjlkv_key_method;
+
+/* Where a cache keeps its data and runs its kernels (config.backend); the
+ * device within the backend is config.device_ordinal. */
+typedef enum qjlkv_backend {
+  QJLKV_BACKEND_CPU = 0,  /* host memory, the CPU kernels; device_ordinal 0 */
+  QJLKV_BACKEND_CUDA = 1  /* an NVIDIA GPU: device_ordinal is the CUDA device
+                             ordinal (as cudaSetDevice takes it)            */
+} qjlkv_backend;
+
+/* ===========================================================================
+ * Limits (inclusive upper bounds of the config fields and arguments they name)
+ * ======================================================================== */
+#define QJLKV_MAX_LAYERS 65536u          /* config.num_layers                 */
+#define QJLKV_MAX_HEADS 4096u            /* num_q_heads, num_kv_heads         */
+#define QJLKV_MAX_HEAD_DIM 256u          /* config.head_dim                   */
+#define QJLKV_MAX_SKETCH_HEAD_DIM 1024u  /* qjlkv_sketch_create's head_dim    */
+#define QJLKV_MAX_SKETCH_DIM 65536u      /* every sketch row count            */
+#define QJLKV_MAX_BLOCK_TOKENS 4096u     /* config.block_tokens               */
+#define QJLKV_MAX_RESIDUAL_TOKENS 65536u /* config.residual_tokens            */
+#define QJLKV_MAX_SPILL_TOKENS 4096u     /* config.outlier_spill_tokens       */
+#define QJLKV_MAX_THREADS 1024u          /* config.num_threads                */
 
 /* ===========================================================================
  * Sketch
@@ -168,8 +214,9 @@ typedef struct qjlkv_sketch qjlkv_sketch;
 
 #define QJLKV_SKETCH_ORTHOGONAL 1u
 
-/* Creates a sketch. head_dim in [1, 1024]; sketch_dim a positive multiple of
- * 8, at most 65536; flags 0 or QJLKV_SKETCH_ORTHOGONAL.
+/* Creates a sketch. head_dim in [1, QJLKV_MAX_SKETCH_HEAD_DIM]; sketch_dim a
+ * positive multiple of 8, at most QJLKV_MAX_SKETCH_DIM; flags 0 or
+ * QJLKV_SKETCH_ORTHOGONAL.
  * Errors: INVALID_ARGUMENT (out == NULL, bad sizes, unknown flags),
  * OUT_OF_MEMORY. On failure *out is set to NULL (when out != NULL).
  * Thread-safe. */
@@ -195,31 +242,38 @@ QJLKV_API void qjlkv_sketch_destroy(qjlkv_sketch *s);
 /* ===========================================================================
  * Configuration
  * ======================================================================== */
-/* Always start from qjlkv_config_init(), then change fields. struct_size comes
- * first so the struct can grow without breaking the ABI: fields are
- * append-only, and the library reads and writes only the first struct_size
- * bytes (fields beyond them take their defaults). QJLKV_CONFIG_SIZE_0_1 is the
- * size of the first release, the smallest struct_size any library accepts. */
+/* Start from qjlkv_config_init(), then change fields. Growing struct: see
+ * "Growing structs" at the top. QJLKV_CONFIG_SIZE_0_1 is the size of 0.1's
+ * struct (fields up to num_threads, where 0.1's `int32_t device` held both the
+ * backend and the ordinal: -1 = CPU, >= 0 = CUDA device ordinal). A struct of
+ * that size is read and written with 0.1's meaning: the library derives
+ * backend and device_ordinal from that field and writes it back the same way,
+ * so a program built against 0.1 works unchanged. */
 #define QJLKV_CONFIG_SIZE_0_1 112u
 typedef struct qjlkv_config {
-  uint32_t struct_size;          /* sizeof(qjlkv_config) of the caller        */
-  uint32_t num_layers;           /* >= 1                                      */
-  uint32_t num_q_heads;          /* Hq >= 1, a multiple of num_kv_heads       */
-  uint32_t num_kv_heads;         /* Hkv >= 1 (Hq/Hkv = GQA group; 1 kv = MQA) */
-  uint32_t head_dim;             /* d: a multiple of 8 in [8, 256]            */
-  qjlkv_dtype dtype;             /* dtype of keys, values, queries, outputs   */
-  int32_t device;                /* -1 = CPU, >= 0 = CUDA device ordinal      */
+  uint32_t struct_size;          /* sizeof(qjlkv_config), set by the caller   */
+  uint32_t num_layers;           /* [1, QJLKV_MAX_LAYERS]                     */
+  uint32_t num_q_heads;          /* Hq in [1, QJLKV_MAX_HEADS], a multiple of
+                                    num_kv_heads                              */
+  uint32_t num_kv_heads;         /* Hkv in [1, QJLKV_MAX_HEADS] (Hq/Hkv = GQA
+                                    group; 1 kv head = MQA)                   */
+  uint32_t head_dim;             /* d: a multiple of 8 in [8, QJLKV_MAX_HEAD_DIM] */
+  uint32_t dtype;                /* a qjlkv_dtype: keys, values, queries,
+                                    outputs                                   */
+  uint32_t device_ordinal;       /* the device within `backend`: 0 for the
+                                    CPU, the CUDA device ordinal for CUDA     */
   uint64_t seed;                 /* sketch seed (layer l uses stream l)       */
   uint32_t sketch_flags;         /* QJLKV_SKETCH_ORTHOGONAL in every preset   */
-  qjlkv_key_method key_method;
+  uint32_t key_method;           /* a qjlkv_key_method                        */
   uint32_t block_tokens;         /* B: tokens quantized together; a multiple
-                                    of 8 in [8, 4096]                         */
-  uint32_t residual_tokens;      /* R: newest tokens always exact, <= 65536   */
+                                    of 8 in [8, QJLKV_MAX_BLOCK_TOKENS]       */
+  uint32_t residual_tokens;      /* R: newest tokens always exact,
+                                    <= QJLKV_MAX_RESIDUAL_TOKENS              */
   /* QJL (key_method == QJLKV_KEYS_QJL) */
-  uint32_t key_sketch_dim;       /* m: multiple of 8 in [8, 65536]            */
+  uint32_t key_sketch_dim;       /* m: multiple of 8 in [8, QJLKV_MAX_SKETCH_DIM] */
   uint32_t outlier_channels;     /* c: outlier channels per block, [0, d)     */
-  uint32_t outlier_sketch_dim;   /* m_out: multiple of 8 in [0, 65536]; must
-                                    be > 0 when c > 0                         */
+  uint32_t outlier_sketch_dim;   /* m_out: multiple of 8 in
+                                    [0, QJLKV_MAX_SKETCH_DIM]; > 0 when c > 0 */
   uint32_t initial_layers;       /* layers [0, initial_layers) use the two
                                     sizes below instead of m and m_out        */
   uint32_t initial_key_sketch_dim;
@@ -229,48 +283,57 @@ typedef struct qjlkv_config {
   /* OTT */
   uint32_t outlier_tokens;       /* P: pool size per (sequence, kv head),
                                     [0, block_tokens)                         */
-  uint32_t outlier_spill_tokens; /* spill area size, [0, 4096]                */
-  uint32_t outlier_skip_layers;  /* layers [0, n) do no tracing               */
+  uint32_t outlier_spill_tokens; /* spill area size,
+                                    [0, QJLKV_MAX_SPILL_TOKENS]               */
+  uint32_t outlier_skip_layers;  /* layers [0, n) do no tracing, n <= layers  */
   /* values */
   uint32_t value_bits;           /* 2, 4, 8, or 16 = exact 16-bit values      */
   uint32_t value_group_size;     /* g: divides head_dim                       */
-  /* --- fields added after the first draft of API.md --- */
-  uint32_t num_threads;          /* CPU worker threads <= 1024; 0 = all cores */
+  uint32_t num_threads;          /* CPU worker threads, <= QJLKV_MAX_THREADS;
+                                    0 = all cores                             */
+  uint32_t unused_0_1;           /* the tail padding of 0.1's struct (whose
+                                    callers may leave garbage there): never
+                                    read, written as 0                        */
+  /* --- added in 0.2 --- */
+  uint32_t backend;              /* a qjlkv_backend (default CPU)             */
 } qjlkv_config;
 
-/* Fills every field of *cfg with the defaults of the named preset and the
- * given shape.
- * Size: when cfg->struct_size already holds a size this library knows (from
- * QJLKV_CONFIG_SIZE_0_1 to the library's sizeof(qjlkv_config)), exactly that
- * many bytes are written; otherwise (e.g. an uninitialized struct) the first
- * release's QJLKV_CONFIG_SIZE_0_1 bytes are written, which every caller's
- * struct holds. struct_size is set to the size written. So a caller built
- * against a newer header who wants the fields added after 0.1 sets
- * cfg->struct_size = sizeof(qjlkv_config) first; in this release both sizes
- * are the same.
+/* Fills the first cfg->struct_size bytes of *cfg with the defaults of the
+ * named preset and the given shape. Set cfg->struct_size first (see "Growing
+ * structs").
  *
  * Presets (bits per number measured by the library's own statistics, see
- * README.md for the table):
+ * README.md for the table). Every preset fills every field; in all of them
+ * g (value_group_size) is the largest of 32, 16 and 8 that divides d, except
+ * where "qjl" says otherwise:
  *   "qjl"   (also preset NULL or ""): QJL keys, m = 2d sketch rows,
- *           c = 4 outlier channels with m_out = d, B = 32, R = 32;
- *           2-bit values in groups of 64 (32 when 64 does not divide d).
+ *           c = 4 outlier channels with m_out = d (c = 0 and m_out = 0 when
+ *           d < 16), no initial layers (their sizes equal m and m_out),
+ *           B = 32, R = 32; 2-bit values, g = 64 when 64 divides d.
  *           Lossy: see docs/ACCURACY.md.
- *   "kivi"  KIVI keys, 2-bit, B = 128, R = 32; 2-bit values in groups of 32.
- *   "ott"   "kivi" + outlier-token tracing, P = 3, spill 32, first 2 layers
- *           untraced.
+ *   "kivi"  KIVI keys, 2-bit, B = 128, R = 32; 2-bit values.
+ *   "ott"   "kivi" + outlier-token tracing, P = 3, spill 32, the first
+ *           min(2, num_layers) layers untraced.
  *   "exact" 16-bit keys and values, no quantization (fp16 for fp32/fp16
- *           inputs, bf16 for bf16 inputs): the baseline for comparisons.
- * dtype defaults to F32, device to -1, seed to 0, num_threads to 0.
+ *           inputs, bf16 for bf16 inputs), B = 32, R = 0: the baseline for
+ *           comparisons.
+ * The fields of the other key methods keep the values above (QJL sizes of
+ * "qjl", key_bits 2, P 3, spill 32, skip min(2, num_layers)), so that switching
+ * key_method gives sane sizes. dtype defaults to F32, backend to CPU,
+ * device_ordinal to 0, seed to 0, num_threads to 0.
  *
- * Errors: INVALID_ARGUMENT (cfg == NULL, unknown preset, or a shape that no
- * config can accept: zero sizes, Hq not a multiple of Hkv, d not a multiple
- * of 8 or > 256). On failure *cfg is unchanged. Thread-safe. */
+ * Errors: INVALID_ARGUMENT (cfg == NULL, a struct_size that is not a shipped
+ * size, unknown preset, or a shape that no config can accept: zero sizes or
+ * sizes above the limits, Hq not a multiple of Hkv, d not a multiple of 8 or
+ * above QJLKV_MAX_HEAD_DIM). On failure *cfg is unchanged. Thread-safe. */
 QJLKV_API qjlkv_status qjlkv_config_init(qjlkv_config *cfg, const char *preset,
                                          uint32_t num_layers, uint32_t num_q_heads,
                                          uint32_t num_kv_heads, uint32_t head_dim);
 
 /* Checks a configuration without creating anything; the message of a failure
- * names the first field that is wrong. Errors: INVALID_ARGUMENT. */
+ * names the first field that is wrong (struct_size included). Whether the
+ * backend's device exists is checked by qjlkv_cache_create, not here.
+ * Errors: INVALID_ARGUMENT. */
 QJLKV_API qjlkv_status qjlkv_config_validate(const qjlkv_config *cfg);
 
 /* ===========================================================================
@@ -280,16 +343,18 @@ typedef struct qjlkv_cache qjlkv_cache;
 
 /* Creates an empty cache for cfg (validated as by qjlkv_config_validate).
  * The sketches of all layers are generated here, once.
- * Errors: INVALID_ARGUMENT, OUT_OF_MEMORY, UNSUPPORTED (device >= 0 in a
- * build without CUDA, or no CUDA device present), DEVICE. On failure *out is
- * set to NULL (when out != NULL). */
+ * Errors: INVALID_ARGUMENT, OUT_OF_MEMORY, UNSUPPORTED (the CUDA backend in
+ * a build without CUDA, no CUDA device with that ordinal, or QJLKV_CPU_ISA
+ * forcing kernels this CPU cannot run, see "Environment"), DEVICE. On failure
+ * *out is set to NULL (when out != NULL). */
 QJLKV_API qjlkv_status qjlkv_cache_create(const qjlkv_config *cfg, qjlkv_cache **out);
 
 /* Frees a cache and everything it holds; NULL is a no-op. */
 QJLKV_API void qjlkv_cache_destroy(qjlkv_cache *c);
 
-/* A copy of the configuration the cache was created with, written with the
- * size rule of qjlkv_config_init(). Errors: INVALID_ARGUMENT (NULL). */
+/* A copy of the configuration the cache was created with: the first
+ * out->struct_size bytes (see "Growing structs"). Errors: INVALID_ARGUMENT
+ * (NULL, a struct_size that is not a shipped size). */
 QJLKV_API qjlkv_status qjlkv_cache_config(const qjlkv_cache *c, qjlkv_config *out);
 
 /* Orders all work of a CUDA cache on the given cudaStream_t (NULL = default
@@ -367,7 +432,7 @@ QJLKV_API qjlkv_status qjlkv_cache_scores(qjlkv_cache *c, uint32_t layer, uint32
  * order, as float32 host arrays [count][num_kv_heads][head_dim]:
  *   keys_out: the vector k̂ whose dot product with any query equals the score the attention
  *     uses: for QJL, k̂ = c_d/m·‖k_in‖·M_in·Sᵀ(±bits_in) + c_d/m_out·‖k_out‖·M_out·S_outᵀ(±bits_out)
- *     (SPEC §3); for KIVI/OTT and 16-bit keys the dequantized keys; exact keys in the tail;
+ *     (the QJL estimate described at the top); for KIVI/OTT and 16-bit keys the dequantized keys; exact keys in the tail;
  *   values_out: the dequantized values (exact in the tail).
  * OTT positions whose token moved to the pool or spill area give that token's exact key and
  * value, so attention over the reconstruction counts every token once, as attend does.
@@ -404,9 +469,11 @@ QJLKV_API qjlkv_status qjlkv_cache_clear_sequence(qjlkv_cache *c, uint32_t seq);
  * the sketches (one per QJL layer, max(m, m_out) x head_dim floats, plus a
  * transposed copy on the CPU or a device copy on CUDA; fixed at creation) and
  * the scratch buffers of append/attend, which grow to the largest call and
- * are kept for the next. */
+ * are kept for the next.
+ * Growing struct: see "Growing structs" at the top. */
+#define QJLKV_STATS_SIZE_0_1 80u
 typedef struct qjlkv_stats {
-  uint32_t struct_size;          /* set by the caller: sizeof(qjlkv_stats)    */
+  uint32_t struct_size;          /* sizeof(qjlkv_stats), set by the caller    */
   uint64_t tokens;               /* cached positions, all layers and seqs     */
   uint64_t bytes_used;           /* bytes that hold cache data                */
   uint64_t bytes_reserved;       /* bytes allocated for cache data            */
@@ -420,10 +487,8 @@ typedef struct qjlkv_stats {
   uint64_t bytes_metadata;       /* per-sequence bookkeeping                  */
 } qjlkv_stats;
 
-/* Fills *out. out->struct_size must be set by the caller to the size it knows
- * (the leading fields of an older, smaller struct are filled).
- * Errors: INVALID_ARGUMENT (NULL, struct_size too small or larger than the
- * library's). */
+/* Fills the first out->struct_size bytes of *out (see "Growing structs").
+ * Errors: INVALID_ARGUMENT (NULL, a struct_size that is not a shipped size). */
 QJLKV_API qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out);
 
 #ifdef __cplusplus

@@ -103,7 +103,7 @@ class CpuCache final : public qjlkv_cache {
   }
   void stats(qjlkv_stats &out) const override;
   void set_stream(void *stream) override {
-    if (stream) fail(QJLKV_ERROR_UNSUPPORTED, "cuda_stream must be NULL on a CPU cache (config.device = -1)");
+    if (stream) fail(QJLKV_ERROR_UNSUPPORTED, "cuda_stream must be NULL on a CPU cache (config.backend = QJLKV_BACKEND_CPU)");
   }
 
  private:
@@ -166,7 +166,7 @@ float *aligned_floats(std::vector<float> &v, size_t n) {
 }
 
 void CpuCache::check_data(const char *name, const void *data, size_t elems, float limit) const {
-  const qjlkv_dtype dtype = spec().cfg.dtype;
+  const qjlkv_dtype dtype = dtype_of(spec().cfg);
   for (size_t i = kernels_->first_invalid(data, dtype, elems, limit); i < elems; ++i) {
     const float x = load_element(data, i, dtype);
     if (!std::isfinite(x) || std::fabs(x) > limit) fail_bad_element(name, i, x, limit);
@@ -177,10 +177,10 @@ void CpuCache::check_key_norms(const void *keys, size_t tokens) const {
   const uint32_t d = spec().cfg.head_dim;
   const float clearly_within = 0.98f * kHalfMax * kHalfMax;  // far beyond the float sum's rounding error
   for (size_t v = 0; v < tokens * spec().cfg.num_kv_heads; ++v) {
-    if (kernels_->sum_squares(keys, spec().cfg.dtype, v * d, d) < clearly_within) continue;
+    if (kernels_->sum_squares(keys, dtype_of(spec().cfg), v * d, d) < clearly_within) continue;
     double norm2 = 0.0;
     for (uint32_t j = 0; j < d; ++j) {
-      const double x = load_element(keys, v * d + j, spec().cfg.dtype);
+      const double x = load_element(keys, v * d + j, dtype_of(spec().cfg));
       norm2 += x * x;
     }
     if (std::sqrt(norm2) > kHalfMax)
@@ -256,8 +256,8 @@ void CpuCache::trace_outliers(OutlierTokens &ott, uint64_t first_position, float
     if (candidates[i].index < ott.pool) continue;
     const uint32_t t = candidates[i].index - ott.pool;
     enters[t] = true;
-    store_row(keys + size_t(t) * d, d, cfg.dtype, ott.keys.data(), size_t(kept_count) * d);
-    store_row(values + size_t(t) * d, d, cfg.dtype, ott.values.data(), size_t(kept_count) * d);
+    store_row(keys + size_t(t) * d, d, dtype_of(cfg), ott.keys.data(), size_t(kept_count) * d);
+    store_row(values + size_t(t) * d, d, dtype_of(cfg), ott.values.data(), size_t(kept_count) * d);
     ott.positions[kept_count] = uint32_t(first_position + t);
     ott.norms[kept_count] = candidates[i].norm;
     ++kept_count;
@@ -402,8 +402,8 @@ void CpuCache::quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, co
       const bool from_tail = stream_index < seq.tail_tokens;
       const size_t token = from_tail ? stream_index : stream_index - seq.tail_tokens;
       const size_t first = token * token_elems_ + size_t(head) * d;
-      kernels_->load_floats(from_tail ? seq.tail_keys.data() : keys, cfg.dtype, first, d, block_keys + size_t(t) * d);
-      kernels_->load_floats(from_tail ? seq.tail_values.data() : values, cfg.dtype, first, d,
+      kernels_->load_floats(from_tail ? seq.tail_keys.data() : keys, dtype_of(cfg), first, d, block_keys + size_t(t) * d);
+      kernels_->load_floats(from_tail ? seq.tail_values.data() : values, dtype_of(cfg), first, d,
                             block_values + size_t(t) * d);
     }
     uint8_t *block = bytes.data() + old_size + size_t(b) * layout.stride;
@@ -411,7 +411,7 @@ void CpuCache::quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, co
     if (ls.traced && seq.outliers[head].tracing)
       trace_outliers(seq.outliers[head], (uint64_t(seq.blocks) + b) * B, block_keys, block_values,
                      block + layout.key_mask);
-    switch (cfg.key_method) {
+    switch (key_method_of(cfg)) {
       case QJLKV_KEYS_QJL: qjl_quantize_fast(layer, block_keys, block, kernel_scratch); break;
       case QJLKV_KEYS_KIVI:
       case QJLKV_KEYS_OTT: kernels_->kivi_quantize(layer_kernels_[layer].keys, block_keys, block); break;
@@ -494,7 +494,7 @@ void CpuCache::load_queries(uint32_t layer, const uint8_t *queries, uint32_t que
   for (uint32_t i = 0; i < queries_per_seq; ++i)
     for (uint32_t g = 0; g < G; ++g) {
       float *row = q + size_t(i * G + g) * dp;
-      load_row(queries, i * q_row_elems + size_t(head * G + g) * d, d, cfg.dtype, row);
+      load_row(queries, i * q_row_elems + size_t(head * G + g) * d, d, dtype_of(cfg), row);
       std::fill(row + d, row + dp, 0.0f);
     }
   if (cfg.key_method == QJLKV_KEYS_QJL)
@@ -506,7 +506,7 @@ void CpuCache::score_block(uint32_t layer, const uint8_t *block, const float *q,
   const qjlkv_config &cfg = spec().cfg;
   const LayerKernels &lk = layer_kernels_[layer];
   const BlockLayout &layout = spec().layers[layer].layout;
-  switch (cfg.key_method) {
+  switch (key_method_of(cfg)) {
     case QJLKV_KEYS_QJL:
       kernels_->qjl_scores(lk.qjl, block, q, sq, rows, out, out_stride, scratch);
       break;
@@ -576,10 +576,10 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
     for (uint32_t start = 0; start < count; start += B) {
       const uint32_t n = std::min(B, count - start);
       const size_t offset = start * row_stride * io;
-      K.dense_scores(keys + offset, cfg.dtype, row_stride, n, d, q, rows, weights, Bp);
+      K.dense_scores(keys + offset, dtype_of(cfg), row_stride, n, d, q, rows, weights, Bp);
       mask_causal(n, [&](uint32_t t) { return position_of(start + t); });
       if (K.softmax_fold(state, weights, Bp, rows, n, call.scale, acc, d))
-        K.dense_values(values + offset, cfg.dtype, row_stride, n, d, weights, Bp, rows, acc);
+        K.dense_values(values + offset, dtype_of(cfg), row_stride, n, d, weights, Bp, rows, acc);
     }
   };
   const size_t head_offset_bytes = size_t(head) * d * io;
@@ -669,7 +669,7 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
       const float inverse = 1.0f / sum;  // every query sees at least its own position
       for (uint32_t j = 0; j < d; ++j) merged[j] *= inverse;
       const uint32_t i = r / G, g = r % G;
-      store_row(merged, d, cfg.dtype, static_cast<uint8_t *>(out) + (index / Hkv) * q_seq_bytes,
+      store_row(merged, d, dtype_of(cfg), static_cast<uint8_t *>(out) + (index / Hkv) * q_seq_bytes,
                 i * q_row_elems + size_t(head * G + g) * d);
     }
   });
@@ -702,7 +702,7 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
                   q + size_t(G) * dp, G, weights, Bp, kernel_scratch);
       for (uint32_t g = 0; g < G; ++g) std::copy_n(weights + size_t(g) * Bp, B, head_out + g * L + size_t(b) * B);
     }
-    kernels_->dense_scores(seq.tail_keys.data() + size_t(head) * d * spec().io_elem, cfg.dtype, token_elems_,
+    kernels_->dense_scores(seq.tail_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
                            seq.tail_tokens, d, q, G, head_out + size_t(seq.blocks) * B, L);
   }
 }
@@ -720,8 +720,8 @@ void CpuCache::reconstruct(uint32_t layer, uint32_t seq_id, uint64_t first, uint
       float *v = values_out ? values_out + ((p - first) * Hkv + h) * d : nullptr;
       if (p >= quantized) {
         const size_t element = size_t(p - quantized) * token_elems_ + size_t(h) * d;
-        if (k) load_row(seq.tail_keys.data(), element, d, cfg.dtype, k);
-        if (v) load_row(seq.tail_values.data(), element, d, cfg.dtype, v);
+        if (k) load_row(seq.tail_keys.data(), element, d, dtype_of(cfg), k);
+        if (v) load_row(seq.tail_values.data(), element, d, dtype_of(cfg), v);
         continue;
       }
       const uint8_t *block = seq.heads[h].data() + size_t(p / B) * ls.layout.stride;
@@ -733,13 +733,13 @@ void CpuCache::reconstruct(uint32_t layer, uint32_t seq_id, uint64_t first, uint
         for (uint32_t slot = 0; slot < P + ott.spilled; ++slot) {
           if (slot >= ott.pool && slot < P) continue;
           if (ott.positions[slot] != p) continue;
-          if (k) load_row(ott.keys.data(), size_t(slot) * d, d, cfg.dtype, k);
-          if (v) load_row(ott.values.data(), size_t(slot) * d, d, cfg.dtype, v);
+          if (k) load_row(ott.keys.data(), size_t(slot) * d, d, dtype_of(cfg), k);
+          if (v) load_row(ott.values.data(), size_t(slot) * d, d, dtype_of(cfg), v);
         }
         continue;
       }
       if (k) {
-        switch (cfg.key_method) {
+        switch (key_method_of(cfg)) {
           case QJLKV_KEYS_QJL: qjl_reconstruct_key(ls, cfg, spec().qjl_constant, block, t, k); break;
           case QJLKV_KEYS_KIVI:
           case QJLKV_KEYS_OTT: kivi_dequantize_token(cfg, ls.layout, block, t, k); break;

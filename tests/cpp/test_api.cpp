@@ -3,6 +3,7 @@
 #include <string>
 #include <thread>
 
+#include "c_caller.h"
 #include "testing.hpp"
 
 namespace {
@@ -27,8 +28,12 @@ TEST(Status, NamesEveryStatus) {
   EXPECT_STREQ(qjlkv_status_string(QJLKV_ERROR_DEVICE), "QJLKV_ERROR_DEVICE");
   EXPECT_STREQ(qjlkv_status_string(QJLKV_ERROR_CORRUPT_DATA), "QJLKV_ERROR_CORRUPT_DATA");
   EXPECT_STREQ(qjlkv_status_string(QJLKV_ERROR_INTERNAL), "QJLKV_ERROR_INTERNAL");
-  EXPECT_STREQ(qjlkv_status_string(static_cast<qjlkv_status>(999)), "unknown status");
-  EXPECT_STREQ(qjlkv_status_string(static_cast<qjlkv_status>(-1)), "unknown status");
+  // A C caller may pass any int; C++ cannot hold such a value in the enum, so C code passes it.
+  EXPECT_STREQ(qjlkv_test_status_string_of_int(6), "QJLKV_ERROR_INTERNAL");
+  EXPECT_STREQ(qjlkv_test_status_string_of_int(7), "unknown status");
+  EXPECT_STREQ(qjlkv_test_status_string_of_int(999), "unknown status");
+  EXPECT_STREQ(qjlkv_test_status_string_of_int(-1), "unknown status");
+  EXPECT_STREQ(qjlkv_test_status_string_of_int(INT32_MIN), "unknown status");
 }
 
 TEST(Status, LastErrorIsThreadLocalAndSticky) {
@@ -59,48 +64,63 @@ TEST(Handles, DestroyNullIsANoOp) {
   SUCCEED();
 }
 
+// Every number qjlkv.h states about the presets (at qjlkv_config_init), for head dims where the
+// group-size and outlier rules differ, and layer counts below and above the OTT skip.
 TEST(Presets, DocumentedDefaults) {
-  for (uint32_t d : {64u, 128u}) {
-    for (const char *name : {"qjl", "kivi", "ott", "exact"}) {
-      SCOPED_TRACE(std::string(name) + " d=" + std::to_string(d));
-      qjlkv_config cfg;
-      QT_ASSERT_OK(qjlkv_config_init(&cfg, name, 3, 8, 2, d));
-      EXPECT_EQ(cfg.struct_size, sizeof(qjlkv_config));
-      EXPECT_EQ(cfg.num_layers, 3u);
-      EXPECT_EQ(cfg.num_q_heads, 8u);
-      EXPECT_EQ(cfg.num_kv_heads, 2u);
-      EXPECT_EQ(cfg.head_dim, d);
-      EXPECT_EQ(cfg.dtype, QJLKV_DTYPE_F32);
-      EXPECT_EQ(cfg.device, -1);
-      EXPECT_EQ(cfg.seed, 0u);
-      EXPECT_EQ(cfg.num_threads, 0u);
-      EXPECT_EQ(cfg.sketch_flags, QJLKV_SKETCH_ORTHOGONAL);
-      QT_EXPECT_OK(qjlkv_config_validate(&cfg));
-      const std::string preset = name;
-      if (preset == "qjl") {
-        EXPECT_EQ(cfg.key_method, QJLKV_KEYS_QJL);
+  for (uint32_t layers : {1u, 3u}) {
+    for (uint32_t d : {8u, 16u, 24u, 32u, 40u, 48u, 64u, 96u, 128u, 192u, 256u}) {
+      const uint32_t g = d % 32 == 0 ? 32 : d % 16 == 0 ? 16 : 8;  // the largest of 32, 16, 8 dividing d
+      const uint32_t c = d >= 16 ? 4 : 0;
+      for (const char *name : {"qjl", "kivi", "ott", "exact"}) {
+        SCOPED_TRACE(std::string(name) + " d=" + std::to_string(d) + " layers=" + std::to_string(layers));
+        qjlkv_config cfg;
+        std::memset(&cfg, 0xEE, sizeof cfg);
+        cfg.struct_size = sizeof cfg;
+        QT_ASSERT_OK(qjlkv_config_init(&cfg, name, layers, 8, 2, d));
+        EXPECT_EQ(cfg.struct_size, sizeof(qjlkv_config));
+        EXPECT_EQ(cfg.num_layers, layers);
+        EXPECT_EQ(cfg.num_q_heads, 8u);
+        EXPECT_EQ(cfg.num_kv_heads, 2u);
+        EXPECT_EQ(cfg.head_dim, d);
+        EXPECT_EQ(cfg.dtype, uint32_t(QJLKV_DTYPE_F32));
+        EXPECT_EQ(cfg.backend, uint32_t(QJLKV_BACKEND_CPU));
+        EXPECT_EQ(cfg.device_ordinal, 0u);
+        EXPECT_EQ(cfg.unused_0_1, 0u);
+        EXPECT_EQ(cfg.seed, 0u);
+        EXPECT_EQ(cfg.num_threads, 0u);
+        EXPECT_EQ(cfg.sketch_flags, QJLKV_SKETCH_ORTHOGONAL);
+        // The fields of every key method, in every preset.
         EXPECT_EQ(cfg.key_sketch_dim, 2 * d);
-        EXPECT_EQ(cfg.outlier_channels, 4u);
-        EXPECT_EQ(cfg.outlier_sketch_dim, d);
-        EXPECT_EQ(cfg.block_tokens, 32u);
-        EXPECT_EQ(cfg.residual_tokens, 32u);
-        EXPECT_EQ(cfg.value_bits, 2u);
-        EXPECT_EQ(cfg.value_group_size, 64u);
-      } else if (preset == "kivi" || preset == "ott") {
-        EXPECT_EQ(cfg.key_method, preset == "kivi" ? QJLKV_KEYS_KIVI : QJLKV_KEYS_OTT);
+        EXPECT_EQ(cfg.outlier_channels, c);
+        EXPECT_EQ(cfg.outlier_sketch_dim, c ? d : 0u);
+        EXPECT_EQ(cfg.initial_layers, 0u);
+        EXPECT_EQ(cfg.initial_key_sketch_dim, cfg.key_sketch_dim);
+        EXPECT_EQ(cfg.initial_outlier_sketch_dim, cfg.outlier_sketch_dim);
         EXPECT_EQ(cfg.key_bits, 2u);
-        EXPECT_EQ(cfg.block_tokens, 128u);
-        EXPECT_EQ(cfg.residual_tokens, 32u);
-        EXPECT_EQ(cfg.value_bits, 2u);
-        EXPECT_EQ(cfg.value_group_size, 32u);
-        if (preset == "ott") {
-          EXPECT_EQ(cfg.outlier_tokens, 3u);
-          EXPECT_EQ(cfg.outlier_spill_tokens, 32u);
-          EXPECT_EQ(cfg.outlier_skip_layers, 2u);
+        EXPECT_EQ(cfg.outlier_tokens, 3u);
+        EXPECT_EQ(cfg.outlier_spill_tokens, 32u);
+        EXPECT_EQ(cfg.outlier_skip_layers, std::min(2u, layers));
+        QT_EXPECT_OK(qjlkv_config_validate(&cfg));
+        const std::string preset = name;
+        if (preset == "qjl") {
+          EXPECT_EQ(cfg.key_method, uint32_t(QJLKV_KEYS_QJL));
+          EXPECT_EQ(cfg.block_tokens, 32u);
+          EXPECT_EQ(cfg.residual_tokens, 32u);
+          EXPECT_EQ(cfg.value_bits, 2u);
+          EXPECT_EQ(cfg.value_group_size, d % 64 == 0 ? 64u : g);
+        } else if (preset == "kivi" || preset == "ott") {
+          EXPECT_EQ(cfg.key_method, uint32_t(preset == "kivi" ? QJLKV_KEYS_KIVI : QJLKV_KEYS_OTT));
+          EXPECT_EQ(cfg.block_tokens, 128u);
+          EXPECT_EQ(cfg.residual_tokens, 32u);
+          EXPECT_EQ(cfg.value_bits, 2u);
+          EXPECT_EQ(cfg.value_group_size, g);
+        } else {
+          EXPECT_EQ(cfg.key_method, uint32_t(QJLKV_KEYS_EXACT));
+          EXPECT_EQ(cfg.block_tokens, 32u);
+          EXPECT_EQ(cfg.residual_tokens, 0u);
+          EXPECT_EQ(cfg.value_bits, 16u);
+          EXPECT_EQ(cfg.value_group_size, g);
         }
-      } else {
-        EXPECT_EQ(cfg.key_method, QJLKV_KEYS_EXACT);
-        EXPECT_EQ(cfg.value_bits, 16u);
       }
     }
   }
@@ -114,7 +134,7 @@ void expect_same_config(const qjlkv_config &a, const qjlkv_config &b) {
   QT_SAME(num_kv_heads);
   QT_SAME(head_dim);
   QT_SAME(dtype);
-  QT_SAME(device);
+  QT_SAME(device_ordinal);
   QT_SAME(seed);
   QT_SAME(sketch_flags);
   QT_SAME(key_method);
@@ -133,11 +153,16 @@ void expect_same_config(const qjlkv_config &a, const qjlkv_config &b) {
   QT_SAME(value_bits);
   QT_SAME(value_group_size);
   QT_SAME(num_threads);
+  QT_SAME(unused_0_1);
+  QT_SAME(backend);
 #undef QT_SAME
 }
 
 TEST(Presets, NullAndEmptyNameMeanQjl) {
-  qjlkv_config qjl, null_name, empty_name;
+  qjlkv_config qjl{}, null_name{}, empty_name{};
+  qjl.struct_size = sizeof qjl;
+  null_name.struct_size = sizeof null_name;
+  empty_name.struct_size = sizeof empty_name;
   QT_ASSERT_OK(qjlkv_config_init(&qjl, "qjl", 2, 4, 4, 96));
   QT_ASSERT_OK(qjlkv_config_init(&null_name, nullptr, 2, 4, 4, 96));
   QT_ASSERT_OK(qjlkv_config_init(&empty_name, "", 2, 4, 4, 96));
@@ -174,7 +199,8 @@ TEST(Presets, EveryPresetRunsEndToEnd) {
 TEST(Config, ValidateAcceptsWhatInitProduces) {
   for (uint32_t d : {8u, 16u, 80u, 96u, 136u, 256u}) {
     for (const char *name : {"qjl", "kivi", "ott", "exact"}) {
-      qjlkv_config cfg;
+      qjlkv_config cfg{};
+      cfg.struct_size = sizeof cfg;
       QT_ASSERT_OK(qjlkv_config_init(&cfg, name, 1, 6, 3, d));
       QT_EXPECT_OK(qjlkv_config_validate(&cfg));
       EXPECT_EQ(d % cfg.value_group_size, 0u) << name << " d=" << d;
@@ -185,7 +211,8 @@ TEST(Config, ValidateAcceptsWhatInitProduces) {
 }
 
 TEST(Config, CacheReturnsTheConfigItWasCreatedWith) {
-  qjlkv_config cfg;
+  qjlkv_config cfg{};
+  cfg.struct_size = sizeof cfg;
   QT_ASSERT_OK(qjlkv_config_init(&cfg, "qjl", 4, 12, 4, 80));
   cfg.seed = 0x123456789abcdefull;
   cfg.dtype = QJLKV_DTYPE_BF16;
@@ -204,6 +231,7 @@ TEST(Config, CacheReturnsTheConfigItWasCreatedWith) {
   ASSERT_TRUE(cache);
   qjlkv_config back;
   std::memset(&back, 0xAB, sizeof back);
+  back.struct_size = sizeof back;
   QT_ASSERT_OK(qjlkv_cache_config(cache.get(), &back));
   expect_same_config(cfg, back);
 }
@@ -222,23 +250,26 @@ TEST(Stream, CpuCacheAcceptsOnlyTheDefaultStream) {
 // cache must work like a CPU one for these calls.
 TEST(Device, DeviceOrdinalWithoutGpuFailsCleanly) {
   qjlkv_config cfg = qt::make_config("qjl", 1, 2, 1, 64);
-  cfg.device = 0;
+  cfg.backend = QJLKV_BACKEND_CUDA;
+  cfg.device_ordinal = 0;
   qjlkv_cache *cache = reinterpret_cast<qjlkv_cache *>(uintptr_t(0x10));
   const std::string stale = qt::stale_error_message();
   const qjlkv_status s = qjlkv_cache_create(&cfg, &cache);
   if (s == QJLKV_OK) {
     ASSERT_NE(cache, nullptr);
     qjlkv_config back;
+    back.struct_size = sizeof back;
     QT_EXPECT_OK(qjlkv_cache_config(cache, &back));
-    EXPECT_EQ(back.device, 0);
+    EXPECT_EQ(back.backend, uint32_t(QJLKV_BACKEND_CUDA));
+    EXPECT_EQ(back.device_ordinal, 0u);
     QT_EXPECT_OK(qjlkv_cache_set_stream(cache, nullptr));
     qjlkv_cache_destroy(cache);
     return;
   }
   EXPECT_TRUE(s == QJLKV_ERROR_UNSUPPORTED || s == QJLKV_ERROR_DEVICE) << qt::describe(s);
   EXPECT_EQ(cache, nullptr) << "*out is set to NULL on failure";
-  EXPECT_TRUE(qt::fails_naming(s, s, stale, {"device"}));
-  cfg.device = 1000;
+  EXPECT_TRUE(qt::fails_naming(s, s, stale, {"device_ordinal"}));
+  cfg.device_ordinal = 1000;
   cache = nullptr;
   const qjlkv_status far = qjlkv_cache_create(&cfg, &cache);
   EXPECT_TRUE(far == QJLKV_ERROR_UNSUPPORTED || far == QJLKV_ERROR_DEVICE) << qt::describe(far);

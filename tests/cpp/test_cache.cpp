@@ -117,14 +117,14 @@ void observe(qjlkv_cache *cache, const qjlkv_config &cfg, uint32_t layer, uint32
   for (int i = 0; i < 2; ++i) {
     std::vector<float> q = rng.normals(q_elems);
     std::vector<float> s(size_t(cfg.num_q_heads) * out->length);
-    QT_ASSERT_OK(qjlkv_cache_scores(cache, layer, seq, qt::encode(q, cfg.dtype).data(), s.data(), s.size()));
+    QT_ASSERT_OK(qjlkv_cache_scores(cache, layer, seq, qt::encode(q, qjlkv_dtype(cfg.dtype)).data(), s.data(), s.size()));
     out->scores.emplace_back(reinterpret_cast<uint8_t *>(s.data()), reinterpret_cast<uint8_t *>(s.data() + s.size()));
   }
   for (uint32_t n_queries : {1u, 3u}) {
     if (n_queries > out->length) continue;
     const std::vector<float> q = rng.normals(q_elems * n_queries);
-    std::vector<uint8_t> o(q.size() * qt::dtype_bytes(cfg.dtype));
-    QT_ASSERT_OK(qjlkv_cache_attend(cache, layer, seq, n_queries, qt::encode(q, cfg.dtype).data(), 0.0f, o.data()));
+    std::vector<uint8_t> o(q.size() * qt::dtype_bytes(qjlkv_dtype(cfg.dtype)));
+    QT_ASSERT_OK(qjlkv_cache_attend(cache, layer, seq, n_queries, qt::encode(q, qjlkv_dtype(cfg.dtype)).data(), 0.0f, o.data()));
     out->outputs.push_back(std::move(o));
   }
 }
@@ -188,8 +188,8 @@ TEST(Cache, BatchedCallsEqualSingleCalls) {
   qt::Rng rng(17);
   for (uint32_t layer = 0; layer < 2; ++layer)
     for (uint32_t step = 0; step < 40; ++step) {
-      const std::vector<uint8_t> k = qt::encode(rng.normals(seqs.size() * token_elems), cfg.dtype),
-                                 v = qt::encode(rng.normals(seqs.size() * token_elems), cfg.dtype);
+      const std::vector<uint8_t> k = qt::encode(rng.normals(seqs.size() * token_elems), qjlkv_dtype(cfg.dtype)),
+                                 v = qt::encode(rng.normals(seqs.size() * token_elems), qjlkv_dtype(cfg.dtype));
       QT_ASSERT_OK(qjlkv_cache_append_batch(batched.get(), layer, uint32_t(seqs.size()), seqs.data(), k.data(),
                                             v.data()));
       for (size_t i = 0; i < seqs.size(); ++i)
@@ -207,7 +207,7 @@ TEST(Cache, BatchedCallsEqualSingleCalls) {
   // attend_batch (sequences may repeat) == one attend per listed sequence.
   const std::vector<uint32_t> listed = {9, 4, 9, 1};
   const size_t q_elems = size_t(cfg.num_q_heads) * kD;
-  const std::vector<uint8_t> q = qt::encode(rng.normals(listed.size() * q_elems), cfg.dtype);
+  const std::vector<uint8_t> q = qt::encode(rng.normals(listed.size() * q_elems), qjlkv_dtype(cfg.dtype));
   std::vector<uint8_t> out_batch(q.size()), out_single(q.size());
   QT_ASSERT_OK(qjlkv_cache_attend_batch(batched.get(), 1, uint32_t(listed.size()), listed.data(), q.data(), 0.0f,
                                         out_batch.data()));
@@ -322,11 +322,11 @@ void check_stats_by_hand(const qjlkv_config &cfg, const std::vector<std::tuple<u
   ASSERT_TRUE(cache);
   qt::Rng rng(41);
   uint64_t tokens = 0, keys_q = 0, values_q = 0, full = 0;
-  const uint64_t hkv = cfg.num_kv_heads, d = cfg.head_dim, elem = qt::dtype_bytes(cfg.dtype);
+  const uint64_t hkv = cfg.num_kv_heads, d = cfg.head_dim, elem = qt::dtype_bytes(qjlkv_dtype(cfg.dtype));
   for (auto [layer, seq, n] : fills) {
     const std::vector<float> k = rng.normals(size_t(n) * hkv * d), v = rng.normals(k.size());
-    QT_ASSERT_OK(qjlkv_cache_append(cache.get(), layer, seq, n, qt::encode(k, cfg.dtype).data(),
-                                    qt::encode(v, cfg.dtype).data()));
+    QT_ASSERT_OK(qjlkv_cache_append(cache.get(), layer, seq, n, qt::encode(k, qjlkv_dtype(cfg.dtype)).data(),
+                                    qt::encode(v, qjlkv_dtype(cfg.dtype)).data()));
     const uint64_t quantized = qt::quantized_positions(n, cfg.block_tokens, cfg.residual_tokens);
     const BlockBytes b = block_bytes(cfg, layer);
     tokens += n;

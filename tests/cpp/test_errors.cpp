@@ -57,6 +57,15 @@ TEST(Errors, ConfigInit) {
   std::memset(&cfg, 0x5A, sizeof cfg);
   qjlkv_config untouched;
   std::memcpy(&untouched, &cfg, sizeof cfg);
+  // One struct_size rule (qjlkv.h, "Growing structs"): init does not guess from garbage either.
+  QT_EXPECT_FAIL(qjlkv_config_init(&cfg, "qjl", 1, 1, 1, 64), kInvalid, "struct_size");
+  EXPECT_EQ(0, std::memcmp(&cfg, &untouched, sizeof cfg)) << "a refused struct_size must leave *cfg unchanged";
+  for (uint32_t size : {0u, QJLKV_CONFIG_SIZE_0_1 - 4, QJLKV_CONFIG_SIZE_0_1 + 4, uint32_t(sizeof cfg) + 8}) {
+    cfg.struct_size = size;
+    QT_EXPECT_FAIL(qjlkv_config_init(&cfg, "qjl", 1, 1, 1, 64), kInvalid, "struct_size");
+  }
+  cfg.struct_size = sizeof cfg;
+  std::memcpy(&untouched, &cfg, sizeof cfg);
   QT_EXPECT_FAIL(qjlkv_config_init(nullptr, "qjl", 1, 1, 1, 64), kInvalid, "cfg", "config");
   QT_EXPECT_FAIL(qjlkv_config_init(&cfg, "qjl2", 1, 1, 1, 64), kInvalid, "preset");
   QT_EXPECT_FAIL(qjlkv_config_init(&cfg, "QJL", 1, 1, 1, 64), kInvalid, "preset");
@@ -83,6 +92,7 @@ TEST(Errors, ConfigValidateAndCacheCreateNameTheField) {
            {"struct_size", [](qjlkv_config &c) { c.struct_size = 0; }},
            {"struct_size", [](qjlkv_config &c) { c.struct_size = sizeof(qjlkv_config) + 4; }},
            {"struct_size", [](qjlkv_config &c) { c.struct_size = sizeof(qjlkv_config) - 4; }},
+           {"struct_size", [](qjlkv_config &c) { c.struct_size = QJLKV_CONFIG_SIZE_0_1 + 4; }},
            {"num_layers", [](qjlkv_config &c) { c.num_layers = 0; }},
            {"num_q_heads", [](qjlkv_config &c) { c.num_q_heads = 0; }},
            {"num_kv_heads", [](qjlkv_config &c) { c.num_kv_heads = 0; }},
@@ -90,10 +100,12 @@ TEST(Errors, ConfigValidateAndCacheCreateNameTheField) {
            {"head_dim", [](qjlkv_config &c) { c.head_dim = 12; }},
            {"head_dim", [](qjlkv_config &c) { c.head_dim = 264; }},
            {"head_dim", [](qjlkv_config &c) { c.head_dim = 0; }},
-           {"dtype", [](qjlkv_config &c) { c.dtype = static_cast<qjlkv_dtype>(3); }},
-           {"device", [](qjlkv_config &c) { c.device = -2; }},
+           {"dtype", [](qjlkv_config &c) { c.dtype = 3; }},
+           {"dtype", [](qjlkv_config &c) { c.dtype = 0x80000000u; }},
+           {"backend", [](qjlkv_config &c) { c.backend = 2; }},
+           {"device_ordinal", [](qjlkv_config &c) { c.device_ordinal = 1; }},  // CPU: only 0
            {"sketch_flags", [](qjlkv_config &c) { c.sketch_flags = 2; }},
-           {"key_method", [](qjlkv_config &c) { c.key_method = static_cast<qjlkv_key_method>(4); }},
+           {"key_method", [](qjlkv_config &c) { c.key_method = 4; }},
            {"block_tokens", [](qjlkv_config &c) { c.block_tokens = 0; }},
            {"block_tokens", [](qjlkv_config &c) { c.block_tokens = 12; }},
            {"block_tokens", [](qjlkv_config &c) { c.block_tokens = 4104; }},
@@ -216,7 +228,12 @@ class CacheErrors : public ::testing::Test {
 
 TEST_F(CacheErrors, CacheConfig) {
   qjlkv_config out;
+  out.struct_size = sizeof out;
   QT_EXPECT_FAIL(qjlkv_cache_config(nullptr, &out), kInvalid, "c", "cache");
+  for (uint32_t size : {0u, QJLKV_CONFIG_SIZE_0_1 + 4}) {
+    out.struct_size = size;
+    QT_EXPECT_FAIL(qjlkv_cache_config(cache_.get(), &out), kInvalid, "struct_size");
+  }
   QT_EXPECT_FAIL(qjlkv_cache_config(cache_.get(), nullptr), kInvalid, "out");
 }
 
@@ -293,8 +310,8 @@ TEST(Errors, ExactStorageRangeFollowsItsDtype) {
   bf.dtype = QJLKV_DTYPE_BF16;
   qt::Cache bf_cache = qt::make_cache(bf);
   ASSERT_TRUE(bf_cache);
-  QT_EXPECT_OK(qjlkv_cache_append(bf_cache.get(), 0, 0, 4, qt::encode(k, bf.dtype).data(),
-                                  qt::encode(v, bf.dtype).data()));
+  QT_EXPECT_OK(qjlkv_cache_append(bf_cache.get(), 0, 0, 4, qt::encode(k, qjlkv_dtype(bf.dtype)).data(),
+                                  qt::encode(v, qjlkv_dtype(bf.dtype)).data()));
   qt::Cache f32_cache = qt::make_cache(qt::make_config("exact", 1, 1, 1, 32));
   ASSERT_TRUE(f32_cache);
   QT_EXPECT_FAIL(qjlkv_cache_append(f32_cache.get(), 0, 0, 4, k.data(), v.data()), kInvalid, "keys");
@@ -424,19 +441,71 @@ TEST_F(CacheErrors, Stats) {
     st.struct_size = size;
     QT_EXPECT_FAIL(qjlkv_cache_stats(c, &st), kInvalid, "struct_size");
   }
-  // A caller built against the first, smaller struct of API.md (through bits_per_number) gets
-  // the leading fields; nothing beyond its size is written.
-  qjlkv_stats small;
-  std::memset(&small, 0xEE, sizeof small);
-  small.struct_size = uint32_t(offsetof(qjlkv_stats, bytes_keys_quantized));
-  QT_EXPECT_OK(qjlkv_cache_stats(c, &small));
-  const qjlkv_stats full = qt::stats_of(c);
-  EXPECT_EQ(small.tokens, full.tokens);
-  EXPECT_EQ(small.bytes_used, full.bytes_used);
-  EXPECT_EQ(small.bits_per_number, full.bits_per_number);
-  const auto *tail = reinterpret_cast<const uint8_t *>(&small) + offsetof(qjlkv_stats, bytes_keys_quantized);
-  for (size_t i = 0; i < sizeof small - offsetof(qjlkv_stats, bytes_keys_quantized); ++i)
-    ASSERT_EQ(tail[i], 0xEE) << "byte " << i << " beyond the caller's struct_size was written";
+  // Only sizes that shipped: 0.1's draft stopped after bits_per_number, but no release did.
+  st.struct_size = uint32_t(offsetof(qjlkv_stats, bytes_keys_quantized));
+  QT_EXPECT_FAIL(qjlkv_cache_stats(c, &st), kInvalid, "struct_size");
+  st.struct_size = QJLKV_STATS_SIZE_0_1;
+  QT_EXPECT_OK(qjlkv_cache_stats(c, &st));
+  EXPECT_EQ(st.struct_size, QJLKV_STATS_SIZE_0_1);
+}
+
+// A program built against 0.1 passes a 112-byte config whose `int32_t device` (-1 = CPU,
+// >= 0 = CUDA ordinal) sits where device_ordinal is: the library keeps that meaning.
+int32_t legacy_device(const qjlkv_config &cfg) {
+  int32_t device;
+  std::memcpy(&device, &cfg.device_ordinal, sizeof device);
+  return device;
+}
+
+TEST(Errors, ConfigOfRelease01KeepsItsMeaning) {
+  // 0.1's struct inside a larger buffer: nothing beyond its 112 bytes is read or written.
+  qjlkv_config cfg;
+  std::memset(&cfg, 0xEE, sizeof cfg);
+  cfg.struct_size = QJLKV_CONFIG_SIZE_0_1;
+  QT_ASSERT_OK(qjlkv_config_init(&cfg, "qjl", 2, 4, 2, 64));
+  EXPECT_EQ(cfg.struct_size, QJLKV_CONFIG_SIZE_0_1);
+  EXPECT_EQ(legacy_device(cfg), -1) << "0.1's default device: the CPU";
+  const auto *bytes = reinterpret_cast<const uint8_t *>(&cfg);
+  for (size_t i = QJLKV_CONFIG_SIZE_0_1; i < sizeof cfg; ++i) ASSERT_EQ(bytes[i], 0xEE) << "byte " << i;
+  // 0.1 callers may leave garbage in what was their tail padding.
+  std::memset(&cfg.unused_0_1, 0x77, sizeof cfg.unused_0_1);
+  QT_EXPECT_OK(qjlkv_config_validate(&cfg));
+  qt::Cache cache = qt::make_cache(cfg);
+  ASSERT_TRUE(cache);
+  qjlkv_config back;
+  std::memset(&back, 0xEE, sizeof back);
+  back.struct_size = QJLKV_CONFIG_SIZE_0_1;
+  QT_ASSERT_OK(qjlkv_cache_config(cache.get(), &back));
+  EXPECT_EQ(legacy_device(back), -1);
+  EXPECT_EQ(back.unused_0_1, 0u);
+  EXPECT_EQ(back.head_dim, 64u);
+  for (size_t i = QJLKV_CONFIG_SIZE_0_1; i < sizeof back; ++i)
+    ASSERT_EQ(reinterpret_cast<const uint8_t *>(&back)[i], 0xEE) << "byte " << i;
+  // The same cache, asked with this header's size: CPU backend, ordinal 0.
+  qjlkv_config now{};
+  now.struct_size = sizeof now;
+  QT_ASSERT_OK(qjlkv_cache_config(cache.get(), &now));
+  EXPECT_EQ(now.backend, uint32_t(QJLKV_BACKEND_CPU));
+  EXPECT_EQ(now.device_ordinal, 0u);
+
+  // 0.1's rule for its device field: -1 or an ordinal; an ordinal means CUDA.
+  const int32_t minus_two = -2;
+  std::memcpy(&cfg.device_ordinal, &minus_two, sizeof minus_two);
+  QT_EXPECT_FAIL(qjlkv_config_validate(&cfg), kInvalid, "device");
+  const int32_t gpu0 = 0;
+  std::memcpy(&cfg.device_ordinal, &gpu0, sizeof gpu0);
+  QT_EXPECT_OK(qjlkv_config_validate(&cfg));
+  qjlkv_cache *c = nullptr;
+  const qjlkv_status s = qjlkv_cache_create(&cfg, &c);
+  if (s == QJLKV_OK) {  // a CUDA build on a machine with a GPU: device 0 of 0.1 is CUDA device 0
+    QT_EXPECT_OK(qjlkv_cache_config(c, &now));
+    EXPECT_EQ(now.backend, uint32_t(QJLKV_BACKEND_CUDA));
+    EXPECT_EQ(now.device_ordinal, 0u);
+    qjlkv_cache_destroy(c);
+  } else {
+    EXPECT_TRUE(s == QJLKV_ERROR_UNSUPPORTED || s == QJLKV_ERROR_DEVICE) << qt::describe(s);
+    EXPECT_NE(std::string(qjlkv_last_error_message()).find("CUDA"), std::string::npos) << qjlkv_last_error_message();
+  }
 }
 
 }  // namespace

@@ -46,9 +46,9 @@ void read_back_values(qjlkv_cache *cache, const qjlkv_config &cfg, uint32_t len,
   std::vector<float> q(size_t(len) * hq * d, 0.0f);
   for (uint32_t i = 0; i < len; ++i)
     for (uint32_t h = 0; h < hq; ++h) q[(size_t(i) * hq + h) * d + i] = 100.0f;
-  std::vector<uint8_t> o(q.size() * qt::dtype_bytes(cfg.dtype));
-  QT_ASSERT_OK(qjlkv_cache_attend(cache, 0, 0, len, qt::encode(q, cfg.dtype).data(), 1.0f, o.data()));
-  *out = qt::decode(o.data(), q.size(), cfg.dtype);
+  std::vector<uint8_t> o(q.size() * qt::dtype_bytes(qjlkv_dtype(cfg.dtype)));
+  QT_ASSERT_OK(qjlkv_cache_attend(cache, 0, 0, len, qt::encode(q, qjlkv_dtype(cfg.dtype)).data(), 1.0f, o.data()));
+  *out = qt::decode(o.data(), q.size(), qjlkv_dtype(cfg.dtype));
 }
 
 void check_quantized_values(uint32_t bits, uint32_t group, qjlkv_dtype dtype) {

@@ -23,6 +23,9 @@
 
 namespace qt {
 
+// The dtype field of a config the library accepted, as the enum (the field is uint32_t).
+inline qjlkv_dtype dtype_of(const qjlkv_config &cfg) { return static_cast<qjlkv_dtype>(cfg.dtype); }
+
 // ---------------------------------------------------------------------------------------------
 // Handles and statuses
 // ---------------------------------------------------------------------------------------------
@@ -186,6 +189,7 @@ inline double norm(const float *a, uint32_t n) { return std::sqrt(dot(a, a, n));
 inline qjlkv_config make_config(const char *preset, uint32_t layers, uint32_t hq, uint32_t hkv, uint32_t d) {
   qjlkv_config cfg;
   std::memset(&cfg, 0, sizeof cfg);
+  cfg.struct_size = sizeof cfg;
   const qjlkv_status s = qjlkv_config_init(&cfg, preset, layers, hq, hkv, d);
   EXPECT_EQ(s, QJLKV_OK) << "qjlkv_config_init(" << (preset ? preset : "NULL") << ") -> " << describe(s);
   cfg.num_threads = 1;
@@ -439,7 +443,7 @@ class ReferenceSequence {
       const float *v = &values_[row * cfg_.head_dim];
       float *v_hat = &value_hats_[row * cfg_.head_dim];
       if (cfg_.value_bits == 16) {
-        for (uint32_t j = 0; j < cfg_.head_dim; ++j) v_hat[j] = stored16(v[j], cfg_.dtype);
+        for (uint32_t j = 0; j < cfg_.head_dim; ++j) v_hat[j] = stored16(v[j], qt::dtype_of(cfg_));
       } else {
         dequantize_values(v, cfg_.head_dim, cfg_.value_group_size, cfg_.value_bits, v_hat);
       }
@@ -468,7 +472,7 @@ class ReferenceSequence {
     if (t >= quantized()) return std::vector<double>(k, k + d);
     if (cfg_.key_method == QJLKV_KEYS_EXACT) {
       std::vector<double> k16(d);
-      for (uint32_t j = 0; j < d; ++j) k16[j] = stored16(k[j], cfg_.dtype);
+      for (uint32_t j = 0; j < d; ++j) k16[j] = stored16(k[j], qt::dtype_of(cfg_));
       return k16;
     }
     const uint64_t b0 = t / cfg_.block_tokens * cfg_.block_tokens;
@@ -503,7 +507,7 @@ class ReferenceSequence {
             e.skip = fragile;
           } else {  // QJLKV_KEYS_EXACT: 16-bit keys
             std::vector<float> k16(d);
-            for (uint32_t j = 0; j < d; ++j) k16[j] = stored16(key(t, kv)[j], cfg_.dtype);
+            for (uint32_t j = 0; j < d; ++j) k16[j] = stored16(key(t, kv)[j], qt::dtype_of(cfg_));
             e.value = dot(qh, k16.data(), d);
             e.magnitude = norm(qh, d) * norm(k16.data(), d);
           }

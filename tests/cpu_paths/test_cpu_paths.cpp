@@ -67,7 +67,8 @@ TEST(IsaSelection, EnvironmentForcesEachSupportedPath) {
 
 TEST(IsaSelection, UnknownNameFailsCacheCreationNamingTheVariable) {
   ForcedIsa forced("sse9");
-  qjlkv_config cfg;
+  qjlkv_config cfg{};
+  cfg.struct_size = sizeof cfg;
   ASSERT_EQ(qjlkv_config_init(&cfg, "qjl", 1, 2, 1, 64), QJLKV_OK);
   qjlkv_cache *cache = reinterpret_cast<qjlkv_cache *>(&cfg);  // must be reset to NULL
   EXPECT_EQ(qjlkv_cache_create(&cfg, &cache), QJLKV_ERROR_INVALID_ARGUMENT);
@@ -126,6 +127,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
  protected:
   void SetUp() override {
     const KernelCase &k = GetParam();
+    cfg_.struct_size = sizeof cfg_;
     ASSERT_EQ(qjlkv_config_init(&cfg_, k.preset, 1, k.rows, 1, k.head_dim), QJLKV_OK);
     cfg_.block_tokens = k.block_tokens;
     cfg_.key_sketch_dim = k.key_sketch_dim;
@@ -461,6 +463,7 @@ constexpr uint32_t kLongSeq = 4700;  // several attend tasks per head (2048 toke
 
 void fill(Filled &f, const CacheCase &c, const char *isa, uint32_t threads) {
   ForcedIsa forced(isa);
+  f.cfg.struct_size = sizeof f.cfg;
   ASSERT_EQ(qjlkv_config_init(&f.cfg, c.preset, 2, c.q_heads, c.kv_heads, c.head_dim), QJLKV_OK);
   f.cfg.dtype = c.dtype;
   f.cfg.num_threads = threads;

@@ -181,6 +181,7 @@ bool Harness::setup() {
   const char *preset = in_.pick(kPresets);
   const uint32_t layers = 1 + in_.byte() % 2, hkv = 1 + in_.byte() % 2, group = 1 + in_.byte() % 3;
   const uint32_t d = in_.pick(kDims);
+  cfg_.struct_size = sizeof cfg_;
   if (qjlkv_config_init(&cfg_, preset, layers, hkv * group, hkv, d) != QJLKV_OK) return false;
   cfg_.dtype = in_.pick(kDtypes);
   cfg_.block_tokens = 8 * (1 + in_.byte() % 2);
@@ -323,8 +324,8 @@ void Harness::do_append() {
   if (n == 0xffffffffu && !huge) n = 1;
   // Real buffers even for n = 0 (NULL would be a different error).
   const size_t data_tokens = huge || n == 0 ? 1 : n;
-  const Tensor k = make_tensor(in_, data_tokens * token_elems_, cfg_.dtype, true);
-  const Tensor v = make_tensor(in_, data_tokens * token_elems_, cfg_.dtype, true);
+  const Tensor k = make_tensor(in_, data_tokens * token_elems_, qjlkv_dtype(cfg_.dtype), true);
+  const Tensor v = make_tensor(in_, data_tokens * token_elems_, qjlkv_dtype(cfg_.dtype), true);
   const std::string before = snapshot();
   const qjlkv_status s = qjlkv_cache_append(cache_, layer, seq, n, k.bytes.data(), v.bytes.data());
   FUZZ_TRACE("append(layer %u, seq %u, n %u) -> %s\n", layer, seq, n, qjlkv_status_string(s));
@@ -347,8 +348,8 @@ void Harness::do_append_batch() {
   std::vector<uint32_t> sorted = seqs;
   std::sort(sorted.begin(), sorted.end());
   const bool duplicate = std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end();
-  const Tensor k = make_tensor(in_, n * token_elems_, cfg_.dtype, true);
-  const Tensor v = make_tensor(in_, n * token_elems_, cfg_.dtype, true);
+  const Tensor k = make_tensor(in_, n * token_elems_, qjlkv_dtype(cfg_.dtype), true);
+  const Tensor v = make_tensor(in_, n * token_elems_, qjlkv_dtype(cfg_.dtype), true);
   const std::string before = snapshot();
   const qjlkv_status s = qjlkv_cache_append_batch(cache_, layer, n, seqs.data(), k.bytes.data(), v.bytes.data());
   FUZZ_TRACE("append_batch(layer %u, seqs %u %u %u %u (first %u)) -> %s\n", layer, seqs[0], n > 1 ? seqs[1] : 0,
@@ -382,7 +383,7 @@ void Harness::do_attend(bool batch) {
   static const float kScales[] = {0.0f, 0.0f, -1.0f, 0.25f, 1.0f, NAN, INFINITY, 3.0f};
   const float scale = in_.pick(kScales);
   const size_t rows = size_t(n_queries) * seqs.size();
-  const Tensor q = make_tensor(in_, std::max<size_t>(rows, 1) * query_elems_, cfg_.dtype, false);
+  const Tensor q = make_tensor(in_, std::max<size_t>(rows, 1) * query_elems_, qjlkv_dtype(cfg_.dtype), false);
   std::vector<uint8_t> out(q.bytes.size() + 1, 0xEE);  // one canary byte past the end
   const std::string before = snapshot();
   const qjlkv_status s =
@@ -476,7 +477,7 @@ void Harness::check_output(uint32_t layer, uint32_t seq, uint32_t n_queries, con
       double sum = 0.0;
       for (double &l : logits) sum += (l = std::exp(l - max_logit));
       for (uint32_t j = 0; j < d; ++j) {
-        const float got = decode_one(out + ((size_t(i) * Hq + h) * d + j) * io_, cfg_.dtype);
+        const float got = decode_one(out + ((size_t(i) * Hq + h) * d + j) * io_, qjlkv_dtype(cfg_.dtype));
         FUZZ_CHECK(std::isfinite(got), "attend output (query %u, head %u, channel %u) is %g", i, h, j, double(got));
         // The values this output averages: each token's group range bounds its reconstruction.
         double lo = INFINITY, hi = -INFINITY, reference = 0.0;
@@ -537,7 +538,7 @@ bool Harness::logits_representable(const Stream &stream, const std::vector<float
 void Harness::do_scores() {
   const uint32_t layer = pick_layer(), seq = pick_seq();
   const uint64_t length = layer < cfg_.num_layers ? model_length(layer, seq) : 0;
-  const Tensor q = make_tensor(in_, query_elems_, cfg_.dtype, false);
+  const Tensor q = make_tensor(in_, query_elems_, qjlkv_dtype(cfg_.dtype), false);
   const uint8_t size_choice = in_.byte() % 8;
   const size_t needed = size_t(cfg_.num_q_heads) * length;
   const size_t out_len = size_choice == 0 && needed > 0 ? needed - 1 : needed;
@@ -658,7 +659,7 @@ void Harness::do_reconstruct() {
     }
   // The reconstructed keys reproduce the scores (SPEC §3's dense form for QJL).
   if (!(outputs & 1) || first != 0 || count != length) return;
-  const Tensor q = make_tensor(in_, query_elems_, cfg_.dtype, false);
+  const Tensor q = make_tensor(in_, query_elems_, qjlkv_dtype(cfg_.dtype), false);
   if (!q.finite) return;
   std::vector<float> scores(size_t(cfg_.num_q_heads) * length);
   const qjlkv_status scored = qjlkv_cache_scores(cache_, layer, seq, q.bytes.data(), scores.data(), scores.size());

@@ -31,18 +31,16 @@ constexpr uint32_t kInteresting[] = {0,    1,     2,     3,     4,     7,     8,
 
 uint32_t fuzz_u32(Input &in) { return in.flag() ? in.u32() : in.pick(kInteresting); }
 
-// Enum fields are written and read as plain ints: C callers may store any int there, and a C++
-// load of an out-of-range enum value is itself undefined (UBSan's -fsanitize=enum).
-template <class Enum>
-int raw(const Enum &field) {
-  int value;
-  static_assert(sizeof(Enum) == sizeof(int));
-  std::memcpy(&value, &field, sizeof value);
-  return value;
+// 0.1's `int32_t device` (-1 = CPU, >= 0 = CUDA ordinal), where device_ordinal is now: a config of
+// 0.1's size keeps that meaning.
+int32_t legacy_device(const qjlkv_config &c) {
+  int32_t device;
+  std::memcpy(&device, &c.device_ordinal, sizeof device);
+  return device;
 }
-template <class Enum>
-void set_raw(Enum &field, int value) {
-  std::memcpy(&field, &value, sizeof value);
+
+bool asks_for_cuda(const qjlkv_config &c) {
+  return c.struct_size == QJLKV_CONFIG_SIZE_0_1 ? legacy_device(c) >= 0 : c.backend == QJLKV_BACKEND_CUDA;
 }
 
 bool is_bits(uint32_t b) { return b == 2 || b == 4 || b == 8; }
@@ -56,19 +54,26 @@ std::vector<std::string> wrong_fields(const qjlkv_config &c) {
   const auto rule = [&](bool ok, const char *field) {
     if (!ok) wrong.push_back(field);
   };
-  rule(c.struct_size == sizeof(qjlkv_config), "struct_size");
+  const bool size_ok = c.struct_size == sizeof(qjlkv_config) || c.struct_size == QJLKV_CONFIG_SIZE_0_1;
+  rule(size_ok, "struct_size");
+  if (!size_ok) return wrong;
   rule(c.num_layers >= 1 && c.num_layers <= 65536, "num_layers");
   rule(c.num_kv_heads >= 1 && c.num_kv_heads <= 4096, "num_kv_heads");
   rule(c.num_q_heads >= 1 && c.num_q_heads <= 4096 && c.num_kv_heads != 0 && c.num_q_heads % c.num_kv_heads == 0,
        "num_q_heads");
   const bool d_ok = c.head_dim >= 8 && c.head_dim <= 256 && c.head_dim % 8 == 0;
   rule(d_ok, "head_dim");
-  rule(raw(c.dtype) >= QJLKV_DTYPE_F32 && raw(c.dtype) <= QJLKV_DTYPE_BF16, "dtype");
-  rule(c.device >= -1, "device");
+  rule(c.dtype <= QJLKV_DTYPE_BF16, "dtype");
+  if (c.struct_size == QJLKV_CONFIG_SIZE_0_1) {
+    rule(legacy_device(c) >= -1, "device");
+  } else {
+    rule(c.backend <= QJLKV_BACKEND_CUDA, "backend");
+    rule(c.backend != QJLKV_BACKEND_CPU || c.device_ordinal == 0, "device_ordinal");
+  }
   rule((c.sketch_flags & ~QJLKV_SKETCH_ORTHOGONAL) == 0, "sketch_flags");
   rule(c.block_tokens >= 8 && c.block_tokens <= 4096 && c.block_tokens % 8 == 0, "block_tokens");
   rule(c.residual_tokens <= 65536, "residual_tokens");
-  switch (raw(c.key_method)) {
+  switch (c.key_method) {
     case QJLKV_KEYS_QJL:
       rule(sketch_dim_ok(c.key_sketch_dim, false), "key_sketch_dim");
       rule(c.outlier_channels < c.head_dim, "outlier_channels");
@@ -113,22 +118,29 @@ void fuzz_config_init(Input &in, qjlkv_config &cfg) {
   const char *preset = in.pick(kPresets);
   const uint32_t layers = fuzz_u32(in), hq = fuzz_u32(in), hkv = fuzz_u32(in), d = fuzz_u32(in);
   std::memset(&cfg, 0xA5, sizeof cfg);
+  // The caller sets struct_size first: this header's size, 0.1's, or a wrong one.
+  cfg.struct_size = in.flag() ? uint32_t(sizeof cfg) : in.flag() ? QJLKV_CONFIG_SIZE_0_1 : fuzz_u32(in);
+  const bool size_ok = cfg.struct_size == sizeof cfg || cfg.struct_size == QJLKV_CONFIG_SIZE_0_1;
   const qjlkv_config before = cfg;
   const qjlkv_status s = qjlkv_config_init(&cfg, preset, layers, hq, hkv, d);
   const std::string p = preset ? preset : "";
   const bool preset_ok = p.empty() || p == "qjl" || p == "kivi" || p == "ott" || p == "exact";
   const bool shape_ok = layers >= 1 && layers <= 65536 && hkv >= 1 && hkv <= 4096 && hq >= 1 && hq <= 4096 &&
                         hq % hkv == 0 && d >= 8 && d <= 256 && d % 8 == 0;
-  FUZZ_CHECK((s == QJLKV_OK) == (preset_ok && shape_ok), "config_init(\"%s\", %u, %u, %u, %u) -> %s", p.c_str(),
-             layers, hq, hkv, d, qjlkv_status_string(s));
+  FUZZ_CHECK((s == QJLKV_OK) == (size_ok && preset_ok && shape_ok),
+             "config_init(\"%s\", %u, %u, %u, %u) with struct_size %u -> %s", p.c_str(), layers, hq, hkv, d,
+             before.struct_size, qjlkv_status_string(s));
   if (s != QJLKV_OK) {
     FUZZ_CHECK(s == QJLKV_ERROR_INVALID_ARGUMENT, "status %s", qjlkv_status_string(s));
     FUZZ_CHECK(std::memcmp(&cfg, &before, sizeof cfg) == 0, "a failed config_init changed *cfg");
     // Start the field fuzzing from a valid config anyway.
+    cfg.struct_size = sizeof cfg;
     FUZZ_CHECK(qjlkv_config_init(&cfg, "qjl", 1, 2, 1, 16) == QJLKV_OK, "fallback config");
     return;
   }
-  FUZZ_CHECK(cfg.struct_size == sizeof(qjlkv_config), "struct_size %u", cfg.struct_size);
+  FUZZ_CHECK(cfg.struct_size == before.struct_size, "struct_size %u, was %u", cfg.struct_size, before.struct_size);
+  if (cfg.struct_size == QJLKV_CONFIG_SIZE_0_1)
+    FUZZ_CHECK(legacy_device(cfg) == -1, "0.1's device is %d, must default to -1 (CPU)", legacy_device(cfg));
   const qjlkv_status v = qjlkv_config_validate(&cfg);
   FUZZ_CHECK(v == QJLKV_OK, "config_init(\"%s\", %u, %u, %u, %u) filled a config that does not validate",
              p.c_str(), layers, hq, hkv, d);
@@ -145,15 +157,19 @@ void mutate(Input &in, qjlkv_config &cfg) {
                               &cfg.value_bits,        &cfg.value_group_size,    &cfg.num_threads};
   constexpr size_t kFields = sizeof fields / sizeof fields[0];
   for (uint32_t n = in.byte() % 6; n > 0; --n) {
-    const uint32_t which = in.byte() % (kFields + 4);
+    const uint32_t which = in.byte() % (kFields + 6);
     if (which < kFields) {
       *fields[which] = fuzz_u32(in);
     } else if (which == kFields) {
-      set_raw(cfg.dtype, int(in.byte() % 5) - 1);
+      cfg.dtype = uint32_t(int(in.byte() % 5) - 1);
     } else if (which == kFields + 1) {
-      set_raw(cfg.key_method, int(in.byte() % 6) - 1);
-    } else if (which == kFields + 2) {
-      cfg.device = int32_t(in.flag() ? in.u32() : uint32_t(int(in.byte() % 4) - 2));
+      cfg.key_method = uint32_t(int(in.byte() % 6) - 1);
+    } else if (which == kFields + 2) {  // for a 0.1-sized config: its int32_t device
+      cfg.device_ordinal = in.flag() ? in.u32() : uint32_t(int(in.byte() % 4) - 2);
+    } else if (which == kFields + 3) {
+      cfg.backend = in.flag() ? in.u32() : in.byte() % 3;
+    } else if (which == kFields + 4) {
+      cfg.struct_size = in.flag() ? uint32_t(sizeof cfg) : QJLKV_CONFIG_SIZE_0_1;
     } else {
       cfg.seed = in.u64();
     }
@@ -236,10 +252,10 @@ void fuzz_fields(Input &in, qjlkv_config cfg) {
   if (!small(cfg) && v == QJLKV_OK) return;  // valid but costly: creating it is not the point here
   qjlkv_cache *c = reinterpret_cast<qjlkv_cache *>(&cfg);  // must be overwritten
   const qjlkv_status s = qjlkv_cache_create(&cfg, &c);
-  FUZZ_TRACE("create: key_method %d, dtype %d, device %d, layers %u, Hq %u, Hkv %u, d %u, B %u, R %u, threads %u, "
+  FUZZ_TRACE("create: size %u, key_method %u, dtype %u, backend %u, device_ordinal %u, layers %u, Hq %u, Hkv %u, d %u, B %u, R %u, threads %u, "
              "key_bits %u, value_bits %u, group %u, m %u, c %u, m_out %u, initial %u (%u, %u), P %u, spill %u, "
              "skip %u -> %s\n",
-             raw(cfg.key_method), raw(cfg.dtype), cfg.device, cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads,
+             cfg.struct_size, cfg.key_method, cfg.dtype, cfg.backend, cfg.device_ordinal, cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads,
              cfg.head_dim, cfg.block_tokens, cfg.residual_tokens, cfg.num_threads, cfg.key_bits, cfg.value_bits,
              cfg.value_group_size, cfg.key_sketch_dim, cfg.outlier_channels, cfg.outlier_sketch_dim,
              cfg.initial_layers, cfg.initial_key_sketch_dim, cfg.initial_outlier_sketch_dim, cfg.outlier_tokens,
@@ -249,11 +265,12 @@ void fuzz_fields(Input &in, qjlkv_config cfg) {
     FUZZ_CHECK(c == nullptr, "a failed create left *out non-NULL");
     return;
   }
-  if (cfg.device >= 0) {
+  if (asks_for_cuda(cfg)) {
     // CPU builds have no CUDA backend; CUDA builds may or may not find such a device.
-    FUZZ_CHECK(s == QJLKV_OK || s == QJLKV_ERROR_UNSUPPORTED || s == QJLKV_ERROR_DEVICE, "create on device %d -> %s",
-               cfg.device, qjlkv_status_string(s));
-    FUZZ_CHECK(s == QJLKV_OK || names(qjlkv_last_error_message(), "device"), "the message does not name device");
+    FUZZ_CHECK(s == QJLKV_OK || s == QJLKV_ERROR_UNSUPPORTED || s == QJLKV_ERROR_DEVICE, "create on CUDA %u -> %s",
+               cfg.device_ordinal, qjlkv_status_string(s));
+    FUZZ_CHECK(s == QJLKV_OK || names(qjlkv_last_error_message(), "device_ordinal"),
+               "the message does not name device_ordinal");
   } else {
     FUZZ_CHECK(s == QJLKV_OK, "create of a valid config -> %s", qjlkv_status_string(s));
   }
@@ -261,7 +278,7 @@ void fuzz_fields(Input &in, qjlkv_config cfg) {
     FUZZ_CHECK(c == nullptr, "a failed create left *out non-NULL");
     return;
   }
-  if (cfg.device < 0) exercise_cache(in, c, cfg);
+  if (!asks_for_cuda(cfg)) exercise_cache(in, c, cfg);
   qjlkv_cache_destroy(c);
 }
 

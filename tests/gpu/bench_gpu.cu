@@ -105,10 +105,12 @@ int main(int argc, char **argv) {
   for (uint32_t i = 0; i < batch; ++i) seqs[i] = i;
 
   for (const char *preset : {"qjl", "kivi", "exact"}) {
-    qjlkv_config cfg;
+    qjlkv_config cfg{};
+    cfg.struct_size = sizeof cfg;
     CHECK_QJLKV(qjlkv_config_init(&cfg, preset, 1, Hq, Hkv, d));
     cfg.dtype = QJLKV_DTYPE_BF16;
-    cfg.device = 0;
+    cfg.backend = QJLKV_BACKEND_CUDA;
+    cfg.device_ordinal = 0;
     qjlkv_cache *cache;
     CHECK_QJLKV(qjlkv_cache_create(&cfg, &cache));
     CHECK_QJLKV(qjlkv_cache_set_stream(cache, stream));

@@ -185,9 +185,11 @@ class CachePair {
  public:
   explicit CachePair(qjlkv_config cfg) : cfg_(cfg) {
     qjlkv_config cpu_cfg = cfg;
-    cpu_cfg.device = -1;
+    cpu_cfg.backend = QJLKV_BACKEND_CPU;
+    cpu_cfg.device_ordinal = 0;
     qjlkv_config gpu_cfg = cfg;
-    gpu_cfg.device = 0;
+    gpu_cfg.backend = QJLKV_BACKEND_CUDA;
+    gpu_cfg.device_ordinal = 0;
     status_cpu_ = qjlkv_cache_create(&cpu_cfg, &cpu_);
     status_gpu_ = qjlkv_cache_create(&gpu_cfg, &gpu_);
     if (status_gpu_ != QJLKV_OK) gpu_error_ = qjlkv_last_error_message();
@@ -207,14 +209,14 @@ class CachePair {
   // Appends n tokens (keys/values as floats, encoded in the dtype) to both caches.
   void append(uint32_t layer, uint32_t seq, const std::vector<float> &keys, const std::vector<float> &values) {
     const uint32_t n = uint32_t(keys.size() / token_elems());
-    const auto k = encode(keys, cfg_.dtype), v = encode(values, cfg_.dtype);
+    const auto k = encode(keys, qjlkv_dtype(cfg_.dtype)), v = encode(values, qjlkv_dtype(cfg_.dtype));
     ASSERT_EQ(qjlkv_cache_append(cpu_, layer, seq, n, k.data(), v.data()), QJLKV_OK) << qjlkv_last_error_message();
     DeviceBytes dk(k), dv(v);
     ASSERT_EQ(qjlkv_cache_append(gpu_, layer, seq, n, dk.get(), dv.get()), QJLKV_OK) << qjlkv_last_error_message();
   }
   void append_batch(uint32_t layer, const std::vector<uint32_t> &seqs, const std::vector<float> &keys,
                     const std::vector<float> &values) {
-    const auto k = encode(keys, cfg_.dtype), v = encode(values, cfg_.dtype);
+    const auto k = encode(keys, qjlkv_dtype(cfg_.dtype)), v = encode(values, qjlkv_dtype(cfg_.dtype));
     const uint32_t n = uint32_t(seqs.size());
     ASSERT_EQ(qjlkv_cache_append_batch(cpu_, layer, n, seqs.data(), k.data(), v.data()), QJLKV_OK)
         << qjlkv_last_error_message();
@@ -228,7 +230,7 @@ class CachePair {
   std::pair<std::vector<float>, std::vector<float>> attend(uint32_t layer, const std::vector<uint32_t> &seqs,
                                                            uint32_t n_queries, const std::vector<float> &queries,
                                                            float scale, bool batch) {
-    const auto q = encode(queries, cfg_.dtype);
+    const auto q = encode(queries, qjlkv_dtype(cfg_.dtype));
     std::vector<uint8_t> out_cpu(q.size());
     DeviceBytes dq(q), dout(q.size());
     qjlkv_status s_cpu, s_gpu;
@@ -242,7 +244,7 @@ class CachePair {
     }
     EXPECT_EQ(s_cpu, QJLKV_OK) << qjlkv_last_error_message();
     EXPECT_EQ(s_gpu, QJLKV_OK) << qjlkv_last_error_message();
-    return {decode(out_cpu, cfg_.dtype), decode(dout.download(), cfg_.dtype)};
+    return {decode(out_cpu, qjlkv_dtype(cfg_.dtype)), decode(dout.download(), qjlkv_dtype(cfg_.dtype))};
   }
 
   std::pair<std::vector<float>, std::vector<float>> scores(uint32_t layer, uint32_t seq,
@@ -251,7 +253,7 @@ class CachePair {
     EXPECT_EQ(qjlkv_cache_length(cpu_, layer, seq, &length), QJLKV_OK);
     const size_t n = size_t(length) * cfg_.num_q_heads;
     std::vector<float> a(n), b(n);
-    const auto q = encode(query, cfg_.dtype);
+    const auto q = encode(query, qjlkv_dtype(cfg_.dtype));
     DeviceBytes dq(q);
     EXPECT_EQ(qjlkv_cache_scores(cpu_, layer, seq, q.data(), a.data(), n), QJLKV_OK) << qjlkv_last_error_message();
     EXPECT_EQ(qjlkv_cache_scores(gpu_, layer, seq, dq.get(), b.data(), n), QJLKV_OK) << qjlkv_last_error_message();

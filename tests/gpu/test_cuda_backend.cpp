@@ -53,7 +53,8 @@ std::vector<Case> all_cases() {
 }
 
 qjlkv_config make_config(const Case &c, uint32_t kv_heads = 2, uint32_t layers = 2) {
-  qjlkv_config cfg;
+  qjlkv_config cfg{};
+  cfg.struct_size = sizeof cfg;
   EXPECT_EQ(qjlkv_config_init(&cfg, c.preset, layers, kv_heads * c.group, kv_heads, c.head_dim), QJLKV_OK);
   cfg.dtype = c.dtype;
   cfg.seed = 1234;
@@ -103,7 +104,7 @@ void expect_same_sequence(CachePair &pair, uint32_t layer, uint32_t seq, std::mt
     if (n_queries > length_cpu) continue;
     const auto queries = make_values(rng, n_queries * pair.query_elems());
     const auto [o_cpu, o_gpu] = pair.attend(layer, {seq}, n_queries, queries, 0.0f, false);
-    const Mismatch mo = compare_close(o_gpu, o_cpu, output_tolerance(cfg.dtype));
+    const Mismatch mo = compare_close(o_gpu, o_cpu, output_tolerance(qjlkv_dtype(cfg.dtype)));
     EXPECT_EQ(mo.count, 0u) << "attend (" << n_queries << " queries): first mismatch at " << mo.first << ": gpu "
                             << o_gpu[mo.first] << ", cpu " << o_cpu[mo.first] << " (worst " << mo.worst << ")";
   }
@@ -251,7 +252,8 @@ class CudaVsCpuCorners : public testing::TestWithParam<Corner> {};
 TEST_P(CudaVsCpuCorners, SameBytesScoresAndOutputs) {
   REQUIRE_CUDA_DEVICE();
   const Corner &c = GetParam();
-  qjlkv_config cfg;
+  qjlkv_config cfg{};
+  cfg.struct_size = sizeof cfg;
   QJLKV_OK(qjlkv_config_init(&cfg, c.preset, 2, c.q_heads, c.kv_heads, c.head_dim));
   cfg.dtype = c.dtype;
   cfg.seed = 77;
@@ -409,7 +411,8 @@ TEST(CudaBackend, StreamsOrderWork) {
 TEST(CudaBackend, AttendBatchIsCapturableWithConstantWork) {
   REQUIRE_CUDA_DEVICE();
   qjlkv_config cfg = make_config({"qjl", QJLKV_DTYPE_F16, 128, 4}, 2, 1);
-  cfg.device = 0;
+  cfg.backend = QJLKV_BACKEND_CUDA;
+  cfg.device_ordinal = 0;
   qjlkv_cache *cache = nullptr;
   QJLKV_OK(qjlkv_cache_create(&cfg, &cache));
   cudaStream_t stream = nullptr;
@@ -456,12 +459,14 @@ TEST(CudaBackend, AttendBatchIsCapturableWithConstantWork) {
 }
 #endif
 
-// Runs everywhere: without a device, device >= 0 fails cleanly, naming the CUDA error.
+// Runs everywhere: without a device, the CUDA backend fails cleanly, naming the CUDA error.
 TEST(CudaBackend, CreateWithoutDeviceFailsCleanly) {
   std::string why;
-  qjlkv_config cfg;
+  qjlkv_config cfg{};
+  cfg.struct_size = sizeof cfg;
   QJLKV_OK(qjlkv_config_init(&cfg, "qjl", 1, 4, 1, 64));
-  cfg.device = 0;
+  cfg.backend = QJLKV_BACKEND_CUDA;
+  cfg.device_ordinal = 0;
   qjlkv_cache *c = nullptr;
   const qjlkv_status s = qjlkv_cache_create(&cfg, &c);
   if (cuda_device_available(&why)) {
@@ -470,16 +475,16 @@ TEST(CudaBackend, CreateWithoutDeviceFailsCleanly) {
     // An ordinal past the last device is reported as such.
     int count = 0;
     CUDA_OK(cudaGetDeviceCount(&count));
-    cfg.device = count;
+    cfg.device_ordinal = uint32_t(count);
     EXPECT_EQ(qjlkv_cache_create(&cfg, &c), QJLKV_ERROR_UNSUPPORTED);
-    EXPECT_NE(std::string(qjlkv_last_error_message()).find("config.device"), std::string::npos);
+    EXPECT_NE(std::string(qjlkv_last_error_message()).find("config.device_ordinal"), std::string::npos);
     return;
   }
   std::printf("no CUDA device here (%s): checking the error path\n", why.c_str());
   EXPECT_EQ(s, QJLKV_ERROR_UNSUPPORTED);
   EXPECT_EQ(c, nullptr);
   const std::string message = qjlkv_last_error_message();
-  EXPECT_NE(message.find("config.device"), std::string::npos) << message;
+  EXPECT_NE(message.find("config.device_ordinal"), std::string::npos) << message;
   EXPECT_NE(message.find("cuda"), std::string::npos) << message;  // the CUDA error's name
 }
 
@@ -498,7 +503,8 @@ TEST(CudaBackend, SmallSharedMemoryTakesFewerRowsOrFailsClearly) {
   setenv("QJLKV_EMU_SMEM_OPTIN", "20000", 1);
   qjlkv_config cfg = make_config({"qjl", QJLKV_DTYPE_F32, 128, 4}, 1, 1);
   cfg.key_sketch_dim = 2048;
-  cfg.device = 0;
+  cfg.backend = QJLKV_BACKEND_CUDA;
+  cfg.device_ordinal = 0;
   qjlkv_cache *c = nullptr;
   EXPECT_EQ(qjlkv_cache_create(&cfg, &c), QJLKV_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(qjlkv_last_error_message()).find("key_sketch_dim"), std::string::npos)

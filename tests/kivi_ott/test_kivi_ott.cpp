@@ -118,7 +118,8 @@ struct CacheHandle {
 };
 
 qjlkv_config make_config(const char *preset, uint32_t layers, uint32_t d) {
-  qjlkv_config cfg;
+  qjlkv_config cfg{};
+  cfg.struct_size = sizeof cfg;
   EXPECT_EQ(qjlkv_config_init(&cfg, preset, layers, 1, 1, d), QJLKV_OK);
   cfg.value_bits = 16;  // isolate the keys unless a test says otherwise
   return cfg;
@@ -168,7 +169,8 @@ TEST(Kivi, ScoresEqualPerChannelFormula) {
 
 TEST(Kivi, AttendEqualsDequantizedSoftmax) {
   const uint32_t d = 32, B = 16, R = 4, tokens = 77;
-  qjlkv_config cfg;
+  qjlkv_config cfg{};
+  cfg.struct_size = sizeof cfg;
   ASSERT_EQ(qjlkv_config_init(&cfg, "kivi", 1, 4, 2, d), QJLKV_OK);
   cfg.block_tokens = B;
   cfg.residual_tokens = R;
@@ -469,7 +471,8 @@ TEST(KiviOttConfig, RejectsBadFields) {
       {"ott", "outlier_skip_layers", [](qjlkv_config &c) { c.outlier_skip_layers = c.num_layers + 1; }},
   };
   for (const Case &tc : cases) {
-    qjlkv_config cfg;
+    qjlkv_config cfg{};
+    cfg.struct_size = sizeof cfg;
     ASSERT_EQ(qjlkv_config_init(&cfg, tc.preset, 4, 8, 2, 64), QJLKV_OK);
     tc.set(cfg);
     qjlkv_cache *c = reinterpret_cast<qjlkv_cache *>(&cfg);  // must be overwritten with NULL
@@ -482,7 +485,8 @@ TEST(KiviOttConfig, RejectsBadFields) {
 
 TEST(KiviOttConfig, PresetsArePublishedDefaults) {
   for (const char *preset : {"kivi", "ott"}) {
-    qjlkv_config cfg;
+    qjlkv_config cfg{};
+    cfg.struct_size = sizeof cfg;
     ASSERT_EQ(qjlkv_config_init(&cfg, preset, 32, 32, 8, 128), QJLKV_OK);
     EXPECT_EQ(cfg.block_tokens, 128u);
     EXPECT_EQ(cfg.residual_tokens, 32u);

@@ -11,9 +11,16 @@ header=${2:-$repo/include/qjlkv/qjlkv.h}
 # Declarations may span lines: join the header, then take the name before each "(".
 declared=$(tr '\n' ' ' <"$header" | grep -o 'QJLKV_API[^;(]*(' | grep -o 'qjlkv_[A-Za-z0-9_]*[[:space:]]*($' |
   tr -d '( \t' | sort -u)
-exported=$(nm -D --defined-only "$lib" | awk '{print $NF}' | sed 's/@.*//' | sort -u)
+# The version nodes of src/qjlkv.map appear as absolute symbols named after them (QJLKV_0.1).
+exported=$(nm -D --defined-only "$lib" | awk '{print $NF}' | grep -v '^QJLKV_[0-9.]*$' | sed 's/@.*//' | sort -u)
+unversioned=$(nm -D --defined-only "$lib" | awk '{print $NF}' | grep '^qjlkv_' | grep -v '@@QJLKV_[0-9.]*$' || true)
 
 status=0
+if [[ -n $unversioned ]]; then
+  echo "check_exports: $lib exports functions without a version node (src/qjlkv.map):" >&2
+  sed 's/^/  /' <<<"$unversioned" >&2
+  status=1
+fi
 if [[ -z $declared ]]; then
   echo "check_exports: no QJLKV_API declarations found in $header" >&2
   exit 1

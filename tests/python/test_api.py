@@ -56,6 +56,15 @@ def test_version_comes_from_the_c_library():
     assert f"#define QJLKV_VERSION_MAJOR {major}\n" in header and f"#define QJLKV_VERSION_MINOR {minor}\n" in header
 
 
+def test_a_library_older_than_the_header_is_refused():
+    """The import-time check of the extension: an older libqjlkv lacks what the header declares."""
+    header = qjlkv._qjlkv.HEADER_VERSION_NUMBER
+    qjlkv._qjlkv._require_library_version(header)
+    qjlkv._qjlkv._require_library_version(header + 1)
+    with pytest.raises(ImportError, match=f"version number {header - 1}, older than the {header}"):
+        qjlkv._qjlkv._require_library_version(header - 1)
+
+
 def test_installed_distribution_version_matches():
     from importlib.metadata import version
 

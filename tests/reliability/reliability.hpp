@@ -30,6 +30,7 @@ using qt::names_identifier;
 inline qjlkv_config small_config(const char *preset, qjlkv_dtype dtype = QJLKV_DTYPE_F32, uint32_t threads = 1) {
   qjlkv_config cfg;
   std::memset(&cfg, 0, sizeof cfg);
+  cfg.struct_size = sizeof cfg;
   const qjlkv_status s = qjlkv_config_init(&cfg, preset, /*layers*/ 2, /*Hq*/ 4, /*Hkv*/ 2, /*d*/ 16);
   EXPECT_EQ(s, QJLKV_OK) << preset << ": " << describe(s);
   cfg.dtype = dtype;
@@ -65,10 +66,10 @@ inline std::vector<uint8_t> tensor(size_t elems, qjlkv_dtype t, uint64_t seed, f
 
 // Token tensors ([n][Hkv][d]) and query tensors ([n][Hq][d]) of a config.
 inline std::vector<uint8_t> tokens(const qjlkv_config &cfg, uint32_t n, uint64_t seed) {
-  return tensor(size_t(n) * cfg.num_kv_heads * cfg.head_dim, cfg.dtype, seed);
+  return tensor(size_t(n) * cfg.num_kv_heads * cfg.head_dim, qt::dtype_of(cfg), seed);
 }
 inline std::vector<uint8_t> queries(const qjlkv_config &cfg, uint32_t n, uint64_t seed) {
-  return tensor(size_t(n) * cfg.num_q_heads * cfg.head_dim, cfg.dtype, seed);
+  return tensor(size_t(n) * cfg.num_q_heads * cfg.head_dim, qt::dtype_of(cfg), seed);
 }
 
 inline qjlkv_status append_tokens(qjlkv_cache *c, const qjlkv_config &cfg, uint32_t layer, uint32_t seq, uint32_t n,
@@ -107,7 +108,7 @@ inline Snapshot snapshot(qjlkv_cache *c, const std::vector<Stream> &streams) {
   const qjlkv_status stats_status = qjlkv_cache_stats(c, &st);
   append_bytes(snap.stats, &stats_status, sizeof stats_status);
   append_bytes(snap.stats, &st, sizeof st);
-  const size_t io = dtype_bytes(cfg.dtype);
+  const size_t io = dtype_bytes(qt::dtype_of(cfg));
   for (const Stream &s : streams) {
     uint64_t len = ~uint64_t(0);
     const qjlkv_status ls = qjlkv_cache_length(c, s.layer, s.seq, &len);

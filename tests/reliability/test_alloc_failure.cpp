@@ -211,7 +211,11 @@ void walk_non_allocating(const qjlkv_config &cfg) {
       {"length", setup, sizeof(uint64_t),
        [](qjlkv_cache *c, uint8_t *out) { return qjlkv_cache_length(c, 0, 1, reinterpret_cast<uint64_t *>(out)); }},
       {"config", setup, sizeof(qjlkv_config),
-       [](qjlkv_cache *c, uint8_t *out) { return qjlkv_cache_config(c, reinterpret_cast<qjlkv_config *>(out)); }},
+       [](qjlkv_cache *c, uint8_t *out) {
+         auto *cfg = reinterpret_cast<qjlkv_config *>(out);
+         cfg->struct_size = sizeof(qjlkv_config);
+         return qjlkv_cache_config(c, cfg);
+       }},
   };
   for (const Scenario &call : calls) {
     SCOPED_TRACE(call.name);

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "half.hpp"
+#include "c_caller.h"
 #include "reliability.hpp"
 
 namespace qjlkv_test {
@@ -65,14 +66,6 @@ void encode(float x, qjlkv_dtype t, uint8_t *p) {
   }
 }
 
-// Enum fields as C callers may fill them: any int (a C++ assignment of an out-of-range value
-// would itself be undefined).
-template <class Enum>
-void set_raw(Enum &field, int value) {
-  static_assert(sizeof(Enum) == sizeof(int));
-  std::memcpy(&field, &value, sizeof value);
-}
-
 constexpr uint32_t kLayers = 2, kSeq = 1, kOtherLayerSeq = 2, kUnknownSeq = 77;
 
 // A cache with seq 1 in layer 0 (quantized blocks and a tail) and seq 2 in layer 1 only.
@@ -93,7 +86,7 @@ struct World {
   std::unique_ptr<GuardedBuffer> output_buffer(uint32_t n_queries) const {
     return std::make_unique<GuardedBuffer>(size_t(n_queries) * query_elems * io);
   }
-  void poke(GuardedBuffer &b, size_t element, float x) const { encode(x, cfg.dtype, b.data() + element * io); }
+  void poke(GuardedBuffer &b, size_t element, float x) const { encode(x, qt::dtype_of(cfg), b.data() + element * io); }
 };
 
 const std::vector<Stream> kStreams = {{0, kSeq}, {1, kSeq}, {0, kOtherLayerSeq}, {1, kOtherLayerSeq},
@@ -245,6 +238,7 @@ void add_config_init_rows(std::vector<Row> &t) {
     return [=](World &w) {
       qjlkv_config cfg;
       std::memset(&cfg, 0x5A, sizeof cfg);
+      cfg.struct_size = sizeof cfg;
       const qjlkv_config before = cfg;
       const qjlkv_status s = qjlkv_config_init(&cfg, preset, l, hq, hkv, d);
       if (s != QJLKV_OK && std::memcmp(&cfg, &before, sizeof cfg) != 0) w.post_failure = "*cfg changed on failure";
@@ -291,13 +285,23 @@ std::vector<FieldCase> bad_fields() {
       {"num_kv_heads 0", "kivi", [](qjlkv_config &c) { c.num_kv_heads = 0; }, {"num_kv_heads"}},
       {"num_q_heads inconsistent", "kivi", [](qjlkv_config &c) { c.num_q_heads = 3; }, {"num_q_heads"}},
       {"head_dim 20", "qjl", [](qjlkv_config &c) { c.head_dim = 20; }, {"head_dim"}},
-      {"dtype 3", "qjl", [](qjlkv_config &c) { set_raw(c.dtype, 3); }, {"dtype"}},
-      {"dtype -1", "qjl", [](qjlkv_config &c) { set_raw(c.dtype, -1); }, {"dtype"}},
-      {"device -2", "qjl", [](qjlkv_config &c) { c.device = -2; }, {"device"}},
-      {"device INT32_MIN", "qjl", [](qjlkv_config &c) { c.device = INT32_MIN; }, {"device"}},
+      {"struct_size of 0.1 + 4", "qjl", [](qjlkv_config &c) { c.struct_size = QJLKV_CONFIG_SIZE_0_1 + 4; },
+       {"struct_size"}},
+      {"dtype 3", "qjl", [](qjlkv_config &c) { c.dtype = 3; }, {"dtype"}},
+      {"dtype 2^32 - 1", "qjl", [](qjlkv_config &c) { c.dtype = UINT32_MAX; }, {"dtype"}},
+      {"backend 2", "qjl", [](qjlkv_config &c) { c.backend = 2; }, {"backend"}},
+      {"backend 2^32 - 1", "qjl", [](qjlkv_config &c) { c.backend = UINT32_MAX; }, {"backend"}},
+      {"CPU device_ordinal 1", "qjl", [](qjlkv_config &c) { c.device_ordinal = 1; }, {"device_ordinal"}},
+      {"0.1-sized config, device -2", "qjl",
+       [](qjlkv_config &c) {
+         c.struct_size = QJLKV_CONFIG_SIZE_0_1;
+         const int32_t device = -2;  // 0.1's int32_t device, where device_ordinal is now
+         std::memcpy(&c.device_ordinal, &device, sizeof device);
+       },
+       {"device"}},
       {"sketch_flags 2", "qjl", [](qjlkv_config &c) { c.sketch_flags = 2; }, {"sketch_flags"}},
-      {"key_method 4", "qjl", [](qjlkv_config &c) { set_raw(c.key_method, 4); }, {"key_method"}},
-      {"key_method -1", "qjl", [](qjlkv_config &c) { set_raw(c.key_method, -1); }, {"key_method"}},
+      {"key_method 4", "qjl", [](qjlkv_config &c) { c.key_method = 4; }, {"key_method"}},
+      {"key_method 2^32 - 1", "qjl", [](qjlkv_config &c) { c.key_method = UINT32_MAX; }, {"key_method"}},
       {"block_tokens 0", "qjl", [](qjlkv_config &c) { c.block_tokens = 0; }, {"block_tokens"}},
       {"block_tokens 12", "kivi", [](qjlkv_config &c) { c.block_tokens = 12; }, {"block_tokens"}},
       {"block_tokens 4104", "qjl", [](qjlkv_config &c) { c.block_tokens = 4104; }, {"block_tokens"}},
@@ -362,7 +366,7 @@ void add_config_rows(std::vector<Row> &t) {
                {kInvalid}, {"out"}});
   for (const FieldCase &fc : bad_fields()) {
     const auto edited = [fc](World &w) {
-      qjlkv_config cfg = small_config(fc.preset, w.cfg.dtype);
+      qjlkv_config cfg = small_config(fc.preset, qt::dtype_of(w.cfg));
       fc.edit(cfg);
       return cfg;
     };
@@ -383,19 +387,21 @@ void add_config_rows(std::vector<Row> &t) {
   // or INVALID_ARGUMENT. Either way the message names the device.
   t.push_back({"qjlkv_cache_create", "device 1000000", [](World &w) {
                  qjlkv_config cfg = w.cfg;
-                 cfg.device = 1000000;
+                 cfg.backend = QJLKV_BACKEND_CUDA;
+                 cfg.device_ordinal = 1000000;
                  qjlkv_cache *c = reinterpret_cast<qjlkv_cache *>(&w);
                  const qjlkv_status s = qjlkv_cache_create(&cfg, &c);
                  if (s != QJLKV_OK && c != nullptr) w.post_failure = "*out is not NULL after a failure";
                  if (s == QJLKV_OK) qjlkv_cache_destroy(c);
                  return s;
-               }, {QJLKV_ERROR_UNSUPPORTED, QJLKV_ERROR_DEVICE, kInvalid}, {"device"}});
+               }, {QJLKV_ERROR_UNSUPPORTED, QJLKV_ERROR_DEVICE, kInvalid}, {"device_ordinal"}});
   t.push_back({"qjlkv_cache_destroy", "NULL (a no-op)", [](World &) {
                  qjlkv_cache_destroy(nullptr);
                  return QJLKV_OK;
                }, {QJLKV_OK}, {}});
   t.push_back({"qjlkv_cache_config", "c NULL", [](World &) {
                  qjlkv_config out;
+                 out.struct_size = sizeof out;
                  return qjlkv_cache_config(nullptr, &out);
                }, {kInvalid}, {"c"}});
   t.push_back({"qjlkv_cache_config", "out NULL", [](World &w) { return qjlkv_cache_config(w.cache.get(), nullptr); },
@@ -721,7 +727,8 @@ void add_query_rows(std::vector<Row> &t, const World &world) {
       return qjlkv_cache_stats(w.cache.get(), out.as<qjlkv_stats>());
     };
   };
-  constexpr uint32_t kFirstSize = offsetof(qjlkv_stats, bytes_keys_quantized);  // the first released struct
+  // 0.1's draft of the struct stopped after bits_per_number; no release shipped that size.
+  constexpr uint32_t kDraftSize = offsetof(qjlkv_stats, bytes_keys_quantized);
   t.push_back({st, "c NULL", [](World &) {
                  qjlkv_stats out{};
                  out.struct_size = sizeof out;
@@ -730,20 +737,16 @@ void add_query_rows(std::vector<Row> &t, const World &world) {
   t.push_back({st, "out NULL", [](World &w) { return qjlkv_cache_stats(w.cache.get(), nullptr); }, {kInvalid},
                {"out"}});
   t.push_back({st, "struct_size 0", stats(0, sizeof(qjlkv_stats)), {kInvalid}, {"struct_size"}});
-  t.push_back({st, "struct_size below the first version", stats(kFirstSize - 8, sizeof(qjlkv_stats)), {kInvalid},
+  t.push_back({st, "struct_size of a draft that never shipped", stats(kDraftSize, sizeof(qjlkv_stats)), {kInvalid},
                {"struct_size"}});
   t.push_back({st, "struct_size larger than the library's", stats(sizeof(qjlkv_stats) + 8, sizeof(qjlkv_stats) + 8),
                {kInvalid}, {"struct_size"}});
-  // An older caller's smaller struct: filled up to its size, and not a byte beyond.
-  t.push_back({st, "struct_size of the first version (valid)", stats(kFirstSize, kFirstSize), {QJLKV_OK}, {}});
+  t.push_back({st, "struct_size of 0.1 (valid)", stats(QJLKV_STATS_SIZE_0_1, QJLKV_STATS_SIZE_0_1), {QJLKV_OK}, {}});
 
   t.push_back({"qjlkv_status_string", "a value outside the enum", [](World &w) {
                  const char *s = qjlkv_status_string(static_cast<qjlkv_status>(6));
                  if (std::string(s) != "QJLKV_ERROR_INTERNAL") w.post_failure = "status 6 is not QJLKV_ERROR_INTERNAL";
-                 int bad = 1000;
-                 qjlkv_status unknown;
-                 std::memcpy(&unknown, &bad, sizeof bad);
-                 s = qjlkv_status_string(unknown);
+                 s = qjlkv_test_status_string_of_int(1000);  // from C: an int outside the enum
                  if (s == nullptr || std::string(s) != "unknown status") w.post_failure = "status 1000 is not unknown";
                  return QJLKV_OK;
                }, {QJLKV_OK}, {}});
@@ -776,7 +779,7 @@ TEST_P(BadInput, EveryFunctionEveryArgumentClass) {
   qjlkv_cache *c = nullptr;
   QT_ASSERT_OK(qjlkv_cache_create(&w.cfg, &c));
   w.cache.reset(c);
-  w.io = dtype_bytes(w.cfg.dtype);
+  w.io = dtype_bytes(qt::dtype_of(w.cfg));
   w.token_elems = size_t(w.cfg.num_kv_heads) * w.cfg.head_dim;
   w.query_elems = size_t(w.cfg.num_q_heads) * w.cfg.head_dim;
   w.length = w.cfg.residual_tokens + 2 * w.cfg.block_tokens + 3;  // blocks and a tail

@@ -131,7 +131,8 @@ TEST_F(ValuesNearFloatMax, Bf16ValuesAtTwoTo95AverageExactly) {
 // A valid config could ask for terabytes of sketches (every QJL layer owns one) and spend hours
 // generating them before the kernel killed the process; create now refuses it up front.
 TEST(SketchMemory, ConfigNeedingMoreThanTheMachineFailsFast) {
-  qjlkv_config cfg;
+  qjlkv_config cfg{};
+  cfg.struct_size = sizeof cfg;
   QT_ASSERT_OK(qjlkv_config_init(&cfg, "qjl", 65536, 1, 1, 256));
   cfg.key_sketch_dim = 65536;  // 2 x 65536 layers x 65536 x 256 floats: 8 TiB
   QT_ASSERT_OK(qjlkv_config_validate(&cfg));

@@ -70,7 +70,7 @@ void run_cycle(Worker &w, const qjlkv_sketch *sketch, const std::vector<float> &
   for (OwnCache &own : w.caches) {
     qjlkv_cache *c = own.cache.get();
     const qjlkv_config &cfg = own.cfg;
-    const size_t token_elems = size_t(cfg.num_kv_heads) * cfg.head_dim, io = dtype_bytes(cfg.dtype);
+    const size_t token_elems = size_t(cfg.num_kv_heads) * cfg.head_dim, io = dtype_bytes(qt::dtype_of(cfg));
     const uint32_t max_prefill = cfg.residual_tokens + 2 * cfg.block_tokens + 5;
     uint64_t expected_tokens = 0;
     for (uint32_t seq = 0; seq < 3; ++seq) {

@@ -270,7 +270,7 @@ std::vector<uint32_t> to_u32_list(py::handle obj, const char *name) {
 // ---------------------------------------------------------------------------
 // Config and stats: tables of the C structs' fields, so the Python side sees plain dicts.
 // ---------------------------------------------------------------------------
-enum class Kind { U32, I32, U64, DTYPE, KEY_METHOD };
+enum class Kind { U32, U64, ENUM, DEVICE };
 struct Field {
   const char *name;
   size_t offset;
@@ -282,11 +282,13 @@ const Field kConfigFields[] = {
     QJLKV_FIELD(num_q_heads, U32),
     QJLKV_FIELD(num_kv_heads, U32),
     QJLKV_FIELD(head_dim, U32),
-    QJLKV_FIELD(dtype, DTYPE),
-    QJLKV_FIELD(device, I32),
+    QJLKV_FIELD(dtype, ENUM),
+    // Python's `device` (-1 = CPU, >= 0 = CUDA ordinal, as torch says "cpu" / "cuda:N") stands for
+    // the C fields backend and device_ordinal.
+    {"device", offsetof(qjlkv_config, device_ordinal), Kind::DEVICE},
     QJLKV_FIELD(seed, U64),
     QJLKV_FIELD(sketch_flags, U32),
-    QJLKV_FIELD(key_method, KEY_METHOD),
+    QJLKV_FIELD(key_method, ENUM),
     QJLKV_FIELD(block_tokens, U32),
     QJLKV_FIELD(residual_tokens, U32),
     QJLKV_FIELD(key_sketch_dim, U32),
@@ -307,7 +309,7 @@ const Field kConfigFields[] = {
 // Fails to compile when the header grows qjlkv_config: the table above must list the new field.
 constexpr size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 static_assert(sizeof(qjlkv_config) ==
-                  round_up(offsetof(qjlkv_config, num_threads) + sizeof(uint32_t), alignof(qjlkv_config)),
+                  round_up(offsetof(qjlkv_config, backend) + sizeof(uint32_t), alignof(qjlkv_config)),
               "qjlkv_config has fields that kConfigFields does not list");
 
 py::dict config_to_dict(const qjlkv_config &cfg) {
@@ -317,10 +319,11 @@ py::dict config_to_dict(const qjlkv_config &cfg) {
     const char *p = base + f.offset;
     switch (f.kind) {
       case Kind::U32: { uint32_t v; std::memcpy(&v, p, sizeof v); d[f.name] = v; break; }
-      case Kind::I32: { int32_t v; std::memcpy(&v, p, sizeof v); d[f.name] = v; break; }
       case Kind::U64: { uint64_t v; std::memcpy(&v, p, sizeof v); d[f.name] = v; break; }
-      case Kind::DTYPE: d[f.name] = static_cast<int>(cfg.dtype); break;
-      case Kind::KEY_METHOD: d[f.name] = static_cast<int>(cfg.key_method); break;
+      case Kind::ENUM: { uint32_t v; std::memcpy(&v, p, sizeof v); d[f.name] = v; break; }
+      case Kind::DEVICE:
+        d[f.name] = cfg.backend == QJLKV_BACKEND_CUDA ? static_cast<long long>(cfg.device_ordinal) : -1LL;
+        break;
     }
   }
   return d;
@@ -339,12 +342,16 @@ qjlkv_config config_from_dict(const py::dict &d) {
     char *p = base + f.offset;
     switch (f.kind) {
       case Kind::U32: { const auto v = static_cast<uint32_t>(to_integer(value, name, 0, UINT32_MAX)); std::memcpy(p, &v, sizeof v); break; }
-      case Kind::I32: { const auto v = static_cast<int32_t>(to_integer(value, name, INT32_MIN, INT32_MAX)); std::memcpy(p, &v, sizeof v); break; }
       case Kind::U64: { const uint64_t v = to_u64(value, name); std::memcpy(p, &v, sizeof v); break; }
-      case Kind::DTYPE: cfg.dtype = static_cast<qjlkv_dtype>(to_integer(value, name, INT32_MIN, INT32_MAX)); break;
-      case Kind::KEY_METHOD:
-        cfg.key_method = static_cast<qjlkv_key_method>(to_integer(value, name, INT32_MIN, INT32_MAX));
+      // Any int a caller writes, as C would store it (the library names the field if it is wrong).
+      case Kind::ENUM: { const auto v = static_cast<uint32_t>(to_integer(value, name, INT32_MIN, UINT32_MAX)); std::memcpy(p, &v, sizeof v); break; }
+      case Kind::DEVICE: {
+        const long long device = to_integer(value, name, INT32_MIN, INT32_MAX);
+        if (device < -1) fail_argument(name + " is " + std::to_string(device) + ", must be -1 (CPU) or a CUDA device ordinal >= 0");
+        cfg.backend = device < 0 ? QJLKV_BACKEND_CPU : QJLKV_BACKEND_CUDA;
+        cfg.device_ordinal = device < 0 ? 0u : static_cast<uint32_t>(device);
         break;
+      }
     }
   }
   return cfg;
@@ -418,6 +425,7 @@ class Cache {
     qjlkv_cache *c = nullptr;
     call_nogil([&] { return qjlkv_cache_create(&cfg, &c); });
     cache_ = c;
+    cfg_.struct_size = sizeof cfg_;
     check(qjlkv_cache_config(cache_, &cfg_));
   }
   Cache(const Cache &) = delete;
@@ -577,10 +585,11 @@ class Cache {
     TensorView v = view_of(obj, name, writable, dlpack_stream_);
     if (v.dtype != cfg_.dtype)
       fail_type(std::string(name) + " has dtype " + dtype_name(v.dtype) + ", the cache's dtype (config.dtype) is " +
-                dtype_name(cfg_.dtype));
-    if (v.device != cfg_.device)
+                dtype_name(static_cast<qjlkv_dtype>(cfg_.dtype)));
+    const int device = cfg_.backend == QJLKV_BACKEND_CUDA ? static_cast<int>(cfg_.device_ordinal) : -1;
+    if (v.device != device)
       fail_argument(std::string(name) + " is on " + device_name(v.device) + ", the cache is on " +
-                    device_name(cfg_.device) + " (config.device = " + std::to_string(cfg_.device) + ")");
+                    device_name(device) + " (config.device = " + std::to_string(device) + ")");
     return v;
   }
 
@@ -620,8 +629,24 @@ class Cache {
 
 }  // namespace
 
+// ext/c_calls.c: qjlkv_status_string of any int, converted to the enum in C.
+extern "C" const char *qjlkv_py_status_string(int status);
+
+// A library older than the header this module was compiled with lacks functions, fields or
+// enumerators the module uses: refuse it at import, before any call.
+void require_library_version(unsigned runtime) {
+  if (runtime >= QJLKV_VERSION_NUMBER) return;
+  throw py::import_error("qjlkv: the libqjlkv loaded at run time has version number " + std::to_string(runtime) +
+                         ", older than the " + std::to_string(QJLKV_VERSION_NUMBER) +
+                         " (MAJOR*10000 + MINOR*100 + PATCH) of the header this module was built with; "
+                         "install a libqjlkv at least that new, or rebuild the module against the one you have");
+}
+
 PYBIND11_MODULE(_qjlkv, m) {
   m.doc() = "Low-level bindings of the libqjlkv C ABI; use the qjlkv package instead.";
+  require_library_version(qjlkv_version_number());
+  m.def("_require_library_version", &require_library_version, py::arg("runtime"),
+        "The import-time check, for tests: raises ImportError when runtime < HEADER_VERSION_NUMBER.");
 
   // Error classes are created here so C++ can raise them; qjlkv/__init__.py re-exports them.
   static ErrorClasses errors;
@@ -688,7 +713,7 @@ PYBIND11_MODULE(_qjlkv, m) {
 
   m.def("version_number", &qjlkv_version_number, "qjlkv_version_number(): MAJOR*10000 + MINOR*100 + PATCH.");
   m.def("version_string", &qjlkv_version_string, "qjlkv_version_string(): \"MAJOR.MINOR.PATCH\".");
-  m.def("status_string", [](int s) { return qjlkv_status_string(static_cast<qjlkv_status>(s)); }, py::arg("status"),
+  m.def("status_string", &qjlkv_py_status_string, py::arg("status"),
         "qjlkv_status_string(): the constant name of a status.");
   m.def("last_error_message", &qjlkv_last_error_message,
         "qjlkv_last_error_message(): the reason for this thread's last failed call.");
@@ -705,6 +730,7 @@ PYBIND11_MODULE(_qjlkv, m) {
         const uint32_t l = to_u32(num_layers, "num_layers"), hq = to_u32(num_q_heads, "num_q_heads"),
                        hkv = to_u32(num_kv_heads, "num_kv_heads"), d = to_u32(head_dim, "head_dim");
         qjlkv_config cfg;
+        cfg.struct_size = sizeof cfg;
         check(qjlkv_config_init(&cfg, has_name ? name.c_str() : nullptr, l, hq, hkv, d));
         return config_to_dict(cfg);
       },

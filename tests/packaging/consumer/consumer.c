@@ -129,6 +129,7 @@ static double run_preset(const char *preset, float out[LAYERS][Q_FLOATS]) {
   double worst = 0.0;
   int layer, head, i;
 
+  cfg.struct_size = sizeof cfg;
   REQUIRE_OK(qjlkv_config_init(&cfg, preset, LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM));
   EXPECT(cfg.struct_size == sizeof cfg, "%s: struct_size %u", preset, (unsigned)cfg.struct_size);
   REQUIRE_OK(qjlkv_cache_create(&cfg, &cache));

@@ -32,6 +32,7 @@ void require_ok(qjlkv_status status, const char *what) {
 
 Cache make_cache(const char *preset) {
   qjlkv_config cfg{};
+  cfg.struct_size = sizeof cfg;
   require_ok(qjlkv_config_init(&cfg, preset, kLayers, kQHeads, kKvHeads, kHeadDim), "qjlkv_config_init");
   qjlkv_cache *raw = nullptr;
   require_ok(qjlkv_cache_create(&cfg, &raw), "qjlkv_cache_create");

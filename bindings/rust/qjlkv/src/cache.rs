@@ -104,15 +104,17 @@ unsafe impl Send for Cache {}
 impl Cache {
     /// Creates an empty cache; the sketches of all layers are generated here, once.
     /// Errors: an invalid config (the message names the field), out of memory, and
-    /// `Unsupported` for `device >= 0` (this API takes host slices).
+    /// `Unsupported` for a backend other than the CPU (this API takes host slices) and for a
+    /// library older than the header the bindings come from.
     pub fn new(config: &Config) -> Result<Cache, Error> {
-        let device = config.as_raw().device;
-        if device >= 0 {
+        crate::require_library_version()?;
+        let backend = config.as_raw().backend;
+        if backend != sys::QJLKV_BACKEND_CPU {
             return Err(Error::new(
                 Status::Unsupported,
                 format!(
-                    "config.device is {device}: qjlkv::Cache takes host slices and so only CPU caches \
-                     (device = -1); use qjlkv-sys with device pointers for a CUDA cache"
+                    "config.backend is {backend}: qjlkv::Cache takes host slices and so only CPU caches \
+                     (QJLKV_BACKEND_CPU = 0); use qjlkv-sys with device pointers for a CUDA cache"
                 ),
             ));
         }
@@ -121,8 +123,11 @@ impl Cache {
         check(unsafe { sys::qjlkv_cache_create(config.as_raw(), &mut raw) })?;
         let ptr = NonNull::new(raw).expect("qjlkv_cache_create returned OK and a cache");
         let mut stored = MaybeUninit::<sys::qjlkv_config>::zeroed();
-        // SAFETY: ptr is live; stored is a writable qjlkv_config.
-        let status = unsafe { sys::qjlkv_cache_config(ptr.as_ptr(), stored.as_mut_ptr()) };
+        // SAFETY: ptr is live; stored is a writable qjlkv_config whose struct_size is set first.
+        let status = unsafe {
+            (*stored.as_mut_ptr()).struct_size = std::mem::size_of::<sys::qjlkv_config>() as u32;
+            sys::qjlkv_cache_config(ptr.as_ptr(), stored.as_mut_ptr())
+        };
         if let Err(err) = check(status) {
             // SAFETY: the cache was created above and is referenced nowhere else.
             unsafe { sys::qjlkv_cache_destroy(ptr.as_ptr()) };

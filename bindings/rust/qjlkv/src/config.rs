@@ -41,6 +41,34 @@ impl KeyMethod {
     }
 }
 
+/// Where a cache keeps its data and runs its kernels (`qjlkv_backend`); the device within
+/// the backend is [`Config::device_ordinal`].
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// Host memory and the CPU kernels (device ordinal 0).
+    Cpu,
+    /// An NVIDIA GPU; the device ordinal is the CUDA device ordinal.
+    Cuda,
+}
+
+impl Backend {
+    fn to_raw(self) -> u32 {
+        match self {
+            Backend::Cpu => sys::QJLKV_BACKEND_CPU,
+            Backend::Cuda => sys::QJLKV_BACKEND_CUDA,
+        }
+    }
+
+    fn from_raw(raw: u32) -> Option<Backend> {
+        match raw {
+            sys::QJLKV_BACKEND_CPU => Some(Backend::Cpu),
+            sys::QJLKV_BACKEND_CUDA => Some(Backend::Cuda),
+            _ => None,
+        }
+    }
+}
+
 /// The model shape a cache is made for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Shape {
@@ -116,10 +144,13 @@ impl Config {
         num_kv_heads: u32,
         head_dim: u32,
     ) -> Result<Config, Error> {
+        crate::require_library_version()?;
         let name = CString::new(name).map_err(|_| Error::invalid(format!("preset {name:?} contains a NUL byte")))?;
         let mut raw = MaybeUninit::<sys::qjlkv_config>::zeroed();
-        // SAFETY: raw is a valid, writable qjlkv_config; name is NUL-terminated.
+        // SAFETY: raw is a valid, writable qjlkv_config (zeroed); struct_size is set first, as
+        // every call that fills the struct requires; name is NUL-terminated.
         check(unsafe {
+            (*raw.as_mut_ptr()).struct_size = std::mem::size_of::<sys::qjlkv_config>() as u32;
             sys::qjlkv_config_init(
                 raw.as_mut_ptr(),
                 name.as_ptr(),
@@ -174,6 +205,16 @@ impl Config {
         KeyMethod::from_raw(self.raw.key_method)
     }
 
+    /// The backend, or `None` for a value this crate does not know.
+    pub fn get_backend(&self) -> Option<Backend> {
+        Backend::from_raw(self.raw.backend)
+    }
+
+    /// The device within the backend (0 for the CPU).
+    pub fn get_device_ordinal(&self) -> u32 {
+        self.raw.device_ordinal
+    }
+
     /// Element type of keys, values, queries and outputs (default `F32`).
     #[must_use]
     pub fn dtype(mut self, dtype: Dtype) -> Config {
@@ -188,11 +229,19 @@ impl Config {
         self
     }
 
-    /// -1 = CPU (the default), >= 0 = a CUDA device. [`Cache`](crate::Cache) takes host
-    /// slices and so accepts CPU caches only; use `qjlkv-sys` for CUDA caches.
+    /// The backend (default [`Backend::Cpu`]). [`Cache`](crate::Cache) takes host slices and
+    /// so accepts CPU caches only; use `qjlkv-sys` for CUDA caches.
     #[must_use]
-    pub fn device(mut self, device: i32) -> Config {
-        self.raw.device = device;
+    pub fn backend(mut self, backend: Backend) -> Config {
+        self.raw.backend = backend.to_raw();
+        self
+    }
+
+    /// The device within the backend: 0 for the CPU (the default), the CUDA device ordinal
+    /// for [`Backend::Cuda`].
+    #[must_use]
+    pub fn device_ordinal(mut self, ordinal: u32) -> Config {
+        self.raw.device_ordinal = ordinal;
         self
     }
 

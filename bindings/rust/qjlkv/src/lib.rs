@@ -59,7 +59,7 @@ mod sketch;
 use std::ffi::CStr;
 
 pub use cache::{Cache, Stats};
-pub use config::{Config, KeyMethod, Shape};
+pub use config::{Backend, Config, KeyMethod, Shape};
 pub use element::{Bf16, Dtype, Element, F16};
 pub use error::{Error, Status};
 pub use sketch::Sketch;
@@ -82,4 +82,43 @@ pub fn version() -> &'static str {
     // SAFETY: qjlkv_version_string returns a static NUL-terminated string.
     let version = unsafe { CStr::from_ptr(sys::qjlkv_version_string()) };
     version.to_str().expect("the version string is ASCII")
+}
+
+/// Fails when the library linked at run time is older than the header the bindings were
+/// generated from (`qjlkv_version_number() < QJLKV_VERSION_NUMBER`): such a library lacks
+/// functions, fields or enumerators this crate uses. Every constructor checks it first.
+pub fn require_library_version() -> Result<(), Error> {
+    // SAFETY: qjlkv_version_number has no preconditions.
+    check_version(unsafe { sys::qjlkv_version_number() }, sys::QJLKV_VERSION_NUMBER)
+}
+
+fn check_version(runtime: u32, header: u32) -> Result<(), Error> {
+    if runtime >= header {
+        return Ok(());
+    }
+    Err(Error::new(
+        Status::Unsupported,
+        format!(
+            "the libqjlkv linked at run time has version number {runtime}, older than the {header} \
+             (MAJOR*10000 + MINOR*100 + PATCH) of the header qjlkv-sys was generated from; link a \
+             libqjlkv at least that new"
+        ),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_older_library_is_refused_with_both_versions_named() {
+        let header = sys::QJLKV_VERSION_NUMBER;
+        assert!(check_version(header, header).is_ok());
+        assert!(check_version(header + 1, header).is_ok());
+        let err = check_version(header - 1, header).unwrap_err();
+        assert_eq!(err.status(), Status::Unsupported);
+        let expected = format!("version number {}, older than the {header}", header - 1);
+        assert!(err.message().contains(&expected), "{}", err.message());
+        require_library_version().unwrap();
+    }
 }

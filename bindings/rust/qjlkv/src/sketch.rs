@@ -57,6 +57,7 @@ impl Sketch<'static> {
     /// of 8 up to 65536, Philox stream 0 of `seed`; `orthogonal` makes each block of d rows
     /// orthogonal with row norm sqrt(d) (what every preset uses).
     pub fn new(head_dim: u32, sketch_dim: u32, seed: u64, orthogonal: bool) -> Result<Sketch<'static>, Error> {
+        crate::require_library_version()?;
         let flags = if orthogonal { sys::QJLKV_SKETCH_ORTHOGONAL } else { 0 };
         let mut raw = ptr::null_mut();
         // SAFETY: raw is a valid out pointer.

@@ -7,7 +7,7 @@ mod common;
 use std::ffi::CStr;
 
 use common::*;
-use qjlkv::{Bf16, Cache, Config, Dtype, KeyMethod, Sketch, Status, F16};
+use qjlkv::{Backend, Bf16, Cache, Config, Dtype, KeyMethod, Sketch, Status, F16};
 
 fn small_cache() -> Cache {
     Cache::new(&Config::preset("qjl", 2, 4, 2, 32).unwrap()).unwrap()
@@ -48,7 +48,7 @@ fn bad_config_fields_fail_validate_and_create_with_the_same_message() {
         (base.key_method(KeyMethod::Kivi).key_bits(3), "key_bits"),
         (base.key_method(KeyMethod::Ott).outlier_tokens(40), "outlier_tokens"),
         (base.num_threads(5000), "num_threads"),
-        (base.device(-2), "device"),
+        (base.device_ordinal(1), "device_ordinal"),
     ];
     for (config, field) in cases {
         let invalid = assert_invalid(config.validate(), field);
@@ -60,10 +60,10 @@ fn bad_config_fields_fail_validate_and_create_with_the_same_message() {
 
 #[test]
 fn cuda_device_is_refused_by_the_host_slice_api() {
-    let config = Config::preset("qjl", 1, 4, 2, 32).unwrap().device(0);
+    let config = Config::preset("qjl", 1, 4, 2, 32).unwrap().backend(Backend::Cuda);
     let err = Cache::new(&config).unwrap_err();
     assert_eq!(err.status(), Status::Unsupported);
-    assert!(err.message().contains("config.device is 0"), "{}", err.message());
+    assert!(err.message().contains("config.backend is 1"), "{}", err.message());
 }
 
 #[test]
