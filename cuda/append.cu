@@ -463,10 +463,11 @@ cudaError_t launch_validate(const KernelShape &s, const void *keys, const void *
     case QJLKV_DTYPE_F16:
       return launch_validate_io<IoF16>(s, keys, values, elements, key_limit, value_limit, check_key_norms, flags,
                                        stream);
-    default:
+    case QJLKV_DTYPE_BF16:
       return launch_validate_io<IoBF16>(s, keys, values, elements, key_limit, value_limit, check_key_norms, flags,
                                         stream);
   }
+  return cudaErrorInvalidValue;  // unreachable: the dtype was validated
 }
 
 cudaError_t launch_quantize(const KernelShape &s, const QuantJob *jobs, uint32_t n_jobs, cudaStream_t stream) {
@@ -474,8 +475,9 @@ cudaError_t launch_quantize(const KernelShape &s, const QuantJob *jobs, uint32_t
   switch (s.dtype) {
     case QJLKV_DTYPE_F32: return launch_quantize_io<IoF32>(s, jobs, n_jobs, stream);
     case QJLKV_DTYPE_F16: return launch_quantize_io<IoF16>(s, jobs, n_jobs, stream);
-    default: return launch_quantize_io<IoBF16>(s, jobs, n_jobs, stream);
+    case QJLKV_DTYPE_BF16: return launch_quantize_io<IoBF16>(s, jobs, n_jobs, stream);
   }
+  return cudaErrorInvalidValue;  // unreachable: the dtype was validated
 }
 
 size_t ott_quantize_smem(const KernelShape &s) { return ott_smem(s.B, s.ott_pool, s.d).total; }

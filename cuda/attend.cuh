@@ -576,8 +576,9 @@ cudaError_t configure_io(const KernelShape &shape, size_t smem_limit) {
   switch (shape.kind) {
     case KeyKind::qjl: return configure_kind<IO, KeyKind::qjl>(smem_limit);
     case KeyKind::kivi: return configure_kind<IO, KeyKind::kivi>(smem_limit);
-    default: return configure_kind<IO, KeyKind::exact>(smem_limit);
+    case KeyKind::exact: return configure_kind<IO, KeyKind::exact>(smem_limit);
   }
+  return cudaErrorInvalidValue;  // unreachable: every KeyKind is listed
 }
 
 template <class IO, KeyKind KIND>
@@ -597,8 +598,9 @@ cudaError_t launch_io(const AttendArgs &a, uint32_t rows, cudaStream_t stream) {
   switch (a.shape.kind) {
     case KeyKind::qjl: return launch_kind<IO, KeyKind::qjl>(a, rows, uint32_t(grid), stream);
     case KeyKind::kivi: return launch_kind<IO, KeyKind::kivi>(a, rows, uint32_t(grid), stream);
-    default: return launch_kind<IO, KeyKind::exact>(a, rows, uint32_t(grid), stream);
+    case KeyKind::exact: return launch_kind<IO, KeyKind::exact>(a, rows, uint32_t(grid), stream);
   }
+  return cudaErrorInvalidValue;  // unreachable: every KeyKind is listed
 }
 
 template <class IO>

@@ -137,8 +137,9 @@ inline cudaError_t configure_attend(const KernelShape &shape, size_t smem_limit)
   switch (shape.dtype) {
     case QJLKV_DTYPE_F32: return configure_attend_f32(shape, smem_limit);
     case QJLKV_DTYPE_F16: return configure_attend_f16(shape, smem_limit);
-    default: return configure_attend_bf16(shape, smem_limit);
+    case QJLKV_DTYPE_BF16: return configure_attend_bf16(shape, smem_limit);
   }
+  return cudaErrorInvalidValue;  // unreachable: the dtype was validated
 }
 // The split kernel (partials), then the reduction kernel (out) unless args.scores is set: two
 // launches whatever the number of sequences.
@@ -146,8 +147,9 @@ inline cudaError_t launch_attend(const AttendArgs &args, uint32_t rows, cudaStre
   switch (args.shape.dtype) {
     case QJLKV_DTYPE_F32: return launch_attend_f32(args, rows, stream);
     case QJLKV_DTYPE_F16: return launch_attend_f16(args, rows, stream);
-    default: return launch_attend_bf16(args, rows, stream);
+    case QJLKV_DTYPE_BF16: return launch_attend_bf16(args, rows, stream);
   }
+  return cudaErrorInvalidValue;  // unreachable: the dtype was validated
 }
 
 // Whether this binary has kernels for the current device (cudaErrorNoKernelImageForDevice if not).

@@ -51,10 +51,11 @@ deps() {
     libeigen3-dev abigail-tools bindgen libclang-dev libclang-rt-dev valgrind file dpkg-dev
 }
 
-# The main build is CPU-only and serves every suite; the CUDA backend is compiled and linked in a
-# build of its own (suite "cuda"), whose GPU tests skip with a printed reason where no GPU is.
+# The main build is CPU-only, with the library's warnings as errors, and serves every suite; the
+# CUDA backend is compiled and linked in a build of its own (suite "cuda"), whose GPU tests skip
+# with a printed reason where no GPU is.
 build_library() {
-  cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DQJLKV_CUDA=OFF -DQJLKV_BUILD_BENCH=ON &&
+  cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DQJLKV_CUDA=OFF -DQJLKV_BUILD_BENCH=ON -DQJLKV_WERROR=ON &&
     cmake --build "$BUILD" -j "$JOBS"
 }
 

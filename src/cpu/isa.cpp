@@ -15,10 +15,11 @@ namespace qjlkv::cpu {
 
 const char *isa_name(Isa isa) {
   switch (isa) {
+    case Isa::Scalar: return "scalar";
     case Isa::Avx2: return "avx2";
     case Isa::Avx512: return "avx512";
-    default: return "scalar";
   }
+  unreachable();
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -75,8 +76,9 @@ const KernelTable &kernel_table(Isa isa) {
   switch (isa) {
     case Isa::Avx512: return avx512_kernels();
     case Isa::Avx2: return avx2_kernels();
-    default: return scalar_kernels();
+    case Isa::Scalar: return scalar_kernels();
   }
+  unreachable();
 }
 
 namespace {

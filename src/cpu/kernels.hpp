@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "../config.hpp"
+#include "../error.hpp"
 #include "../half.hpp"
 #include "../quant_math.hpp"
 
@@ -21,8 +22,9 @@ inline float load_element(const void *base, size_t index, qjlkv_dtype dtype) {
   switch (dtype) {
     case QJLKV_DTYPE_F32: return static_cast<const float *>(base)[index];
     case QJLKV_DTYPE_F16: return half_to_float(static_cast<const uint16_t *>(base)[index]);
-    default: return bf16_to_float(static_cast<const uint16_t *>(base)[index]);
+    case QJLKV_DTYPE_BF16: return bf16_to_float(static_cast<const uint16_t *>(base)[index]);
   }
+  unreachable();
 }
 inline void load_row(const void *base, size_t first, size_t n, qjlkv_dtype dtype, float *out) {
   for (size_t i = 0; i < n; ++i) out[i] = load_element(base, first + i, dtype);
@@ -32,7 +34,7 @@ inline void store_row(const float *in, size_t n, qjlkv_dtype dtype, void *base, 
     switch (dtype) {
       case QJLKV_DTYPE_F32: static_cast<float *>(base)[first + i] = in[i]; break;
       case QJLKV_DTYPE_F16: static_cast<uint16_t *>(base)[first + i] = float_to_half(in[i]); break;
-      default: static_cast<uint16_t *>(base)[first + i] = float_to_bf16(in[i]); break;
+      case QJLKV_DTYPE_BF16: static_cast<uint16_t *>(base)[first + i] = float_to_bf16(in[i]); break;
     }
   }
 }
