@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <new>
 #include <unordered_map>
 #include <vector>
 
@@ -15,6 +16,14 @@
 
 namespace qjlkv::cpu {
 namespace {
+
+// OTT tracing: a token that may enter the pool (a pool slot, or pool + block token).
+struct TraceCandidate {
+  uint64_t position;
+  float norm;
+  uint32_t index;
+};
+static_assert(sizeof(TraceCandidate) % sizeof(float) == 0 && alignof(TraceCandidate) <= 16);
 
 // OTT's full-precision outlier tokens of one (sequence, kv head): slots [0, P) are the pool,
 // [P, P + spill) the spill area. Allocated whole when the sequence is created, so tracing
@@ -117,8 +126,10 @@ class CpuCache final : public qjlkv_cache {
   // OTT (SPEC §5) on one block of one head, before it is quantized: updates the pool and spill
   // area, replaces the keys/values of tokens entering the pool by the mean of the others and
   // marks their slots in `mask`.
+  // scratch: trace_scratch_floats(), 16-byte aligned (a worker's stack may be too small for it).
   void trace_outliers(OutlierTokens &ott, uint64_t first_position, float *keys, float *values,
-                      uint8_t *mask) const;
+                      uint8_t *mask, float *scratch) const;
+  size_t trace_scratch_floats() const;
   // One (sequence, kv head): quantize the plan's new blocks from the stream (old tail ++ input).
   void quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, const uint8_t *keys, const uint8_t *values,
                      float *scratch) const;
@@ -205,28 +216,26 @@ void CpuCache::create_heads(Sequence &seq, uint32_t layer) const {
 }
 
 void CpuCache::trace_outliers(OutlierTokens &ott, uint64_t first_position, float *keys, float *values,
-                              uint8_t *mask) const {
+                              uint8_t *mask, float *scratch) const {
   const qjlkv_config &cfg = spec().cfg;
   const uint32_t B = cfg.block_tokens, d = cfg.head_dim, P = cfg.outlier_tokens;
   // Candidates: the pool (c < pool) then the block's tokens; keep the P smallest key norms,
-  // ties going to the older position.
-  struct Candidate {
-    float norm;
-    uint64_t position;
-    uint32_t index;  // < pool: pool slot; else pool + block token
-  };
-  Candidate candidates[4096 + 4096];
+  // ties going to the older position. They and two flag arrays live in the call's scratch.
+  auto *candidates = reinterpret_cast<TraceCandidate *>(scratch);
   uint32_t n = 0;
-  for (uint32_t i = 0; i < ott.pool; ++i) candidates[n++] = {ott.norms[i], ott.positions[i], i};
+  for (uint32_t i = 0; i < ott.pool; ++i) new (candidates + n++) TraceCandidate{ott.positions[i], ott.norms[i], i};
   for (uint32_t t = 0; t < B; ++t)
-    candidates[n++] = {std::sqrt(dot(keys + size_t(t) * d, keys + size_t(t) * d, d)), first_position + t, ott.pool + t};
-  std::partial_sort(candidates, candidates + P, candidates + n, [](const Candidate &a, const Candidate &b) {
+    new (candidates + n++) TraceCandidate{first_position + t,
+                                          std::sqrt(dot(keys + size_t(t) * d, keys + size_t(t) * d, d)), ott.pool + t};
+  std::partial_sort(candidates, candidates + P, candidates + n, [](const TraceCandidate &a, const TraceCandidate &b) {
     return a.norm < b.norm || (a.norm == b.norm && a.position < b.position);
   });
-  bool kept[4096] = {};
+  uint8_t *kept = reinterpret_cast<uint8_t *>(candidates + n);  // [pool]: the slot stays in the pool
+  uint8_t *enters = kept + ott.pool;                             // [B]: the block token enters it
+  std::memset(kept, 0, size_t(ott.pool) + B);
   uint32_t entering = 0;
   for (uint32_t i = 0; i < P; ++i) {
-    if (candidates[i].index < ott.pool) kept[candidates[i].index] = true;
+    if (candidates[i].index < ott.pool) kept[candidates[i].index] = 1;
     else ++entering;
   }
   const uint32_t evicted = ott.pool - (P - entering);
@@ -251,11 +260,10 @@ void CpuCache::trace_outliers(OutlierTokens &ott, uint64_t first_position, float
     copy_slot(i, kept_count++);
   }
   // Entering block tokens join the pool with their original keys and values.
-  bool enters[4096] = {};
   for (uint32_t i = 0; i < P; ++i) {
     if (candidates[i].index < ott.pool) continue;
     const uint32_t t = candidates[i].index - ott.pool;
-    enters[t] = true;
+    enters[t] = 1;
     store_row(keys + size_t(t) * d, d, dtype_of(cfg), ott.keys.data(), size_t(kept_count) * d);
     store_row(values + size_t(t) * d, d, dtype_of(cfg), ott.values.data(), size_t(kept_count) * d);
     ott.positions[kept_count] = uint32_t(first_position + t);
@@ -350,11 +358,18 @@ void CpuCache::make_layer_kernels() {
   }
 }
 
+size_t CpuCache::trace_scratch_floats() const {
+  const size_t n = size_t(spec().cfg.outlier_tokens) + spec().cfg.block_tokens;  // pool <= P
+  return n * (sizeof(TraceCandidate) / sizeof(float)) + (n + sizeof(float) - 1) / sizeof(float);
+}
+
 size_t CpuCache::quantize_scratch_floats() const {
   const qjlkv_config &cfg = spec().cfg;
   const size_t B = cfg.block_tokens, d = cfg.head_dim;
-  // block keys and values, then qjl_quantize_fast: inlier keys, outlier keys, energies, order
-  return 2 * B * d + B * d + B * cfg.outlier_channels + 2 * d;
+  // block keys and values, then qjl_quantize_fast (inlier keys, outlier keys, energies, order)
+  // or OTT's tracing; a multiple of 16 floats keeps every worker's part 64-byte aligned.
+  const size_t kernel = std::max(B * d + B * cfg.outlier_channels + 2 * d, trace_scratch_floats());
+  return (2 * B * d + kernel + 15) / 16 * 16;
 }
 
 void CpuCache::qjl_quantize_fast(uint32_t layer, const float *keys, uint8_t *block, float *scratch) const {
@@ -410,7 +425,7 @@ void CpuCache::quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, co
     std::memset(block, 0, layout.stride);
     if (ls.traced && seq.outliers[head].tracing)
       trace_outliers(seq.outliers[head], (uint64_t(seq.blocks) + b) * B, block_keys, block_values,
-                     block + layout.key_mask);
+                     block + layout.key_mask, kernel_scratch);
     switch (key_method_of(cfg)) {
       case QJLKV_KEYS_QJL: qjl_quantize_fast(layer, block_keys, block, kernel_scratch); break;
       case QJLKV_KEYS_KIVI:
