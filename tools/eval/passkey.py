@@ -122,12 +122,13 @@ def run_prompt(model: LlamaModel, head_kv, prompt: Prompt, configs: list[CacheCo
             logits = model.decode_step([token] * len(caches), position, caches)
             position += 1
         answers = [[] for _ in caches]
-        for _ in range(ANSWER_TOKENS):
+        for step in range(ANSWER_TOKENS):
             next_tokens = logits.argmax(axis=-1)
             for answer, token in zip(answers, next_tokens):
                 answer.append(int(token))
-            logits = model.decode_step(next_tokens, position, caches)
-            position += 1
+            if step + 1 < ANSWER_TOKENS:  # the last token's own logits are not needed
+                logits = model.decode_step(next_tokens, position, caches)
+                position += 1
     return [model.tokenizer.decode(a) for a in answers], caches
 
 
