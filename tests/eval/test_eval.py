@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from tools.eval.evaluate import CacheConfig, evaluate, load_text_tokens, DEFAULT_TEXT, write_outputs
+from tools.eval.evaluate import (DEFAULT_TEXT, CacheConfig, evaluate, headline_configurations,
+                                 load_text_tokens, write_outputs)
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PREFIX, DECODE = 104, 24  # > residual + block of every preset: blocks get quantized
@@ -94,3 +95,24 @@ def test_command_line_quick_run(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "| exact preset |" in proc.stdout
     assert (out / "bits_vs_kl.png").exists() and (out / "accuracy.json").exists()
+
+
+def test_headline_rows_count_bits_with_fp16_io(model):
+    """The headline rows: library caches with fp16 I/O (the exact tail in fp16) and
+    llama.cpp's formats; bits at 8,192 tokens are measured on a cache filled that far."""
+    configs = headline_configurations(quick=True) + [CacheConfig("kivi, float32 I/O", "kivi")]
+    tokens = load_text_tokens(model, DEFAULT_TEXT, PREFIX + DECODE + 1)
+    _, results = evaluate(model, tokens, PREFIX, configs, progress=False, bits_length=8192)
+    r = {x.name: x for x in results}
+    assert 16 <= r["exact preset"].bits_at_length < 16.01  # fp16 blocks plus a little bookkeeping
+    assert r["llama.cpp q4_0"].bits_at_length == 4.5 and r["llama.cpp q4_0"].full_precision_bits == 0
+    for name in ("qjl preset", "kivi preset", "ott preset"):
+        assert r[name].bits_at_length < 4 < r[name].bits_per_number, name  # 128 tokens: mostly tail
+        assert r[name].length_tokens == 8192
+    # the same cache with a float32 tail: the tail's bits halve with fp16 I/O
+    fp16, fp32 = r["kivi preset"], r["kivi, float32 I/O"]
+    assert fp16.full_precision_bits > 0
+    assert math.isclose(fp32.full_precision_bits, 2 * fp16.full_precision_bits, rel_tol=1e-9)
+    assert math.isclose(fp32.bits_per_number - fp16.bits_per_number, fp16.full_precision_bits,
+                        rel_tol=1e-9)
+    assert r["llama.cpp q4_0"].mean_kl > 0 and r["exact preset"].mean_kl < 1e-5
