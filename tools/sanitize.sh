@@ -2,17 +2,21 @@
 # The sanitizer checks of libqjlkv, for CI (2 cores):
 #   asan      the library and the whole C++ test suite (ctest) built with
 #             -fsanitize=address,undefined -fno-sanitize-recover=all, run with leak detection;
+#   asan-O0   the same sanitizers at -O0 on the tests that pass every class of bad argument
+#             (labels api, errors, badinput, fuzz_replay): at -O1 the compiler folds away loads
+#             that UBSan checks, such as an out-of-range value loaded as a C++ enum;
 #   tsan      the same under ThreadSanitizer (the stress test runs many threads sharing a sketch,
 #             and caches with internal worker threads);
 #   valgrind  memcheck on the C example (qjlkv_demo 256 4, every preset): no invalid access, no
 #             leak. It runs the demo of $QJLKV_VALGRIND_BUILD when set (tools/test-all.sh passes
 #             its release build), else builds one at -O1 -g.
-# Sanitizer builds use -O1 -g, in their own directories. Any report fails the script.
+# Sanitizer builds use -O1 -g (asan-O0: -O0 -g), in their own directories. Any report fails the
+# script.
 #
-#   tools/sanitize.sh [asan] [tsan] [valgrind]      (default: all three)
+#   tools/sanitize.sh [asan] [asan-O0] [tsan] [valgrind]      (default: all four)
 #
 # Environment: QJLKV_SANITIZE_DIR (where the build directories go, default the repository
-# root: build-asan, build-tsan, build-valgrind), QJLKV_JOBS (default nproc),
+# root: build-asan, build-asan-O0, build-tsan, build-valgrind), QJLKV_JOBS (default nproc),
 # QJLKV_TSAN_EXCLUDE (ctest -LE regex of test labels skipped under TSan; default
 # "statistical|emulator": the estimator's many-sample statistics and the CUDA emulator's tests,
 # single-threaded, minutes each under TSan (whose model does not cover the emulator's fibers),
@@ -23,18 +27,20 @@ ROOT=$PWD
 DIR=${QJLKV_SANITIZE_DIR:-$ROOT}
 JOBS=${QJLKV_JOBS:-$(nproc)}
 TSAN_EXCLUDE=${QJLKV_TSAN_EXCLUDE:-statistical|emulator}
-STEPS=${*:-asan tsan valgrind}
+STEPS=${*:-asan asan-O0 tsan valgrind}
+ASAN_O0_LABELS="api|errors|badinput|fuzz_replay"
+ASAN_O0_TARGETS="qjlkv_test_api qjlkv_test_errors qjlkv_test_bad_input qjlkv_fuzz_replay_config qjlkv_fuzz_replay_api"
 failed=()
 
-# configure_and_build DIR FLAGS [extra cmake args...]: the library, tests and examples.
+# configure_and_build DIR FLAGS [TARGETS]: the library, tests and examples (or only TARGETS), at
+# $OPT (default -O1).
 configure_and_build() {
-  local build=$1 flags=$2
-  shift 2
+  local build=$1 flags=$2 targets=${3:-} opt=${OPT:--O1}
   cmake -S "$ROOT" -B "$build" -DQJLKV_CUDA=OFF -DQJLKV_BUILD_BENCH=OFF \
-    -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG="-O1 -g" -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
+    -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG="$opt -g" -DCMAKE_CXX_FLAGS_DEBUG="$opt -g" \
     -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" \
-    -DCMAKE_EXE_LINKER_FLAGS="$flags" -DCMAKE_SHARED_LINKER_FLAGS="$flags" "$@" >/dev/null &&
-    cmake --build "$build" -j "$JOBS"
+    -DCMAKE_EXE_LINKER_FLAGS="$flags" -DCMAKE_SHARED_LINKER_FLAGS="$flags" >/dev/null &&
+    cmake --build "$build" -j "$JOBS" ${targets:+--target $targets}
 }
 
 # run_ctest DIR [ctest args...]: the whole suite; fails when the reliability tests are missing.
@@ -72,6 +78,16 @@ asan() {
     run_ctest "$DIR/build-asan"
 }
 
+# -O0: every load stays a load, so UBSan sees e.g. an int outside an enum loaded as the enum.
+asan_O0() {
+  export ASAN_OPTIONS=detect_leaks=1:halt_on_error=1
+  export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+  OPT=-O0 configure_and_build "$DIR/build-asan-O0" \
+    "-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" "$ASAN_O0_TARGETS" &&
+    ctest --test-dir "$DIR/build-asan-O0" --output-on-failure -j "$JOBS" --timeout 1800 -L "$ASAN_O0_LABELS" \
+      --no-tests=error
+}
+
 tsan() {
   export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
   configure_and_build "$DIR/build-tsan" "-fsanitize=thread -fno-omit-frame-pointer" &&
@@ -96,9 +112,10 @@ valgrind_demo() {
 for s in $STEPS; do
   case $s in
     asan) step "ASan+UBSan ctest" asan ;;
+    asan-O0) step "ASan+UBSan -O0 ctest (bad input)" asan_O0 ;;
     tsan) step "TSan ctest" tsan ;;
     valgrind) step "valgrind qjlkv_demo" valgrind_demo ;;
-    *) echo "unknown step '$s' (asan, tsan, valgrind)" >&2; exit 2 ;;
+    *) echo "unknown step '$s' (asan, asan-O0, tsan, valgrind)" >&2; exit 2 ;;
   esac
 done
 echo

@@ -5,7 +5,8 @@
 #   tools/test-all.sh            # everything
 #   QJLKV_SUITES="cpp python" tools/test-all.sh   # a subset of:
 #       deps cpp cuda packaging python rust eval sanitize fuzz
-# (sanitize: ASan+UBSan and TSan builds running the whole ctest suite, valgrind on the C demo;
+# (sanitize: ASan+UBSan and TSan builds running the whole ctest suite, ASan+UBSan at -O0 on the
+# bad-input tests, valgrind on the C demo;
 # fuzz: the libFuzzer harnesses for QJLKV_FUZZ_SECONDS each, default 60.)
 #
 # Each suite prints its own closing line; the script ends with "N passed, N failed".

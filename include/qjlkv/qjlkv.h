@@ -248,7 +248,8 @@ QJLKV_API void qjlkv_sketch_destroy(qjlkv_sketch *s);
  * backend and the ordinal: -1 = CPU, >= 0 = CUDA device ordinal). A struct of
  * that size is read and written with 0.1's meaning: the library derives
  * backend and device_ordinal from that field and writes it back the same way,
- * so a program built against 0.1 works unchanged. */
+ * so a program built against 0.1 keeps working (provided it set struct_size,
+ * which 0.1 did not require of qjlkv_config_init: packaging/VERSIONING.md). */
 #define QJLKV_CONFIG_SIZE_0_1 112u
 typedef struct qjlkv_config {
   uint32_t struct_size;          /* sizeof(qjlkv_config), set by the caller   */
