@@ -111,6 +111,7 @@ class Writer {
   Writer(qjlkv_write_fn write, void *user) : write_(write), user_(user) { buffer_.reserve(kPiece); }
 
   void bytes(const void *data, size_t size) {
+    if (size == 0) return;  // data may be the NULL of an empty vector
     crc_ = crc32c_update(crc_, data, size);
     written_ += size;
     const auto *p = static_cast<const uint8_t *>(data);
@@ -288,6 +289,7 @@ class Reader {
       : read_(read), user_(user), known_size_(known_size) {}
 
   void bytes(void *data, size_t size, const char *what) {
+    if (size == 0) return;  // data may be the NULL of an empty vector
     if (known_size_ != kUnknown && size > known_size_ - offset_) truncated(what);
     const size_t got = read_(user_, data, size);
     if (got != size) truncated(what);
