@@ -94,12 +94,14 @@ uint64_t layer_body_bytes(const CacheSpec &spec, uint32_t layer, const LayerShap
   const qjlkv_config &cfg = spec.cfg;
   const uint64_t token = uint64_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
   const uint64_t row = uint64_t(cfg.head_dim) * spec.io_elem;
-  // blocks < 2^32, Hkv and record bytes < 2^20: no overflow in 64 bits; so for the tail.
+  // blocks < 2^29 (B >= 8, length < 2^32), Hkv <= 2^12, a record < 2^23 bytes, the tail < 2^40
+  // bytes: the sum stays below 2^64.
   uint64_t bytes = kLayerFieldBytes + uint64_t(shape.counts.blocks) * cfg.num_kv_heads *
                                           record_bytes(spec.layers[layer].layout);
   bytes += 2 * uint64_t(shape.counts.tail_tokens) * token;
   for (size_t h = 0; h < shape.outlier_tokens.size(); ++h)
-    bytes += kOutlierFieldBytes + uint64_t(shape.outlier_tokens[h]) * (4 + 2 * row) + 4 * uint64_t(shape.pool_tokens[h]);
+    bytes += kOutlierFieldBytes + uint64_t(shape.outlier_tokens[h]) * (4 + 2 * row) +
+             4 * uint64_t(shape.pool_tokens[h]);
   return bytes;
 }
 
@@ -356,7 +358,8 @@ HeaderInfo read_header(Reader &in, const qjlkv_cache *c, uint32_t seq) {
   in.bytes(h + 12, kHeaderBytes - 12, "the header");
   if (get32(h + 124) != crc32c(h, 124))
     corrupt("the header checksum is 0x%08x, the header's bytes give 0x%08x", get32(h + 124), crc32c(h, 124));
-  if (get32(h + 12) != kHeaderBytes) corrupt("header_bytes is %u, format version 1 has %u", get32(h + 12), kHeaderBytes);
+  if (get32(h + 12) != kHeaderBytes)
+    corrupt("header_bytes is %u, format version 1 has %u", get32(h + 12), kHeaderBytes);
   if (get32(h + 20) != 0) corrupt("flags is 0x%x, format version 1 defines none", get32(h + 20));
   const StoredConfig mine = stored_config(c->spec().cfg);
   for (size_t i = 0; i < mine.fields.size(); ++i) {
@@ -472,8 +475,9 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t expected_layer, Porta
   uint8_t f[kSectionHeaderBytes + kLayerFieldBytes];
   in.bytes(f, sizeof f, "a layer section's header");
   const uint32_t tag = get32(f);
-  if (tag != kLayerTag) corrupt("section tag %u at stream offset %llu is not the layer tag (%u)", tag,
-                                (unsigned long long)(in.offset() - sizeof f), kLayerTag);
+  if (tag != kLayerTag)
+    corrupt("section tag %u at stream offset %llu is not the layer tag (%u)", tag,
+            (unsigned long long)(in.offset() - sizeof f), kLayerTag);
   const uint64_t body = get64(f + 8);
   const uint8_t *lf = f + kSectionHeaderBytes;
   const uint32_t layer = get32(lf);
@@ -503,8 +507,9 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t expected_layer, Porta
     corrupt("layer %u: the section claims %llu bytes; its counts need %s%llu, the payload has %llu left", layer,
             (unsigned long long)body, traced ? "at least " : "", (unsigned long long)fixed_body,
             (unsigned long long)(payload_left - std::min(payload_left, uint64_t(kSectionHeaderBytes))));
-  if (!in.can_hold(body - kLayerFieldBytes)) corrupt("the stream is truncated: layer %u's section claims %llu bytes, the stream ends before", layer,
-                                  (unsigned long long)body);
+  if (!in.can_hold(body - kLayerFieldBytes))
+    corrupt("the stream is truncated: layer %u's section claims %llu bytes, the stream ends before", layer,
+            (unsigned long long)body);
   payload_left -= kSectionHeaderBytes + body;
   const uint64_t section_start = in.offset() - kLayerFieldBytes;  // where the body began
   if (length == 0) return;
