@@ -5,8 +5,47 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "config.hpp"
+#include "error.hpp"
+
+namespace qjlkv {
+
+// Serialization (src/serialize.cpp, docs/FORMAT.md) sees one (layer, seq) of a backend through
+// these: the portable state, independent of how a backend stores it.
+struct PortableCounts {
+  uint64_t length = 0;
+  uint32_t blocks = 0, tail_tokens = 0;
+};
+// OTT's exact outlier tokens of one (sequence, kv head): the pool's tokens, then the spill
+// area's, in slot order; keys/values [pool + spilled][head_dim] in the I/O dtype.
+struct PortableOutliers {
+  uint32_t pool = 0, spilled = 0;
+  bool tracing = true;
+  std::vector<uint32_t> positions;  // [pool + spilled]
+  std::vector<float> norms;         // [pool]: the pool's key L2 norms
+  std::vector<uint8_t> keys, values;
+};
+
+// An import of one sequence in progress: storage the cache does not see until commit().
+class PortableImport {
+ public:
+  virtual ~PortableImport() = default;
+  // Creates the storage of (layer, seq) for `counts` (called once per layer, in order, before its
+  // writes); throws OUT_OF_MEMORY leaving nothing changed.
+  virtual void add_layer(uint32_t layer, const PortableCounts &counts) = 0;
+  // Block b of kv head h of the layer added last: BlockLayout::stride bytes.
+  virtual void write_block(uint32_t block, uint32_t head, const uint8_t *bytes) = 0;
+  // Tail tokens [first, first + count) of the layer added last: keys (or values) [count][Hkv][d].
+  virtual void write_tail(uint32_t first, uint32_t count, bool values, const uint8_t *rows) = 0;
+  // OTT-traced layers: the outlier tokens of kv head h of the layer added last.
+  virtual void write_outliers(uint32_t head, const PortableOutliers &outliers) = 0;
+  // Makes every added layer of the sequence visible; the target layers must still be empty.
+  virtual void commit() noexcept = 0;
+};
+
+}  // namespace qjlkv
 
 struct qjlkv_cache {
   explicit qjlkv_cache(qjlkv::CacheSpec spec) : spec_(std::move(spec)) {}
@@ -38,7 +77,38 @@ struct qjlkv_cache {
   virtual void stats(qjlkv_stats &out) const = 0;
   virtual void set_stream(void *stream) = 0;
 
+  // Serialization (src/serialize.cpp). A backend without it refuses with UNSUPPORTED.
+  virtual qjlkv::PortableCounts portable_counts(uint32_t layer, uint32_t seq) const {
+    (void)layer, (void)seq;
+    unsupported_serialization();
+  }
+  // Block b of kv head h of (layer, seq): BlockLayout::stride bytes into out.
+  virtual void read_block(uint32_t layer, uint32_t seq, uint32_t block, uint32_t head, uint8_t *out) const {
+    (void)layer, (void)seq, (void)block, (void)head, (void)out;
+    unsupported_serialization();
+  }
+  // Tail tokens [first, first + count) of (layer, seq): keys (or values) [count][Hkv][d] into out.
+  virtual void read_tail(uint32_t layer, uint32_t seq, uint32_t first, uint32_t count, bool values,
+                         uint8_t *out) const {
+    (void)layer, (void)seq, (void)first, (void)count, (void)values, (void)out;
+    unsupported_serialization();
+  }
+  // OTT-traced layers: the outlier tokens of kv head h of (layer, seq).
+  virtual void read_outliers(uint32_t layer, uint32_t seq, uint32_t head, qjlkv::PortableOutliers &out) const {
+    (void)layer, (void)seq, (void)head, (void)out;
+    unsupported_serialization();
+  }
+  virtual std::unique_ptr<qjlkv::PortableImport> begin_import(uint32_t seq) {
+    (void)seq;
+    unsupported_serialization();
+  }
+
  private:
+  [[noreturn]] static void unsupported_serialization() {
+    qjlkv::fail(QJLKV_ERROR_UNSUPPORTED,
+                "export and import of CUDA caches (config.device >= 0) are not implemented in this "
+                "release; CPU caches (config.device = -1) read and write the same streams");
+  }
   qjlkv::CacheSpec spec_;
 };
 

@@ -6,7 +6,7 @@
 #   tools/fuzz.sh [SECONDS_PER_HARNESS]      (default 60)
 #
 # Environment: QJLKV_FUZZ_BUILD (build directory, default build-fuzz), QJLKV_FUZZ_HARNESSES
-# (default "config api"), QJLKV_JOBS (build jobs, default nproc), QJLKV_FUZZ_SEED (libFuzzer's
+# (default "config api import"), QJLKV_JOBS (build jobs, default nproc), QJLKV_FUZZ_SEED (libFuzzer's
 # seed, default 1: every CI run explores the same inputs, as far as its time allows, so a
 # failure there points at a change rather than at luck; "random" or another number explores
 # further by hand).
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 SECONDS_EACH=${1:-60}
 BUILD=${QJLKV_FUZZ_BUILD:-$ROOT/build-fuzz}
-HARNESSES=${QJLKV_FUZZ_HARNESSES:-"config api"}
+HARNESSES=${QJLKV_FUZZ_HARNESSES:-"config api import"}
 JOBS=${QJLKV_JOBS:-$(nproc)}
 SEED=${QJLKV_FUZZ_SEED:-1}
 [ "$SEED" = random ] && SEED=0  # libFuzzer: 0 picks a seed from the clock

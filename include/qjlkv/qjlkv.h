@@ -141,8 +141,8 @@ typedef enum qjlkv_status {
   QJLKV_ERROR_UNSUPPORTED = 3,      /* valid, but not available in this build
                                        or on this machine (e.g. no CUDA device) */
   QJLKV_ERROR_DEVICE = 4,           /* the CUDA runtime reported an error    */
-  QJLKV_ERROR_CORRUPT_DATA = 5,     /* internal state failed a consistency
-                                       check                                  */
+  QJLKV_ERROR_CORRUPT_DATA = 5,     /* a serialized stream (or internal
+                                       state) failed a consistency check      */
   QJLKV_ERROR_INTERNAL = 6          /* a bug in the library: please report it */
 } qjlkv_status;
 
@@ -491,6 +491,81 @@ typedef struct qjlkv_stats {
 /* Fills the first out->struct_size bytes of *out (see "Growing structs").
  * Errors: INVALID_ARGUMENT (NULL, a struct_size that is not a shipped size). */
 QJLKV_API qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out);
+
+/* ===========================================================================
+ * Export and import (docs/FORMAT.md describes the stream)
+ * ======================================================================== */
+/* One sequence of a cache, in all its layers or a range of them, becomes a
+ * self-describing byte stream: a versioned header (the config fields that
+ * determine the stored bytes, the sketch seed), one section per layer (the
+ * quantized blocks, the exact tail, OTT's outlier tokens), and a CRC-32C over
+ * everything. Importing it into a cache whose config has the same such fields
+ * restores exactly the stored bytes, so appends and attention continue as if
+ * the sequence had never left (bit-identical outputs). The stream does not
+ * depend on the backend, the thread count or the number of query heads.
+ *
+ * CUDA caches, in this release: export and import return UNSUPPORTED.
+ *
+ * Layers. A stream covers layers [first_layer, first_layer + num_layers) and is
+ * imported into the same layer indices (each layer's sketch depends on its
+ * index). Layers where the sequence holds no tokens are exported as empty. */
+
+/* Receives the next `size` bytes of a stream being exported; returns the
+ * number of bytes it took. Anything other than `size` stops the export. */
+typedef size_t (*qjlkv_write_fn)(void *user, const void *data, size_t size);
+/* Fills data with the next `size` bytes of a stream being imported; returns
+ * the number of bytes read. Fewer than `size` means the stream ended. */
+typedef size_t (*qjlkv_read_fn)(void *user, void *data, size_t size);
+
+/* The exact number of bytes qjlkv_cache_export() writes for these arguments
+ * (as long as the sequence does not change).
+ * Errors: INVALID_ARGUMENT (NULL c or size; num_layers == 0; the range exceeds
+ * the cache's layers; seq holds no tokens in any layer of the range),
+ * UNSUPPORTED (CUDA cache), OUT_OF_MEMORY. */
+QJLKV_API qjlkv_status qjlkv_cache_export_size(const qjlkv_cache *c, uint32_t seq,
+                                               uint32_t first_layer, uint32_t num_layers,
+                                               uint64_t *size);
+
+/* Writes the stream of sequence seq, layers [first_layer, first_layer +
+ * num_layers), into buf: exactly the size qjlkv_cache_export_size() reports.
+ * Errors: as export_size, and INVALID_ARGUMENT for a NULL buf or a buf_size
+ * below the stream's size. The cache is never modified. */
+QJLKV_API qjlkv_status qjlkv_cache_export(const qjlkv_cache *c, uint32_t seq,
+                                          uint32_t first_layer, uint32_t num_layers,
+                                          void *buf, uint64_t buf_size);
+
+/* The same stream, handed to write() in pieces of at most 64 KiB (the stream
+ * is never held whole in memory). Errors: as export_size, and
+ * INVALID_ARGUMENT for a NULL write or when write() takes fewer bytes than
+ * given (the stream is then incomplete). */
+QJLKV_API qjlkv_status qjlkv_cache_export_stream(const qjlkv_cache *c, uint32_t seq,
+                                                 uint32_t first_layer, uint32_t num_layers,
+                                                 qjlkv_write_fn write, void *user);
+
+/* Imports a stream of exactly `size` bytes into sequence seq (any id; the
+ * stream does not name one) of the layers it covers.
+ * Errors, each with nothing changed:
+ *   INVALID_ARGUMENT: NULL c or buf; a format version this library does not
+ *     read; a config field that determines the stored bytes (or the sketch
+ *     seed) differs from this cache's (the message names it); the stream's
+ *     layers exceed this cache's; seq already holds tokens in one of them;
+ *     size larger than the stream.
+ *   CORRUPT_DATA: not a stream (magic), a checksum mismatch, a truncated
+ *     stream (size smaller than it), or counts and numbers that no cache
+ *     stores (the message names the layer, block and field).
+ *   OUT_OF_MEMORY, UNSUPPORTED (CUDA cache). */
+QJLKV_API qjlkv_status qjlkv_cache_import(qjlkv_cache *c, uint32_t seq, const void *buf,
+                                          uint64_t size);
+
+/* The same, reading the stream through read() as it goes: no second copy of
+ * the stream is held. Reads exactly the stream's bytes (several streams can
+ * follow each other in a file). Storage for each layer is allocated as its
+ * section header (checked by the header's checksum) announces, before the
+ * payload is read; the sequence becomes visible only once the trailing
+ * checksum matched. Errors: as import (a short read is CORRUPT_DATA, a
+ * NULL read INVALID_ARGUMENT). */
+QJLKV_API qjlkv_status qjlkv_cache_import_stream(qjlkv_cache *c, uint32_t seq,
+                                                 qjlkv_read_fn read, void *user);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -114,8 +114,15 @@ class CpuCache final : public qjlkv_cache {
   void set_stream(void *stream) override {
     if (stream) fail(QJLKV_ERROR_UNSUPPORTED, "cuda_stream must be NULL on a CPU cache (config.backend = QJLKV_BACKEND_CPU)");
   }
+  PortableCounts portable_counts(uint32_t layer, uint32_t seq) const override;
+  void read_block(uint32_t layer, uint32_t seq, uint32_t block, uint32_t head, uint8_t *out) const override;
+  void read_tail(uint32_t layer, uint32_t seq, uint32_t first, uint32_t count, bool values,
+                 uint8_t *out) const override;
+  void read_outliers(uint32_t layer, uint32_t seq, uint32_t head, PortableOutliers &out) const override;
+  std::unique_ptr<PortableImport> begin_import(uint32_t seq) override;
 
  private:
+  friend class CpuImport;
   // Refuses non-finite elements and those beyond `limit` (a CacheSpec limit, or FLT_MAX).
   void check_data(const char *name, const void *data, size_t elems, float limit) const;
   void check_key_norms(const void *keys, size_t tokens) const;
@@ -800,6 +807,113 @@ void CpuCache::stats(qjlkv_stats &out) const {
   out.bytes_metadata = meta + padding;  // block padding is stored, so it counts
   out.bytes_reserved = allocated + meta;  // every allocated byte, used or not
 }
+
+// ---- serialization (src/serialize.cpp) --------------------------------------------------------
+PortableCounts CpuCache::portable_counts(uint32_t layer, uint32_t seq_id) const {
+  const auto it = layers_[layer].find(seq_id);
+  if (it == layers_[layer].end()) return {};
+  return {it->second.length, it->second.blocks, it->second.tail_tokens};
+}
+
+void CpuCache::read_block(uint32_t layer, uint32_t seq_id, uint32_t block, uint32_t head, uint8_t *out) const {
+  const size_t stride = spec().layers[layer].layout.stride;
+  std::memcpy(out, find(layer, seq_id).heads[head].data() + size_t(block) * stride, stride);
+}
+
+void CpuCache::read_tail(uint32_t layer, uint32_t seq_id, uint32_t first, uint32_t count, bool values,
+                         uint8_t *out) const {
+  const Sequence &seq = find(layer, seq_id);
+  const std::vector<uint8_t> &tail = values ? seq.tail_values : seq.tail_keys;
+  std::memcpy(out, tail.data() + size_t(first) * token_bytes_, size_t(count) * token_bytes_);
+}
+
+void CpuCache::read_outliers(uint32_t layer, uint32_t seq_id, uint32_t head, PortableOutliers &out) const {
+  const OutlierTokens &ott = find(layer, seq_id).outliers[head];
+  const size_t row = size_t(spec().cfg.head_dim) * spec().io_elem, P = spec().cfg.outlier_tokens;
+  out.pool = ott.pool;
+  out.spilled = ott.spilled;
+  out.tracing = ott.tracing;
+  out.norms.assign(ott.norms.begin(), ott.norms.begin() + ott.pool);
+  out.positions.assign(ott.positions.begin(), ott.positions.begin() + ott.pool);
+  out.positions.insert(out.positions.end(), ott.positions.begin() + P, ott.positions.begin() + P + ott.spilled);
+  for (auto [dst, src] : {std::pair{&out.keys, &ott.keys}, std::pair{&out.values, &ott.values}}) {
+    dst->assign(src->begin(), src->begin() + ptrdiff_t(ott.pool * row));
+    dst->insert(dst->end(), src->begin() + ptrdiff_t(P * row), src->begin() + ptrdiff_t((P + ott.spilled) * row));
+  }
+}
+
+// The layers of one imported sequence, each in a map node of its own so that commit() only links
+// nodes into maps whose buckets were reserved beforehand: it cannot allocate, hence cannot fail.
+class CpuImport final : public PortableImport {
+ public:
+  CpuImport(CpuCache &cache, uint32_t seq) : cache_(cache), seq_(seq) {}
+
+  void add_layer(uint32_t layer, const PortableCounts &counts) override {
+    const CacheSpec &spec = cache_.spec();
+    std::unordered_map<uint32_t, Sequence> holder;
+    Sequence &seq = holder[seq_];
+    seq.length = counts.length;
+    seq.blocks = counts.blocks;
+    seq.tail_tokens = counts.tail_tokens;
+    cache_.create_heads(seq, layer);
+    for (auto &bytes : seq.heads) bytes.resize(size_t(counts.blocks) * spec.layers[layer].layout.stride);
+    // The capacity an append leaves, so that the next appends allocate as they would have.
+    const size_t tail_bytes = size_t(counts.tail_tokens) * cache_.token_bytes_;
+    const size_t capacity =
+        std::max(tail_bytes, size_t(spec.cfg.residual_tokens + spec.cfg.block_tokens) * cache_.token_bytes_);
+    for (auto *tail : {&seq.tail_keys, &seq.tail_values}) {
+      tail->reserve(capacity);
+      tail->resize(tail_bytes);
+    }
+    cache_.layers_[layer].reserve(cache_.layers_[layer].size() + 1);
+    layers_.push_back({layer, holder.extract(seq_)});
+  }
+  void write_block(uint32_t block, uint32_t head, const uint8_t *bytes) override {
+    const size_t stride = cache_.spec().layers[layers_.back().layer].layout.stride;
+    std::memcpy(current().heads[head].data() + size_t(block) * stride, bytes, stride);
+  }
+  void write_tail(uint32_t first, uint32_t count, bool values, const uint8_t *rows) override {
+    std::vector<uint8_t> &tail = values ? current().tail_values : current().tail_keys;
+    const size_t token = cache_.token_bytes_;
+    std::memcpy(tail.data() + size_t(first) * token, rows, size_t(count) * token);
+  }
+  void write_outliers(uint32_t head, const PortableOutliers &in) override {
+    OutlierTokens &ott = current().outliers[head];
+    const size_t row = size_t(cache_.spec().cfg.head_dim) * cache_.spec().io_elem;
+    const uint32_t P = cache_.spec().cfg.outlier_tokens;
+    ott.pool = in.pool;
+    ott.spilled = in.spilled;
+    ott.tracing = in.tracing;
+    std::copy_n(in.norms.begin(), in.pool, ott.norms.begin());
+    std::copy_n(in.positions.begin(), in.pool, ott.positions.begin());
+    std::copy_n(in.positions.begin() + in.pool, in.spilled, ott.positions.begin() + P);
+    for (auto [dst, src] : {std::pair{&ott.keys, &in.keys}, std::pair{&ott.values, &in.values}}) {
+      std::copy_n(src->begin(), in.pool * row, dst->begin());
+      std::copy_n(src->begin() + ptrdiff_t(in.pool * row), in.spilled * row, dst->begin() + ptrdiff_t(P * row));
+    }
+  }
+  void commit() noexcept override {
+    for (StagedLayer &staged : layers_) {
+      auto &map = cache_.layers_[staged.layer];
+      map.erase(seq_);  // an empty record, if any: the C layer checked that the layer holds no tokens
+      map.insert(std::move(staged.node));
+    }
+    layers_.clear();
+  }
+
+ private:
+  struct StagedLayer {
+    uint32_t layer;
+    std::unordered_map<uint32_t, Sequence>::node_type node;
+  };
+  Sequence &current() { return layers_.back().node.mapped(); }
+
+  CpuCache &cache_;
+  uint32_t seq_;
+  std::vector<StagedLayer> layers_;
+};
+
+std::unique_ptr<PortableImport> CpuCache::begin_import(uint32_t seq) { return std::make_unique<CpuImport>(*this, seq); }
 
 }  // namespace
 }  // namespace qjlkv::cpu

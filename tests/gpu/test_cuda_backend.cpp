@@ -459,6 +459,29 @@ TEST(CudaBackend, AttendBatchIsCapturableWithConstantWork) {
 }
 #endif
 
+// Export and import are CPU-only in this release: a CUDA cache refuses both with UNSUPPORTED,
+// names the reason, and stays as it was; the CPU twin's stream still imports into a CPU cache.
+TEST(CudaBackend, ExportAndImportAreUnsupportedAndChangeNothing) {
+  REQUIRE_CUDA_DEVICE();
+  CachePair pair(make_config({"kivi", QJLKV_DTYPE_F32, 64, 4}, 2, 1));
+  ASSERT_TRUE(pair.ok()) << pair.error();
+  std::mt19937 rng(8);
+  const size_t te = pair.token_elems();
+  pair.append(0, 5, make_keys(rng, 40, 2, 64), make_values(rng, 40 * te));
+  uint64_t size = 0;
+  EXPECT_EQ(qjlkv_cache_export_size(pair.gpu(), 5, 0, 1, &size), QJLKV_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(qjlkv_last_error_message()).find("CUDA"), std::string::npos) << qjlkv_last_error_message();
+  ASSERT_EQ(qjlkv_cache_export_size(pair.cpu(), 5, 0, 1, &size), QJLKV_OK) << qjlkv_last_error_message();
+  std::vector<uint8_t> stream(size);
+  ASSERT_EQ(qjlkv_cache_export(pair.cpu(), 5, 0, 1, stream.data(), size), QJLKV_OK) << qjlkv_last_error_message();
+  EXPECT_EQ(qjlkv_cache_import(pair.gpu(), 6, stream.data(), size), QJLKV_ERROR_UNSUPPORTED);
+  uint64_t length = 0;
+  QJLKV_OK(qjlkv_cache_length(pair.gpu(), 0, 6, &length));
+  EXPECT_EQ(length, 0u);
+  QJLKV_OK(qjlkv_cache_length(pair.gpu(), 0, 5, &length));
+  EXPECT_EQ(length, 40u);
+}
+
 // Runs everywhere: without a device, the CUDA backend fails cleanly, naming the CUDA error.
 TEST(CudaBackend, CreateWithoutDeviceFailsCleanly) {
   std::string why;

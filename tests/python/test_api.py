@@ -39,6 +39,11 @@ C_FUNCTIONS = {
     "qjlkv_cache_sketch": qjlkv.Cache.sketch,
     "qjlkv_cache_clear_sequence": qjlkv.Cache.clear,
     "qjlkv_cache_stats": qjlkv.Cache.stats,
+    "qjlkv_cache_export_size": qjlkv.Cache.export_bytes,
+    "qjlkv_cache_export": qjlkv.Cache.export_bytes,
+    "qjlkv_cache_export_stream": qjlkv.Cache.export_to,
+    "qjlkv_cache_import": qjlkv.Cache.import_bytes,
+    "qjlkv_cache_import_stream": qjlkv.Cache.import_from,
 }
 
 

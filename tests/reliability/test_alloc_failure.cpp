@@ -5,6 +5,7 @@
 // to their level before the cache was created once it is destroyed); the same call must then
 // succeed and give exactly what a call that never saw a failure gives.
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -171,9 +172,53 @@ Scenario reconstruct_call(std::string name, Setup setup, const qjlkv_config &cfg
           }};
 }
 
+// The stream of seq 7 (both layers, blocks and tails) of a cache set up by `setup`.
+std::shared_ptr<std::vector<uint8_t>> exported_stream(const qjlkv_config &cfg, const Setup &setup) {
+  Cache source = fresh_cache(cfg, setup);
+  uint64_t size = 0;
+  EXPECT_EQ(qjlkv_cache_export_size(source.get(), 7, 0, cfg.num_layers, &size), QJLKV_OK);
+  auto stream = std::make_shared<std::vector<uint8_t>>(size);
+  EXPECT_EQ(qjlkv_cache_export(source.get(), 7, 0, cfg.num_layers, stream->data(), size), QJLKV_OK);
+  return stream;
+}
+
+Scenario export_call(std::string name, Setup setup, const qjlkv_config &cfg) {
+  const size_t size = exported_stream(cfg, setup)->size();
+  return {std::move(name), setup, size, [=](qjlkv_cache *c, uint8_t *out) {
+            return qjlkv_cache_export(c, 7, 0, cfg.num_layers, out, size);
+          }};
+}
+
+// Imports into seq 12345, which the snapshots watch (layer 0), beside an existing sequence.
+Scenario import_call(std::string name, const qjlkv_config &cfg, const Setup &source_setup, bool streamed) {
+  auto stream = exported_stream(cfg, source_setup);
+  struct Source {
+    const std::vector<uint8_t> *bytes;
+    size_t at;
+  };
+  return {std::move(name), fill(cfg, {{{0, 7}, 3}}), 0, [=](qjlkv_cache *c, uint8_t *) {
+            if (!streamed) return qjlkv_cache_import(c, 12345, stream->data(), stream->size());
+            Source source{stream.get(), 0};
+            return qjlkv_cache_import_stream(
+                c, 12345,
+                [](void *user, void *data, size_t size) -> size_t {
+                  auto *s = static_cast<Source *>(user);
+                  const size_t n = std::min(size, s->bytes->size() - s->at);
+                  std::memcpy(data, s->bytes->data() + s->at, n);
+                  s->at += n;
+                  return n;
+                },
+                &source);
+          }};
+}
+
 std::vector<Scenario> scenarios(const qjlkv_config &cfg) {
   const uint32_t B = cfg.block_tokens, R = cfg.residual_tokens;
+  const Setup two_layers = fill(cfg, {{{0, 7}, R + 3 * B + 2}, {{1, 7}, R + B - 1}});
   return {
+      export_call("export of blocks and tails", two_layers, cfg),
+      import_call("import of blocks and tails", cfg, two_layers, false),
+      import_call("import_stream of blocks and tails", cfg, two_layers, true),
       append_call("prefill of a new sequence, two blocks", nullptr, cfg, 0, 7, R + 2 * B + 3),
       append_call("prefill onto a tail", fill(cfg, {{{0, 7}, 3}}), cfg, 0, 7, R + 2 * B),
       append_call("prefill of a second layer", fill(cfg, {{{0, 7}, R + B}}), cfg, 1, 7, R + B + 1),

@@ -752,6 +752,84 @@ void add_query_rows(std::vector<Row> &t, const World &world) {
                }, {QJLKV_OK}, {}});
 }
 
+// Export and import (docs/FORMAT.md): every argument class; the import rows use a valid stream
+// of seq 1, exported when the row runs.
+std::vector<uint8_t> stream_of(World &w, uint32_t seq) {
+  uint64_t size = 0;
+  if (qjlkv_cache_export_size(w.cache.get(), seq, 0, kLayers, &size) != QJLKV_OK) return {};
+  std::vector<uint8_t> bytes(size);
+  if (qjlkv_cache_export(w.cache.get(), seq, 0, kLayers, bytes.data(), size) != QJLKV_OK) return {};
+  return bytes;
+}
+
+void add_serialize_rows(std::vector<Row> &t) {
+  const std::string es = "qjlkv_cache_export_size", ex = "qjlkv_cache_export", xs = "qjlkv_cache_export_stream";
+  const std::string im = "qjlkv_cache_import", is = "qjlkv_cache_import_stream";
+  const auto size_of = [](uint32_t seq, uint32_t first, uint32_t count) {
+    return [=](World &w) {
+      uint64_t size;
+      return qjlkv_cache_export_size(w.cache.get(), seq, first, count, &size);
+    };
+  };
+  t.push_back({es, "c NULL", [](World &) {
+                 uint64_t size;
+                 return qjlkv_cache_export_size(nullptr, kSeq, 0, 1, &size);
+               }, {kInvalid}, {"c"}});
+  t.push_back({es, "size NULL", [](World &w) { return qjlkv_cache_export_size(w.cache.get(), kSeq, 0, 1, nullptr); },
+               {kInvalid}, {"size"}});
+  t.push_back({es, "num_layers 0", size_of(kSeq, 0, 0), {kInvalid}, {"num_layers"}});
+  t.push_back({es, "first_layer + num_layers > num_layers", size_of(kSeq, 1, kLayers), {kInvalid}, {"first_layer"}});
+  t.push_back({es, "first_layer + num_layers overflowing", size_of(kSeq, 1, UINT32_MAX), {kInvalid}, {"first_layer"}});
+  t.push_back({es, "unknown sequence", size_of(kUnknownSeq, 0, kLayers), {kInvalid}, {"seq"}});
+  t.push_back({es, "a layer range where the sequence is empty", size_of(kOtherLayerSeq, 0, 1), {kInvalid}, {"seq"}});
+  t.push_back({es, "a range with one empty layer (valid)", size_of(kOtherLayerSeq, 0, kLayers), {QJLKV_OK}, {}});
+  t.push_back({ex, "buf NULL", [](World &w) { return qjlkv_cache_export(w.cache.get(), kSeq, 0, 1, nullptr, 1 << 30); },
+               {kInvalid}, {"buf"}});
+  t.push_back({ex, "buf_size one byte short", [](World &w) {
+                 uint64_t size = 0;
+                 (void)qjlkv_cache_export_size(w.cache.get(), kSeq, 0, kLayers, &size);
+                 GuardedBuffer out(size - 1);
+                 return qjlkv_cache_export(w.cache.get(), kSeq, 0, kLayers, out.data(), size - 1);
+               }, {kInvalid}, {"buf_size"}});
+  t.push_back({xs, "write NULL", [](World &w) {
+                 return qjlkv_cache_export_stream(w.cache.get(), kSeq, 0, kLayers, nullptr, nullptr);
+               }, {kInvalid}, {"write"}});
+  t.push_back({xs, "a write callback that refuses", [](World &w) {
+                 return qjlkv_cache_export_stream(
+                     w.cache.get(), kSeq, 0, kLayers, [](void *, const void *, size_t) -> size_t { return 0; }, nullptr);
+               }, {kInvalid}, {"write"}});
+  t.push_back({im, "c NULL", [](World &w) {
+                 const std::vector<uint8_t> s = stream_of(w, kSeq);
+                 return qjlkv_cache_import(nullptr, kUnknownSeq, s.data(), s.size());
+               }, {kInvalid}, {"c"}});
+  t.push_back({im, "buf NULL", [](World &w) { return qjlkv_cache_import(w.cache.get(), kUnknownSeq, nullptr, 128); },
+               {kInvalid}, {"buf"}});
+  t.push_back({im, "not a stream", [](World &w) {
+                 GuardedBuffer junk(200);
+                 std::memset(junk.data(), 0x5a, 200);
+                 return qjlkv_cache_import(w.cache.get(), kUnknownSeq, junk.data(), 200);
+               }, {QJLKV_ERROR_CORRUPT_DATA}, {"magic"}});
+  t.push_back({im, "a sequence that holds tokens", [](World &w) {
+                 const std::vector<uint8_t> s = stream_of(w, kSeq);
+                 return qjlkv_cache_import(w.cache.get(), kSeq, s.data(), s.size());
+               }, {kInvalid}, {"seq"}});
+  t.push_back({im, "size one byte short", [](World &w) {
+                 const std::vector<uint8_t> s = stream_of(w, kSeq);
+                 return qjlkv_cache_import(w.cache.get(), kUnknownSeq, s.data(), s.size() - 1);
+               }, {QJLKV_ERROR_CORRUPT_DATA}, {"truncated"}});
+  t.push_back({im, "a new sequence (valid)", [](World &w) {
+                 const std::vector<uint8_t> s = stream_of(w, kSeq);
+                 return qjlkv_cache_import(w.cache.get(), kUnknownSeq, s.data(), s.size());
+               }, {QJLKV_OK}, {}, true});
+  t.push_back({is, "read NULL", [](World &w) {
+                 return qjlkv_cache_import_stream(w.cache.get(), kUnknownSeq, nullptr, nullptr);
+               }, {kInvalid}, {"read"}});
+  t.push_back({is, "a stream that ends at once", [](World &w) {
+                 return qjlkv_cache_import_stream(
+                     w.cache.get(), kUnknownSeq, [](void *, void *, size_t) -> size_t { return 0; }, nullptr);
+               }, {QJLKV_ERROR_CORRUPT_DATA}, {"truncated"}});
+}
+
 std::vector<Row> table(const World &world) {
   std::vector<Row> t;
   add_sketch_rows(t);
@@ -761,6 +839,7 @@ std::vector<Row> table(const World &world) {
   add_append_batch_rows(t);
   add_attend_rows(t, world);
   add_query_rows(t, world);
+  add_serialize_rows(t);
   return t;
 }
 
@@ -798,7 +877,7 @@ TEST_P(BadInput, EveryFunctionEveryArgumentClass) {
   // The table itself must have had rows of every public function.
   std::set<std::string> functions;
   for (const Row &row : rows) functions.insert(row.function);
-  EXPECT_GE(functions.size(), 21u);
+  EXPECT_GE(functions.size(), 26u);
   std::printf("%zu rows, %zu failed, %zu functions\n", rows.size(), failures, functions.size());
 }
 

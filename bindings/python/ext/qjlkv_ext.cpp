@@ -9,12 +9,15 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -564,6 +567,122 @@ class Cache {
     return stats_to_dict(s);
   }
 
+  // ---- export / import (qjlkv_cache_export*, qjlkv_cache_import*) ----
+  py::bytes export_bytes(py::handle seq, py::handle first_layer, py::handle num_layers) const {
+    const uint32_t s = to_u32(seq, "seq"), f = to_u32(first_layer, "first_layer"), n = to_u32(num_layers, "num_layers");
+    const qjlkv_cache *c = handle_();
+    uint64_t size = 0;
+    call_nogil([&] { return qjlkv_cache_export_size(c, s, f, n, &size); });
+    if (size > uint64_t(PY_SSIZE_T_MAX)) throw std::bad_alloc();
+    PyObject *raw = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(size));
+    if (!raw) throw py::error_already_set();
+    py::bytes out = py::reinterpret_steal<py::bytes>(raw);
+    char *data = PyBytes_AS_STRING(raw);
+    call_nogil([&] { return qjlkv_cache_export(c, s, f, n, data, size); });
+    return out;
+  }
+
+  // Hands the stream to write(bytes) in pieces; returns the bytes written. An exception raised
+  // by write() stops the export and propagates.
+  uint64_t export_to(py::handle seq, py::handle first_layer, py::handle num_layers, py::object write) const {
+    const uint32_t s = to_u32(seq, "seq"), f = to_u32(first_layer, "first_layer"), n = to_u32(num_layers, "num_layers");
+    struct Sink {
+      py::object write;
+      uint64_t written = 0;
+      std::unique_ptr<py::error_already_set> error;
+    } sink{std::move(write)};
+    const auto callback = [](void *user, const void *data, size_t size) -> size_t {
+      auto *k = static_cast<Sink *>(user);
+      py::gil_scoped_acquire gil;
+      try {
+        const py::object taken = k->write(py::bytes(static_cast<const char *>(data), size));
+        // file.write returns the count (or None for some streams, meaning all of it).
+        const size_t count = taken.is_none() ? size : taken.cast<size_t>();
+        k->written += count;
+        return count;
+      } catch (py::error_already_set &e) {
+        k->error = std::make_unique<py::error_already_set>(std::move(e));
+        return 0;
+      }
+    };
+    const qjlkv_cache *c = handle_();
+    qjlkv_status status;
+    {
+      py::gil_scoped_release release;
+      status = qjlkv_cache_export_stream(c, s, f, n, callback, &sink);
+    }
+    if (sink.error) throw std::move(*sink.error);
+    check(status);
+    return sink.written;
+  }
+
+  // Any C-contiguous buffer (bytes, bytearray, memoryview, numpy uint8, mmap): read in place.
+  void import_bytes(py::handle seq, py::handle data) {
+    const uint32_t s = to_u32(seq, "seq");
+    if (!PyObject_CheckBuffer(data.ptr()))
+      fail_type("data is a " + type_name(data) + "; expected bytes or another object with the buffer protocol");
+    Py_buffer view;
+    if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
+    struct Release {
+      Py_buffer *v;
+      ~Release() { PyBuffer_Release(v); }
+    } release{&view};
+    qjlkv_cache *c = handle_();
+    const void *bytes = view.buf ? view.buf : static_cast<const void *>("");
+    const uint64_t size = uint64_t(view.len);
+    call_nogil([&] { return qjlkv_cache_import(c, s, bytes, size); });
+  }
+
+  // Reads one stream through reader.readinto(memoryview) (or reader.read(n)): exactly the
+  // stream's bytes, so several streams can follow each other in one file.
+  void import_from(py::handle seq, py::object reader) {
+    const uint32_t s = to_u32(seq, "seq");
+    struct Source {
+      py::object readinto, read;
+      std::unique_ptr<py::error_already_set> error;
+    } source;
+    if (py::hasattr(reader, "readinto")) source.readinto = reader.attr("readinto");
+    else if (py::hasattr(reader, "read")) source.read = reader.attr("read");
+    else fail_type("file is a " + type_name(reader) + "; expected an object with readinto() or read()");
+    const auto callback = [](void *user, void *data, size_t size) -> size_t {
+      auto *src = static_cast<Source *>(user);
+      py::gil_scoped_acquire gil;
+      size_t done = 0;
+      try {
+        while (done < size) {
+          size_t got = 0;
+          if (src->readinto) {
+            py::object view = py::reinterpret_steal<py::object>(PyMemoryView_FromMemory(
+                static_cast<char *>(data) + done, Py_ssize_t(size - done), PyBUF_WRITE));
+            if (!view) throw py::error_already_set();
+            const py::object n = src->readinto(view);
+            view.attr("release")();
+            got = n.is_none() ? 0 : n.cast<size_t>();
+          } else {
+            const py::bytes chunk = src->read(size - done);
+            const std::string_view bytes = chunk;
+            got = std::min(bytes.size(), size - done);
+            std::memcpy(static_cast<char *>(data) + done, bytes.data(), got);
+          }
+          if (got == 0) break;  // end of file
+          done += got;
+        }
+      } catch (py::error_already_set &e) {
+        src->error = std::make_unique<py::error_already_set>(std::move(e));
+        return 0;
+      }
+      return done;
+    };
+    qjlkv_cache *c = handle_();
+    qjlkv_status status;
+    {
+      py::gil_scoped_release release;
+      status = qjlkv_cache_import_stream(c, s, callback, &source);
+    }
+    if (source.error) throw std::move(*source.error);
+    check(status);
+  }
+
   const qjlkv_sketch *sketch(py::handle layer) const {
     const uint32_t l = to_u32(layer, "layer");
     const qjlkv_sketch *s = nullptr;
@@ -774,6 +893,11 @@ PYBIND11_MODULE(_qjlkv, m) {
       .def("length", &Cache::length, py::arg("layer"), py::arg("seq"))
       .def("clear", &Cache::clear, py::arg("seq"))
       .def("stats", &Cache::stats)
+      .def("export_bytes", &Cache::export_bytes, py::arg("seq"), py::arg("first_layer"), py::arg("num_layers"))
+      .def("export_to", &Cache::export_to, py::arg("seq"), py::arg("first_layer"), py::arg("num_layers"),
+           py::arg("write"))
+      .def("import_bytes", &Cache::import_bytes, py::arg("seq"), py::arg("data"))
+      .def("import_from", &Cache::import_from, py::arg("seq"), py::arg("file"))
       .def(
           "sketch",
           [](py::object self, py::handle layer) {

@@ -298,6 +298,35 @@ class Cache:
         stats["compression_ratio"] = stats["bytes_fp16_equivalent"] / used if used else math.nan
         return stats
 
+    def _layer_range(self, first_layer: int, num_layers: int | None) -> tuple[int, int]:
+        if num_layers is None:
+            num_layers = self.config.num_layers - first_layer
+        return first_layer, num_layers
+
+    def export_bytes(self, seq: int, first_layer: int = 0, num_layers: int | None = None) -> bytes:
+        """``qjlkv_cache_export``: sequence ``seq`` (layers ``[first_layer, first_layer +
+        num_layers)``, default all) as the stream of docs/FORMAT.md."""
+        return self._handle.export_bytes(seq, *self._layer_range(first_layer, num_layers))
+
+    def export_to(self, file: Any, seq: int, first_layer: int = 0, num_layers: int | None = None) -> int:
+        """``qjlkv_cache_export_stream``: writes the stream to ``file`` (anything with
+        ``write(bytes)``) in pieces of at most 64 KiB, never holding it whole; returns the bytes
+        written. An exception raised by ``write`` propagates."""
+        return self._handle.export_to(seq, *self._layer_range(first_layer, num_layers), file.write)
+
+    def import_bytes(self, seq: int, data: Any) -> None:
+        """``qjlkv_cache_import``: imports a stream held in ``data`` (bytes, bytearray,
+        memoryview, mmap or any C-contiguous buffer; read in place) into sequence ``seq``, which
+        must be empty in the stream's layers. Raises qjlkv.CorruptData for damaged streams,
+        qjlkv.InvalidArgument for mismatched configs; the cache is then unchanged."""
+        self._handle.import_bytes(seq, data)
+
+    def import_from(self, file: Any, seq: int) -> None:
+        """``qjlkv_cache_import_stream``: reads one stream from ``file`` (``readinto`` or
+        ``read``), exactly its bytes, so streams written one after another are read one per
+        call."""
+        self._handle.import_from(seq, file)
+
     def sketch(self, layer: int) -> Sketch:
         """``qjlkv_cache_sketch``: the sketch ``layer`` uses (keeps the cache alive). Raises
         qjlkv.Unsupported unless the key method is QJL."""

@@ -858,3 +858,54 @@ fn bindgen_test_layout_qjlkv_stats() {
 extern "C" {
     pub fn qjlkv_cache_stats(c: *const qjlkv_cache, out: *mut qjlkv_stats) -> qjlkv_status;
 }
+pub type qjlkv_write_fn = ::std::option::Option<
+    unsafe extern "C" fn(user: *mut ::std::os::raw::c_void, data: *const ::std::os::raw::c_void, size: usize) -> usize,
+>;
+pub type qjlkv_read_fn = ::std::option::Option<
+    unsafe extern "C" fn(user: *mut ::std::os::raw::c_void, data: *mut ::std::os::raw::c_void, size: usize) -> usize,
+>;
+extern "C" {
+    pub fn qjlkv_cache_export_size(
+        c: *const qjlkv_cache,
+        seq: u32,
+        first_layer: u32,
+        num_layers: u32,
+        size: *mut u64,
+    ) -> qjlkv_status;
+}
+extern "C" {
+    pub fn qjlkv_cache_export(
+        c: *const qjlkv_cache,
+        seq: u32,
+        first_layer: u32,
+        num_layers: u32,
+        buf: *mut ::std::os::raw::c_void,
+        buf_size: u64,
+    ) -> qjlkv_status;
+}
+extern "C" {
+    pub fn qjlkv_cache_export_stream(
+        c: *const qjlkv_cache,
+        seq: u32,
+        first_layer: u32,
+        num_layers: u32,
+        write: qjlkv_write_fn,
+        user: *mut ::std::os::raw::c_void,
+    ) -> qjlkv_status;
+}
+extern "C" {
+    pub fn qjlkv_cache_import(
+        c: *mut qjlkv_cache,
+        seq: u32,
+        buf: *const ::std::os::raw::c_void,
+        size: u64,
+    ) -> qjlkv_status;
+}
+extern "C" {
+    pub fn qjlkv_cache_import_stream(
+        c: *mut qjlkv_cache,
+        seq: u32,
+        read: qjlkv_read_fn,
+        user: *mut ::std::os::raw::c_void,
+    ) -> qjlkv_status;
+}

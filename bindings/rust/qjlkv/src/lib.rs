@@ -54,6 +54,7 @@ mod cache;
 mod config;
 mod element;
 mod error;
+mod serialize;
 mod sketch;
 
 use std::ffi::CStr;

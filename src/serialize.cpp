@@ -1,0 +1,671 @@
+// Export and import of one sequence: the byte stream of docs/FORMAT.md. The backends show their
+// state through the portable view of cache.hpp; everything about the format lives here.
+//
+// Import is all-or-nothing: the backend stages the sequence in storage the cache does not see,
+// every byte is checked as it arrives (sizes, counts, the numbers the kernels rely on), and the
+// staging is committed only once the trailing checksum matched.
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cache.hpp"
+#include "config.hpp"
+#include "cpu/kernels.hpp"
+#include "crc32c.hpp"
+#include "error.hpp"
+#include "half.hpp"
+#include "qjlkv/qjlkv.h"
+
+static_assert(std::endian::native == std::endian::little,
+              "the stream is little-endian and copied as is: a big-endian port must swap its fields");
+
+namespace qjlkv {
+namespace {
+
+// ---- the format's constants (docs/FORMAT.md) ----------------------------------------------------
+constexpr char kMagic[8] = {'Q', 'J', 'L', 'K', 'V', 'S', 'E', 'Q'};
+constexpr uint32_t kFormatVersion = 1;
+constexpr uint32_t kHeaderBytes = 128;
+constexpr uint32_t kSectionHeaderBytes = 16;  // tag, reserved, body bytes
+constexpr uint32_t kLayerFieldBytes = 32;     // the fixed fields that open a layer section
+constexpr uint32_t kOutlierFieldBytes = 16;   // pool, spilled, tracing, reserved
+constexpr uint32_t kTrailerBytes = 4;         // CRC-32C of everything before it
+constexpr uint32_t kLayerTag = 1;
+
+// The header's config fields (docs/FORMAT.md): what determines the stored bytes, in stream order.
+constexpr const char *kConfigFieldNames[] = {
+    "dtype",          "key_method",     "num_kv_heads",          "head_dim",
+    "block_tokens",   "residual_tokens", "sketch_flags",         "key_sketch_dim",
+    "outlier_channels", "outlier_sketch_dim", "initial_layers",  "initial_key_sketch_dim",
+    "initial_outlier_sketch_dim", "key_bits", "outlier_tokens",  "outlier_spill_tokens",
+    "outlier_skip_layers", "value_bits", "value_group_size"};
+struct StoredConfig {
+  uint64_t seed;
+  std::array<uint32_t, std::size(kConfigFieldNames)> fields;
+};
+
+// From a cache's spec().cfg, whose fields of other key methods are already zero; the sketch seed
+// and flags matter only to QJL.
+StoredConfig stored_config(const qjlkv_config &cfg) {
+  const bool qjl = cfg.key_method == QJLKV_KEYS_QJL;
+  return {qjl ? cfg.seed : 0,
+          {uint32_t(cfg.dtype), uint32_t(cfg.key_method), cfg.num_kv_heads, cfg.head_dim, cfg.block_tokens,
+           cfg.residual_tokens, qjl ? cfg.sketch_flags : 0, cfg.key_sketch_dim, cfg.outlier_channels,
+           cfg.outlier_sketch_dim, cfg.initial_layers, cfg.initial_key_sketch_dim, cfg.initial_outlier_sketch_dim,
+           cfg.key_bits, cfg.outlier_tokens, cfg.outlier_spill_tokens, cfg.outlier_skip_layers, cfg.value_bits,
+           cfg.value_group_size}};
+}
+static_assert(48 + 4 * std::size(kConfigFieldNames) == 124, "the config fields end where the header CRC starts");
+
+// ---- little-endian fields ------------------------------------------------------------------------
+void put32(uint8_t *p, uint32_t v) { std::memcpy(p, &v, 4); }
+void put64(uint8_t *p, uint64_t v) { std::memcpy(p, &v, 8); }
+uint32_t get32(const uint8_t *p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+uint64_t get64(const uint8_t *p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+// ---- sizes ---------------------------------------------------------------------------------------
+struct LayerShape {
+  PortableCounts counts;
+  std::vector<uint32_t> outlier_tokens;  // per kv head: pool + spilled (traced layers)
+  std::vector<uint32_t> pool_tokens;     // per kv head: pool
+};
+
+size_t record_bytes(const BlockLayout &layout) { return layout.key_bytes + layout.value_bytes; }
+size_t value_offset(const BlockLayout &layout) { return (layout.key_bytes + 7) & ~size_t(7); }
+
+// Bytes of a layer section's body (after its section header). Overflow-checked: a stream's counts
+// are untrusted.
+uint64_t layer_body_bytes(const CacheSpec &spec, uint32_t layer, const LayerShape &shape) {
+  const qjlkv_config &cfg = spec.cfg;
+  const uint64_t token = uint64_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
+  const uint64_t row = uint64_t(cfg.head_dim) * spec.io_elem;
+  // blocks < 2^29 (B >= 8, length < 2^32), Hkv <= 2^12, a record < 2^23 bytes, the tail < 2^40
+  // bytes: the sum stays below 2^64.
+  uint64_t bytes = kLayerFieldBytes + uint64_t(shape.counts.blocks) * cfg.num_kv_heads *
+                                          record_bytes(spec.layers[layer].layout);
+  bytes += 2 * uint64_t(shape.counts.tail_tokens) * token;
+  for (size_t h = 0; h < shape.outlier_tokens.size(); ++h)
+    bytes += kOutlierFieldBytes + uint64_t(shape.outlier_tokens[h]) * (4 + 2 * row) +
+             4 * uint64_t(shape.pool_tokens[h]);
+  return bytes;
+}
+
+// ---- output ----------------------------------------------------------------------------------------
+// Coalesces small writes into pieces of up to kPiece bytes for the sink and keeps the running CRC.
+class Writer {
+ public:
+  static constexpr size_t kPiece = 1 << 16;
+  Writer(qjlkv_write_fn write, void *user) : write_(write), user_(user) { buffer_.reserve(kPiece); }
+
+  void bytes(const void *data, size_t size) {
+    if (size == 0) return;  // data may be the NULL of an empty vector
+    crc_ = crc32c_update(crc_, data, size);
+    written_ += size;
+    const auto *p = static_cast<const uint8_t *>(data);
+    while (size > 0) {
+      if (buffer_.empty() && size >= kPiece) {  // large pieces go out directly
+        emit(p, size);
+        return;
+      }
+      const size_t n = std::min(size, kPiece - buffer_.size());
+      buffer_.insert(buffer_.end(), p, p + n);
+      p += n;
+      size -= n;
+      if (buffer_.size() == kPiece) flush();
+    }
+  }
+  void u32(uint32_t v) {
+    uint8_t b[4];
+    put32(b, v);
+    bytes(b, 4);
+  }
+  void finish() {
+    const uint32_t crc = crc_ ^ 0xFFFFFFFFu;
+    u32(crc);
+    flush();
+  }
+  uint64_t written() const { return written_; }
+
+ private:
+  void flush() {
+    if (buffer_.empty()) return;
+    emit(buffer_.data(), buffer_.size());
+    buffer_.clear();
+  }
+  void emit(const uint8_t *p, size_t size) {
+    const size_t taken = write_(user_, p, size);
+    if (taken != size)
+      fail(QJLKV_ERROR_INVALID_ARGUMENT, "write: the callback took %zu of %zu bytes at stream offset %llu; export "
+           "stopped", taken, size, (unsigned long long)(written_ - size));
+  }
+
+  qjlkv_write_fn write_;
+  void *user_;
+  std::vector<uint8_t> buffer_;
+  uint32_t crc_ = 0xFFFFFFFFu;
+  uint64_t written_ = 0;
+};
+
+struct BufferSink {
+  uint8_t *at;
+  static size_t write(void *user, const void *data, size_t size) {
+    auto *sink = static_cast<BufferSink *>(user);
+    std::memcpy(sink->at, data, size);
+    sink->at += size;
+    return size;
+  }
+};
+
+void check_range(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uint32_t num_layers) {
+  const uint32_t layers = c->spec().cfg.num_layers;
+  QJLKV_REQUIRE(num_layers >= 1, "num_layers is 0, must be >= 1");
+  QJLKV_REQUIRE(first_layer < layers && num_layers <= layers - first_layer,
+                "first_layer (%u) + num_layers (%u) exceed the cache's %u layers", first_layer, num_layers, layers);
+  for (uint32_t l = first_layer; l < first_layer + num_layers; ++l)
+    if (c->length(l, seq) > 0) return;
+  fail(QJLKV_ERROR_INVALID_ARGUMENT, "seq %u holds no tokens in layers [%u, %u)", seq, first_layer,
+       first_layer + num_layers);
+}
+
+LayerShape layer_shape(const qjlkv_cache *c, uint32_t layer, uint32_t seq) {
+  LayerShape shape;
+  shape.counts = c->portable_counts(layer, seq);
+  if (shape.counts.length > 0 && c->spec().layers[layer].traced) {
+    PortableOutliers ott;
+    for (uint32_t h = 0; h < c->spec().cfg.num_kv_heads; ++h) {
+      c->read_outliers(layer, seq, h, ott);
+      shape.outlier_tokens.push_back(ott.pool + ott.spilled);
+      shape.pool_tokens.push_back(ott.pool);
+    }
+  }
+  return shape;
+}
+
+uint64_t stream_bytes(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uint32_t num_layers,
+                      uint64_t *payload) {
+  uint64_t bytes = 0;
+  for (uint32_t l = first_layer; l < first_layer + num_layers; ++l)
+    bytes += kSectionHeaderBytes + layer_body_bytes(c->spec(), l, layer_shape(c, l, seq));
+  if (payload) *payload = bytes;
+  return kHeaderBytes + bytes + kTrailerBytes;
+}
+
+void write_header(Writer &out, const qjlkv_cache *c, uint32_t first_layer, uint32_t num_layers, uint64_t payload) {
+  uint8_t h[kHeaderBytes] = {};
+  std::memcpy(h, kMagic, 8);
+  put32(h + 8, kFormatVersion);
+  put32(h + 12, kHeaderBytes);
+  put32(h + 16, QJLKV_VERSION_NUMBER);
+  put32(h + 20, 0);  // flags
+  put32(h + 24, first_layer);
+  put32(h + 28, num_layers);
+  put64(h + 32, payload);
+  const StoredConfig sc = stored_config(c->spec().cfg);
+  put64(h + 40, sc.seed);
+  for (size_t i = 0; i < sc.fields.size(); ++i) put32(h + 48 + 4 * i, sc.fields[i]);
+  put32(h + 124, crc32c(h, 124));
+  out.bytes(h, kHeaderBytes);
+}
+
+void export_stream(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uint32_t num_layers, Writer &out) {
+  const CacheSpec &spec = c->spec();
+  const qjlkv_config &cfg = spec.cfg;
+  uint64_t payload = 0;
+  const uint64_t total = stream_bytes(c, seq, first_layer, num_layers, &payload);
+  write_header(out, c, first_layer, num_layers, payload);
+  std::vector<uint8_t> block, rows;
+  PortableOutliers ott;
+  for (uint32_t l = first_layer; l < first_layer + num_layers; ++l) {
+    const LayerShape shape = layer_shape(c, l, seq);
+    const BlockLayout &layout = spec.layers[l].layout;
+    uint8_t f[kSectionHeaderBytes + kLayerFieldBytes] = {};
+    put32(f, kLayerTag);
+    put64(f + 8, layer_body_bytes(spec, l, shape));
+    uint8_t *lf = f + kSectionHeaderBytes;
+    put32(lf, l);
+    put32(lf + 4, uint32_t(shape.outlier_tokens.size()));
+    put64(lf + 8, shape.counts.length);
+    put32(lf + 16, shape.counts.blocks);
+    put32(lf + 20, shape.counts.tail_tokens);
+    put32(lf + 24, uint32_t(record_bytes(layout)));
+    out.bytes(f, sizeof f);
+    if (shape.counts.length == 0) continue;
+    block.resize(layout.stride);
+    for (uint32_t b = 0; b < shape.counts.blocks; ++b) {
+      for (uint32_t h = 0; h < cfg.num_kv_heads; ++h) {
+        c->read_block(l, seq, b, h, block.data());
+        out.bytes(block.data(), layout.key_bytes);
+        out.bytes(block.data() + value_offset(layout), layout.value_bytes);
+      }
+    }
+    const size_t token = size_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
+    const uint32_t chunk = uint32_t(std::max<size_t>(1, Writer::kPiece / token));
+    rows.resize(size_t(std::min(chunk, shape.counts.tail_tokens)) * token);
+    // All tail keys, then all tail values, through a bounded buffer.
+    for (const bool values : {false, true}) {
+      for (uint32_t t = 0; t < shape.counts.tail_tokens; t += chunk) {
+        const uint32_t n = std::min(chunk, shape.counts.tail_tokens - t);
+        c->read_tail(l, seq, t, n, values, rows.data());
+        out.bytes(rows.data(), size_t(n) * token);
+      }
+    }
+    for (uint32_t h = 0; h < shape.outlier_tokens.size(); ++h) {
+      c->read_outliers(l, seq, h, ott);
+      uint8_t of[kOutlierFieldBytes] = {};
+      put32(of, ott.pool);
+      put32(of + 4, ott.spilled);
+      put32(of + 8, ott.tracing ? 1 : 0);
+      out.bytes(of, sizeof of);
+      out.bytes(ott.positions.data(), 4 * ott.positions.size());
+      out.bytes(ott.norms.data(), 4 * ott.norms.size());
+      out.bytes(ott.keys.data(), ott.keys.size());
+      out.bytes(ott.values.data(), ott.values.size());
+    }
+  }
+  out.finish();
+  if (out.written() != total)
+    fail(QJLKV_ERROR_INTERNAL, "export wrote %llu bytes, its size was computed as %llu",
+         (unsigned long long)out.written(), (unsigned long long)total);
+}
+
+// ---- input -----------------------------------------------------------------------------------------
+// Reads exact byte counts from the source, keeping the running CRC and the offset for messages.
+class Reader {
+ public:
+  Reader(qjlkv_read_fn read, void *user, uint64_t known_size)
+      : read_(read), user_(user), known_size_(known_size) {}
+
+  void bytes(void *data, size_t size, const char *what) {
+    if (size == 0) return;  // data may be the NULL of an empty vector
+    if (known_size_ != kUnknown && size > known_size_ - offset_) truncated(what);
+    const size_t got = read_(user_, data, size);
+    if (got != size) truncated(what);
+    crc_ = crc32c_update(crc_, data, size);
+    offset_ += size;
+  }
+  // Whether `size` more bytes can be there (false only for sources of known size).
+  bool can_hold(uint64_t size) const { return known_size_ == kUnknown || size <= known_size_ - offset_; }
+  uint32_t crc() const { return crc_ ^ 0xFFFFFFFFu; }
+  uint64_t known_size() const { return known_size_; }
+  uint64_t offset() const { return offset_; }
+  static constexpr uint64_t kUnknown = ~uint64_t(0);
+
+ private:
+  [[noreturn]] void truncated(const char *what) const {
+    fail(QJLKV_ERROR_CORRUPT_DATA, "the stream is truncated: it ends inside %s (stream offset %llu)", what,
+         (unsigned long long)offset_);
+  }
+  qjlkv_read_fn read_;
+  void *user_;
+  uint64_t known_size_;
+  uint32_t crc_ = 0xFFFFFFFFu;
+  uint64_t offset_ = 0;
+};
+
+struct BufferSource {
+  const uint8_t *at;
+  static size_t read(void *user, void *data, size_t size) {
+    auto *source = static_cast<BufferSource *>(user);
+    std::memcpy(data, source->at, size);
+    source->at += size;
+    return size;
+  }
+};
+
+[[noreturn]] void corrupt(const char *format, ...) __attribute__((format(printf, 1, 2)));
+void corrupt(const char *format, ...) {
+  char message[512];
+  va_list args;
+  va_start(args, format);
+  std::vsnprintf(message, sizeof message, format, args);
+  va_end(args);
+  fail(QJLKV_ERROR_CORRUPT_DATA, "corrupt stream: %s", message);
+}
+
+bool half_finite(uint16_t h, qjlkv_dtype stored) {
+  return stored == QJLKV_DTYPE_BF16 ? (h & 0x7f80u) != 0x7f80u : (h & 0x7c00u) != 0x7c00u;
+}
+
+// Checks the header against this cache and call; returns (first_layer, num_layers, payload).
+struct HeaderInfo {
+  uint32_t first_layer, num_layers;
+  uint64_t payload;
+};
+
+HeaderInfo read_header(Reader &in, const qjlkv_cache *c, uint32_t seq) {
+  uint8_t h[kHeaderBytes];
+  in.bytes(h, 12, "the header");
+  if (std::memcmp(h, kMagic, 8) != 0) corrupt("the first 8 bytes are not the magic \"QJLKVSEQ\": not a qjlkv stream");
+  const uint32_t version = get32(h + 8);
+  if (version != kFormatVersion)
+    fail(QJLKV_ERROR_INVALID_ARGUMENT, "the stream has format version %u; this library (%s) reads version %u only",
+         version, qjlkv_version_string(), kFormatVersion);
+  in.bytes(h + 12, kHeaderBytes - 12, "the header");
+  if (get32(h + 124) != crc32c(h, 124))
+    corrupt("the header checksum is 0x%08x, the header's bytes give 0x%08x", get32(h + 124), crc32c(h, 124));
+  if (get32(h + 12) != kHeaderBytes)
+    corrupt("header_bytes is %u, format version 1 has %u", get32(h + 12), kHeaderBytes);
+  if (get32(h + 20) != 0) corrupt("flags is 0x%x, format version 1 defines none", get32(h + 20));
+  const StoredConfig mine = stored_config(c->spec().cfg);
+  for (size_t i = 0; i < mine.fields.size(); ++i) {
+    const uint32_t theirs = get32(h + 48 + 4 * i);
+    if (theirs != mine.fields[i])
+      fail(QJLKV_ERROR_INVALID_ARGUMENT,
+           "the stream's config does not match this cache: config.%s is %u in the stream, %u here",
+           kConfigFieldNames[i], theirs, mine.fields[i]);
+  }
+  const uint64_t seed = get64(h + 40);
+  if (seed != mine.seed)
+    fail(QJLKV_ERROR_INVALID_ARGUMENT,
+         "the stream's config does not match this cache: config.seed (the sketch seed) is %llu in the stream, %llu "
+         "here",
+         (unsigned long long)seed, (unsigned long long)mine.seed);
+  const HeaderInfo info{get32(h + 24), get32(h + 28), get64(h + 32)};
+  const uint32_t layers = c->spec().cfg.num_layers;
+  if (info.num_layers == 0) corrupt("the header lists 0 layers");
+  if (info.first_layer >= layers || info.num_layers > layers - info.first_layer)
+    fail(QJLKV_ERROR_INVALID_ARGUMENT, "the stream holds layers [%u, %u), this cache has %u layers",
+         info.first_layer, uint32_t(std::min<uint64_t>(uint64_t(info.first_layer) + info.num_layers, UINT32_MAX)),
+         layers);
+  for (uint32_t l = info.first_layer; l < info.first_layer + info.num_layers; ++l) {
+    const uint64_t length = c->length(l, seq);
+    if (length > 0)
+      fail(QJLKV_ERROR_INVALID_ARGUMENT,
+           "seq %u already holds %llu tokens in layer %u: import needs an empty sequence (clear it first)", seq,
+           (unsigned long long)length, l);
+  }
+  if (!in.can_hold(info.payload) || !in.can_hold(info.payload + kTrailerBytes))
+    corrupt("the stream is truncated: the header announces %llu payload bytes, the stream ends before them",
+            (unsigned long long)info.payload);
+  return info;
+}
+
+// Checks one block record of one kv head (already placed at its layout offsets in `block`):
+// the numbers the kernels index or divide by, and finiteness of every stored float. Appends the
+// positions OTT moved out of the block to `moved`.
+void check_block(const CacheSpec &spec, uint32_t layer, const uint8_t *block, uint64_t first_position,
+                 std::vector<uint64_t> &moved, uint32_t b, uint32_t h) {
+  const qjlkv_config &cfg = spec.cfg;
+  const LayerSpec &ls = spec.layers[layer];
+  const BlockLayout &l = ls.layout;
+  const uint32_t B = cfg.block_tokens, d = cfg.head_dim;
+  const auto halves = [&](size_t offset, size_t n, bool non_negative, qjlkv_dtype stored, const char *what) {
+    for (size_t i = 0; i < n; ++i) {
+      const uint16_t x = cpu::at<uint16_t>(block, offset)[i];
+      if (!half_finite(x, stored) || (non_negative && (x & 0x8000u) && x != 0x8000u))
+        corrupt("layer %u, block %u, kv head %u: %s[%zu] is %g", layer, b, h, what, i,
+                double(cpu::from_16bit(x, stored)));
+    }
+  };
+  switch (cfg.key_method) {
+    case QJLKV_KEYS_QJL: {
+      halves(l.key_norm_in, B, true, QJLKV_DTYPE_F16, "the inlier key norm");
+      if (ls.m_out == 0) break;
+      halves(l.key_norm_out, B, true, QJLKV_DTYPE_F16, "the outlier key norm");
+      const uint8_t *idx = block + l.key_outlier_idx;
+      for (uint32_t i = 0; i < cfg.outlier_channels; ++i)
+        if (idx[i] >= d || (i > 0 && idx[i] <= idx[i - 1]))
+          corrupt("layer %u, block %u, kv head %u: the outlier channels are not increasing channels < head_dim "
+                  "(%u): entry %u is %u",
+                  layer, b, h, d, i, idx[i]);
+      break;
+    }
+    case QJLKV_KEYS_KIVI:
+    case QJLKV_KEYS_OTT:
+      halves(l.key_scale, d, true, QJLKV_DTYPE_F16, "the key scale");
+      halves(l.key_min, d, false, QJLKV_DTYPE_F16, "the key minimum");
+      if (cfg.key_method == QJLKV_KEYS_OTT)
+        for (uint32_t t = 0; t < B; ++t)
+          if (block[l.key_mask + t / 8] >> (t % 8) & 1u) moved.push_back(first_position + t);
+      break;
+    case QJLKV_KEYS_EXACT: halves(l.key_codes, size_t(B) * d, false, spec.stored_dtype, "the exact key"); break;
+  }
+  if (cfg.value_bits == 16) {
+    halves(l.value_codes, size_t(B) * d, false, spec.stored_dtype, "the exact value");
+    if (spec.stored_dtype == QJLKV_DTYPE_BF16)
+      for (size_t i = 0; i < size_t(B) * d; ++i)
+        if (std::fabs(bf16_to_float(cpu::at<uint16_t>(block, l.value_codes)[i])) > spec.value_limit)
+          corrupt("layer %u, block %u, kv head %u: an exact value exceeds 2^95", layer, b, h);
+  } else {
+    const size_t groups = size_t(B) * (d / cfg.value_group_size);
+    halves(l.value_scale, groups, true, QJLKV_DTYPE_F16, "the value scale");
+    halves(l.value_min, groups, false, QJLKV_DTYPE_F16, "the value minimum");
+  }
+}
+
+// Exact key (or value) rows of head_dim elements in the I/O dtype: finite and within the limits
+// append enforces, so that they can be quantized later like appended ones.
+void check_rows(const CacheSpec &spec, const uint8_t *data, size_t rows, bool values, uint32_t layer,
+                const char *where) {
+  const uint32_t d = spec.cfg.head_dim;
+  const float limit = values ? spec.value_limit : spec.key_limit;
+  const char *what = values ? "value" : "key";
+  for (size_t r = 0; r < rows; ++r) {
+    double norm2 = 0.0;
+    for (uint32_t j = 0; j < d; ++j) {
+      const float x = cpu::load_element(data, r * d + j, spec.cfg.dtype);
+      if (!std::isfinite(x) || std::fabs(x) > limit)
+        corrupt("layer %u: %s %s row %zu holds %g", layer, where, what, r, double(x));
+      norm2 += double(x) * x;
+    }
+    if (!values && spec.cfg.key_method == QJLKV_KEYS_QJL && std::sqrt(norm2) > kHalfMax)
+      corrupt("layer %u: %s key row %zu has L2 norm %g > 65504", layer, where, r, std::sqrt(norm2));
+  }
+}
+
+void read_layer(Reader &in, const qjlkv_cache *c, uint32_t expected_layer, PortableImport &staging,
+                uint64_t &payload_left) {
+  const CacheSpec &spec = c->spec();
+  const qjlkv_config &cfg = spec.cfg;
+  uint8_t f[kSectionHeaderBytes + kLayerFieldBytes];
+  in.bytes(f, sizeof f, "a layer section's header");
+  const uint32_t tag = get32(f);
+  if (tag != kLayerTag)
+    corrupt("section tag %u at stream offset %llu is not the layer tag (%u)", tag,
+            (unsigned long long)(in.offset() - sizeof f), kLayerTag);
+  const uint64_t body = get64(f + 8);
+  const uint8_t *lf = f + kSectionHeaderBytes;
+  const uint32_t layer = get32(lf);
+  if (get32(f + 4) != 0 || get32(lf + 28) != 0) corrupt("layer %u: reserved fields are not 0", layer);
+  if (layer != expected_layer) corrupt("the layer section for layer %u holds layer %u", expected_layer, layer);
+  LayerShape shape;
+  shape.counts = {get64(lf + 8), get32(lf + 16), get32(lf + 20)};
+  const uint32_t outlier_heads = get32(lf + 4);
+  const BlockLayout &layout = spec.layers[layer].layout;
+  const uint64_t length = shape.counts.length, R = cfg.residual_tokens, B = cfg.block_tokens;
+  const uint64_t blocks = length >= R + B ? (length - R) / B : 0;
+  if (length > UINT32_MAX) corrupt("layer %u: length %llu exceeds 2^32 - 1", layer, (unsigned long long)length);
+  if (shape.counts.blocks != blocks || shape.counts.tail_tokens != length - blocks * B)
+    corrupt("layer %u: %u blocks and %u tail tokens are not how a sequence of %llu tokens is stored (%llu blocks)",
+            layer, shape.counts.blocks, shape.counts.tail_tokens, (unsigned long long)length,
+            (unsigned long long)blocks);
+  if (get32(lf + 24) != record_bytes(layout))
+    corrupt("layer %u: block records of %u bytes, this config's are %zu", layer, get32(lf + 24), record_bytes(layout));
+  const bool traced = spec.layers[layer].traced && length > 0;
+  if (outlier_heads != (traced ? cfg.num_kv_heads : 0))
+    corrupt("layer %u: outlier state for %u kv heads, expected %u", layer, outlier_heads,
+            traced ? cfg.num_kv_heads : 0);
+  // The section size without the outlier tokens, which are only known as they are read.
+  const uint64_t fixed_body = layer_body_bytes(spec, layer, shape) + uint64_t(outlier_heads) * kOutlierFieldBytes;
+  if (body > payload_left - std::min(payload_left, uint64_t(kSectionHeaderBytes)) || body < fixed_body ||
+      (!traced && body != fixed_body))
+    corrupt("layer %u: the section claims %llu bytes; its counts need %s%llu, the payload has %llu left", layer,
+            (unsigned long long)body, traced ? "at least " : "", (unsigned long long)fixed_body,
+            (unsigned long long)(payload_left - std::min(payload_left, uint64_t(kSectionHeaderBytes))));
+  if (!in.can_hold(body - kLayerFieldBytes))
+    corrupt("the stream is truncated: layer %u's section claims %llu bytes, the stream ends before", layer,
+            (unsigned long long)body);
+  payload_left -= kSectionHeaderBytes + body;
+  const uint64_t section_start = in.offset() - kLayerFieldBytes;  // where the body began
+  if (length == 0) return;
+  staging.add_layer(layer, shape.counts);
+
+  std::vector<uint8_t> block(layout.stride, 0);
+  std::vector<std::vector<uint64_t>> moved(cfg.num_kv_heads);
+  const uint64_t pool_limit = uint64_t(cfg.outlier_tokens) + cfg.outlier_spill_tokens;
+  for (uint32_t b = 0; b < shape.counts.blocks; ++b) {
+    for (uint32_t h = 0; h < cfg.num_kv_heads; ++h) {
+      in.bytes(block.data(), layout.key_bytes, "a block record");
+      in.bytes(block.data() + value_offset(layout), layout.value_bytes, "a block record");
+      check_block(spec, layer, block.data(), uint64_t(b) * B, moved[h], b, h);
+      if (moved[h].size() > (traced ? pool_limit : 0))
+        corrupt("layer %u, kv head %u: more tokens marked as moved than this layer's pool and spill area hold "
+                "(%llu)", layer, h, (unsigned long long)(traced ? pool_limit : 0));
+      staging.write_block(b, h, block.data());
+    }
+  }
+  const size_t token = size_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
+  const uint32_t chunk = uint32_t(std::max<size_t>(1, Writer::kPiece / token));
+  const uint32_t tail = shape.counts.tail_tokens;
+  std::vector<uint8_t> rows(size_t(std::min(chunk, tail)) * token);
+  for (const bool values : {false, true}) {
+    for (uint32_t t = 0; t < tail; t += chunk) {
+      const uint32_t n = std::min(chunk, tail - t);
+      in.bytes(rows.data(), size_t(n) * token, values ? "the tail values" : "the tail keys");
+      check_rows(spec, rows.data(), size_t(n) * cfg.num_kv_heads, values, layer, "tail");
+      staging.write_tail(t, n, values, rows.data());
+    }
+  }
+  PortableOutliers ott;
+  const size_t row = size_t(cfg.head_dim) * spec.io_elem;
+  for (uint32_t h = 0; h < outlier_heads; ++h) {
+    uint8_t of[kOutlierFieldBytes];
+    in.bytes(of, sizeof of, "an outlier state");
+    ott.pool = get32(of);
+    ott.spilled = get32(of + 4);
+    const uint32_t tracing = get32(of + 8);
+    if (ott.pool > cfg.outlier_tokens || ott.spilled > cfg.outlier_spill_tokens || tracing > 1 || get32(of + 12) != 0)
+      corrupt("layer %u, kv head %u: outlier state (pool %u, spilled %u, tracing %u) outside (%u, %u, 0/1)", layer,
+              h, ott.pool, ott.spilled, tracing, cfg.outlier_tokens, cfg.outlier_spill_tokens);
+    ott.tracing = tracing == 1;
+    const size_t n = size_t(ott.pool) + ott.spilled;
+    if (in.offset() - section_start + n * (4 + 2 * row) + 4 * ott.pool > body)
+      corrupt("layer %u, kv head %u: the outlier tokens overrun the section", layer, h);
+    ott.positions.resize(n);
+    ott.norms.resize(ott.pool);
+    ott.keys.resize(n * row);
+    ott.values.resize(n * row);
+    in.bytes(ott.positions.data(), 4 * n, "the outlier positions");
+    in.bytes(ott.norms.data(), 4 * size_t(ott.pool), "the outlier norms");
+    in.bytes(ott.keys.data(), ott.keys.size(), "the outlier keys");
+    in.bytes(ott.values.data(), ott.values.size(), "the outlier values");
+    // Exactly the positions the blocks marked as moved, each once.
+    std::vector<uint64_t> listed(ott.positions.begin(), ott.positions.end());
+    std::sort(listed.begin(), listed.end());
+    if (listed != moved[h])
+      corrupt("layer %u, kv head %u: the outlier tokens' positions are not those the blocks mark as moved", layer, h);
+    for (uint32_t i = 0; i < ott.pool; ++i)
+      if (!std::isfinite(ott.norms[i]) || ott.norms[i] < 0.0f)
+        corrupt("layer %u, kv head %u: outlier norm %u is %g", layer, h, i, double(ott.norms[i]));
+    check_rows(spec, ott.keys.data(), n, false, layer, "outlier");
+    check_rows(spec, ott.values.data(), n, true, layer, "outlier");
+    staging.write_outliers(h, ott);
+  }
+  if (in.offset() - section_start != body)
+    corrupt("layer %u: the section claims %llu bytes, its contents take %llu", layer, (unsigned long long)body,
+            (unsigned long long)(in.offset() - section_start));
+}
+
+void import_stream(qjlkv_cache *c, uint32_t seq, Reader &in) {
+  const HeaderInfo info = read_header(in, c, seq);
+  if (in.known_size() != Reader::kUnknown && in.known_size() != kHeaderBytes + info.payload + kTrailerBytes)
+    fail(QJLKV_ERROR_INVALID_ARGUMENT, "size is %llu, the stream's header announces %llu bytes",
+         (unsigned long long)in.known_size(), (unsigned long long)(kHeaderBytes + info.payload + kTrailerBytes));
+  std::unique_ptr<PortableImport> staging = c->begin_import(seq);
+  uint64_t payload_left = info.payload;
+  for (uint32_t l = info.first_layer; l < info.first_layer + info.num_layers; ++l) {
+    if (payload_left < kSectionHeaderBytes) corrupt("the payload ends before the section of layer %u", l);
+    read_layer(in, c, l, *staging, payload_left);
+  }
+  if (payload_left != 0)
+    corrupt("the header announces %llu payload bytes, the layer sections take %llu", (unsigned long long)info.payload,
+            (unsigned long long)(info.payload - payload_left));
+  const uint32_t computed = in.crc();
+  uint8_t trailer[kTrailerBytes];
+  in.bytes(trailer, kTrailerBytes, "the checksum");
+  if (get32(trailer) != computed)
+    corrupt("the checksum is 0x%08x, the stream's bytes give 0x%08x", get32(trailer), computed);
+  staging->commit();
+}
+
+void require_pointer(const void *p, const char *name) { QJLKV_REQUIRE(p != nullptr, "%s is NULL", name); }
+
+}  // namespace
+}  // namespace qjlkv
+
+using qjlkv::guarded;
+using qjlkv::require_pointer;
+
+extern "C" {
+
+qjlkv_status qjlkv_cache_export_size(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uint32_t num_layers,
+                                     uint64_t *size) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    require_pointer(size, "size");
+    qjlkv::check_range(c, seq, first_layer, num_layers);
+    *size = qjlkv::stream_bytes(c, seq, first_layer, num_layers, nullptr);
+  });
+}
+
+qjlkv_status qjlkv_cache_export(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uint32_t num_layers,
+                                void *buf, uint64_t buf_size) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    require_pointer(buf, "buf");
+    qjlkv::check_range(c, seq, first_layer, num_layers);
+    const uint64_t size = qjlkv::stream_bytes(c, seq, first_layer, num_layers, nullptr);
+    QJLKV_REQUIRE(buf_size >= size, "buf_size is %llu, the stream takes %llu bytes (qjlkv_cache_export_size)",
+                  (unsigned long long)buf_size, (unsigned long long)size);
+    qjlkv::BufferSink sink{static_cast<uint8_t *>(buf)};
+    qjlkv::Writer out(&qjlkv::BufferSink::write, &sink);
+    qjlkv::export_stream(c, seq, first_layer, num_layers, out);
+  });
+}
+
+qjlkv_status qjlkv_cache_export_stream(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer,
+                                       uint32_t num_layers, qjlkv_write_fn write, void *user) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    QJLKV_REQUIRE(write != nullptr, "write is NULL");
+    qjlkv::check_range(c, seq, first_layer, num_layers);
+    qjlkv::Writer out(write, user);
+    qjlkv::export_stream(c, seq, first_layer, num_layers, out);
+  });
+}
+
+qjlkv_status qjlkv_cache_import(qjlkv_cache *c, uint32_t seq, const void *buf, uint64_t size) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    require_pointer(buf, "buf");
+    qjlkv::BufferSource source{static_cast<const uint8_t *>(buf)};
+    qjlkv::Reader in(&qjlkv::BufferSource::read, &source, size);
+    qjlkv::import_stream(c, seq, in);
+  });
+}
+
+qjlkv_status qjlkv_cache_import_stream(qjlkv_cache *c, uint32_t seq, qjlkv_read_fn read, void *user) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    QJLKV_REQUIRE(read != nullptr, "read is NULL");
+    qjlkv::Reader in(read, user, qjlkv::Reader::kUnknown);
+    qjlkv::import_stream(c, seq, in);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,155 @@
+// Fuzz harness 3: qjlkv_cache_import and qjlkv_cache_import_stream on arbitrary bytes.
+//
+// Input: byte 0 picks a config of import_configs.hpp, byte 1 bit 0 asks the harness to repair
+// both checksums of the stream (so that mutations reach the checks behind them), the rest is the
+// stream. Seeds (tests/fuzz/corpus/import, from make_import_seeds.cpp) are valid streams.
+// Checked for every input:
+//   - import returns OK, CORRUPT_DATA or INVALID_ARGUMENT (never anything else) with a message;
+//     a refused import leaves the destination as it was (its lengths and statistics);
+//   - import_stream (a reader handing out odd-sized pieces) accepts whatever import accepts and
+//     then holds the same sequence;
+//   - an accepted stream is canonical: exporting the imported sequence gives the input back,
+//     byte for byte, apart from the writer's library version and the two checksums over it;
+//   - the imported sequence is usable: attention and scores give no NaN, and one more token
+//     (crossing into a new block where the tail is full) appends.
+#include <qjlkv/qjlkv.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "crc32c.hpp"
+#include "fuzz_input.hpp"
+#include "import_configs.hpp"
+
+namespace {
+
+constexpr uint32_t kSeq = 77, kOtherSeq = 3;
+
+struct Piecewise {
+  const uint8_t *data;
+  size_t size, at;
+  static size_t read(void *user, void *out, size_t n) {
+    auto *p = static_cast<Piecewise *>(user);
+    size_t done = 0;
+    while (done < n && p->at < p->size) {  // pieces of 1..13 bytes, as a socket might deliver
+      const size_t piece = std::min({n - done, p->size - p->at, size_t(1 + p->at % 13)});
+      std::memcpy(static_cast<uint8_t *>(out) + done, p->data + p->at, piece);
+      p->at += piece;
+      done += piece;
+    }
+    return done;
+  }
+};
+
+struct State {
+  std::vector<uint64_t> lengths;
+  qjlkv_stats stats;
+};
+
+State state_of(qjlkv_cache *c, const qjlkv_config &cfg) {
+  State s{};
+  for (uint32_t l = 0; l < cfg.num_layers; ++l)
+    for (uint32_t seq : {kSeq, kOtherSeq}) {
+      uint64_t n = 0;
+      FUZZ_CHECK(qjlkv_cache_length(c, l, seq, &n) == QJLKV_OK, "length");
+      s.lengths.push_back(n);
+    }
+  std::memset(&s.stats, 0, sizeof s.stats);
+  s.stats.struct_size = sizeof s.stats;
+  FUZZ_CHECK(qjlkv_cache_stats(c, &s.stats) == QJLKV_OK, "stats");
+  return s;
+}
+
+bool same(const State &a, const State &b) {
+  return a.lengths == b.lengths && std::memcmp(&a.stats, &b.stats, sizeof a.stats) == 0;
+}
+
+// A destination that already holds another sequence, as a serving process's cache would.
+qjlkv_cache *make_destination(const qjlkv_config &cfg) {
+  qjlkv_cache *c = nullptr;
+  FUZZ_CHECK(qjlkv_cache_create(&cfg, &c) == QJLKV_OK, "create");
+  const size_t elems = size_t(3) * cfg.num_kv_heads * cfg.head_dim;
+  std::vector<uint8_t> zeros(elems * 4, 0);
+  FUZZ_CHECK(qjlkv_cache_append(c, 0, kOtherSeq, 3, zeros.data(), zeros.data()) == QJLKV_OK, "append");
+  return c;
+}
+
+void check_usable(qjlkv_cache *c, const qjlkv_config &cfg) {
+  const size_t io = cfg.dtype == QJLKV_DTYPE_F32 ? 4 : 2;
+  std::vector<uint8_t> q(size_t(cfg.num_q_heads) * cfg.head_dim * io, 0);
+  for (size_t i = 0; i < q.size(); i += io) q[i + io - 1] = 0x3c;  // 1.0 in the top byte (fp16, bf16 ~1, f32 ~0.01)
+  for (uint32_t l = 0; l < cfg.num_layers; ++l) {
+    uint64_t n = 0;
+    FUZZ_CHECK(qjlkv_cache_length(c, l, kSeq, &n) == QJLKV_OK, "length");
+    if (n == 0) continue;
+    std::vector<uint8_t> out(q.size());
+    const qjlkv_status s = qjlkv_cache_attend(c, l, kSeq, 1, q.data(), 0.0f, out.data());
+    FUZZ_CHECK(s == QJLKV_OK || s == QJLKV_ERROR_INVALID_ARGUMENT, "attend: %s", qjlkv_status_string(s));
+    std::vector<float> scores(size_t(cfg.num_q_heads) * n);
+    const qjlkv_status ss = qjlkv_cache_scores(c, l, kSeq, q.data(), scores.data(), scores.size());
+    FUZZ_CHECK(ss == QJLKV_OK || ss == QJLKV_ERROR_INVALID_ARGUMENT, "scores: %s", qjlkv_status_string(ss));
+    if (ss == QJLKV_OK)
+      for (float x : scores) FUZZ_CHECK(!std::isnan(x), "a NaN score in layer %u", l);
+    const std::vector<uint8_t> token(size_t(cfg.num_kv_heads) * cfg.head_dim * io, 0);
+    FUZZ_CHECK(qjlkv_cache_append(c, l, kSeq, 1, token.data(), token.data()) == QJLKV_OK, "append after import");
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  qjlkv_fuzz::Input in(data, size);
+  const qjlkv_config cfg = qjlkv_fuzz::import_config(in.byte());
+  const bool repair = in.byte() & 1;
+  std::vector<uint8_t> stream(data + std::min<size_t>(size, 2), data + size);
+  if (repair && stream.size() >= 132) {
+    const uint32_t header = qjlkv::crc32c(stream.data(), 124);
+    std::memcpy(stream.data() + 124, &header, 4);
+    const uint32_t all = qjlkv::crc32c(stream.data(), stream.size() - 4);
+    std::memcpy(stream.data() + stream.size() - 4, &all, 4);
+  }
+  const uint8_t empty = 0;
+  const uint8_t *bytes = stream.empty() ? &empty : stream.data();
+  FUZZ_TRACE("import of %zu bytes, config %u, repair %d\n", stream.size(), unsigned(data[0]), int(repair));
+
+  qjlkv_cache *c = make_destination(cfg);
+  const State before = state_of(c, cfg);
+  const qjlkv_status s = qjlkv_cache_import(c, kSeq, bytes, stream.size());
+  FUZZ_CHECK(s == QJLKV_OK || s == QJLKV_ERROR_CORRUPT_DATA || s == QJLKV_ERROR_INVALID_ARGUMENT, "import: %s",
+             qjlkv_status_string(s));
+  qjlkv_cache *streamed = make_destination(cfg);
+  Piecewise reader{bytes, stream.size(), 0};
+  const qjlkv_status ss = qjlkv_cache_import_stream(streamed, kSeq, &Piecewise::read, &reader);
+  FUZZ_CHECK(ss == QJLKV_OK || ss == QJLKV_ERROR_CORRUPT_DATA || ss == QJLKV_ERROR_INVALID_ARGUMENT,
+             "import_stream: %s", qjlkv_status_string(ss));
+  if (s != QJLKV_OK) {
+    FUZZ_CHECK(qjlkv_last_error_message()[0] != '\0', "a refusal without a message");
+    FUZZ_CHECK(same(state_of(c, cfg), before), "a refused import changed the destination");
+  } else {
+    FUZZ_CHECK(ss == QJLKV_OK, "import accepted what import_stream refused");
+    FUZZ_CHECK(reader.at == stream.size(), "import_stream read %zu of %zu bytes", reader.at, stream.size());
+    FUZZ_CHECK(same(state_of(c, cfg), state_of(streamed, cfg)), "import and import_stream differ");
+    uint32_t first = 0, layers = 0;
+    std::memcpy(&first, bytes + 24, 4);
+    std::memcpy(&layers, bytes + 28, 4);
+    std::vector<uint8_t> again(stream.size() + 1);
+    uint64_t again_size = 0;
+    const qjlkv_status es = qjlkv_cache_export_size(c, kSeq, first, layers, &again_size);
+    // A stream of empty layers is valid, but there is nothing to export then.
+    if (es == QJLKV_OK) {
+      FUZZ_CHECK(again_size == stream.size(), "export size %llu, the stream had %zu", (unsigned long long)again_size,
+                 stream.size());
+      FUZZ_CHECK(qjlkv_cache_export(c, kSeq, first, layers, again.data(), again.size()) == QJLKV_OK, "export");
+      for (size_t i = 0; i < stream.size() - 4; ++i) {
+        const bool library_version = i >= 16 && i < 20, header_crc = i >= 124 && i < 128;
+        FUZZ_CHECK(library_version || header_crc || again[i] == stream[i], "re-export differs at byte %zu", i);
+      }
+    }
+    check_usable(c, cfg);
+  }
+  qjlkv_cache_destroy(streamed);
+  qjlkv_cache_destroy(c);
+  return 0;
+}
