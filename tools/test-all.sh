@@ -48,7 +48,8 @@ apt_install() {  # installs the Debian packages that are missing
 
 deps() {
   apt_install cmake make g++ clang pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
-    libeigen3-dev abigail-tools bindgen libclang-dev libclang-rt-dev valgrind file dpkg-dev
+    libeigen3-dev abigail-tools bindgen libclang-dev libclang-rt-dev valgrind file dpkg-dev \
+    python3 python3-venv python3-dev  # the Python suites' virtual environments and the extension's build
 }
 
 # The main build is CPU-only and serves every suite; the CUDA backend is compiled and linked in a
