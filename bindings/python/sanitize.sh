@@ -10,14 +10,16 @@
 # Any sanitizer report fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-ROOT=$PWD
 KIND=${1:-tsan}
-BUILD=${2:-build}
+BUILD=$(cd "${2:-build}" && pwd)
 VENV=$BUILD/python-venv
 case $KIND in
-  tsan) FLAGS="-fsanitize=thread"; RUNTIME=libtsan.so
+  tsan) FLAGS="-fsanitize=thread"; RUNTIME="libtsan.so libstdc++.so"
     export TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1" ;;
-  asan) FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all"; RUNTIME=libasan.so
+  asan) FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all"
+    # libstdc++ preloaded too: ASan's __cxa_throw interceptor must find the real one at start-up
+    # (python itself does not link libstdc++), or the first C++ exception aborts.
+    RUNTIME="libasan.so libstdc++.so"
     # Python's own allocations are not freed at exit by design: leaks are not checked here.
     export ASAN_OPTIONS="detect_leaks=0 abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1" ;;
   *) echo "usage: $0 [tsan|asan] [BUILD_DIR]" >&2; exit 2 ;;
@@ -27,7 +29,7 @@ OUT=$BUILD/python-$KIND
 echo "building the extension with $FLAGS in $OUT"
 cmake -S bindings/python -B "$OUT/cmake" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG="-O1 -g" \
   -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" -DCMAKE_C_FLAGS="$FLAGS" -DCMAKE_CXX_FLAGS="$FLAGS" \
-  -DCMAKE_MODULE_LINKER_FLAGS="$FLAGS" -DPython_EXECUTABLE="$ROOT/$VENV/bin/python" \
+  -DCMAKE_MODULE_LINKER_FLAGS="$FLAGS" -DPython_EXECUTABLE="$VENV/bin/python" \
   -Dpybind11_DIR="$("$VENV/bin/python" -m pybind11 --cmakedir)" >/dev/null
 cmake --build "$OUT/cmake" -j "${QJLKV_JOBS:-$(nproc)}" --target _qjlkv
 # The package as it is installed: the Python files next to the instrumented extension.
@@ -36,5 +38,7 @@ mkdir -p "$OUT/site"
 cp -r bindings/python/qjlkv "$OUT/site/"
 cp "$OUT"/cmake/_qjlkv*.so "$OUT/site/qjlkv/"
 echo "running tests/python/test_threads.py and test_errors.py under $KIND"
-LD_PRELOAD="$(${CXX:-c++} -print-file-name=$RUNTIME)" PYTHONPATH="$ROOT/$OUT/site" \
+preload=()
+for lib in $RUNTIME; do preload+=("$(${CXX:-c++} -print-file-name=$lib)"); done
+LD_PRELOAD="${preload[*]}" PYTHONPATH="$OUT/site" \
   "$VENV/bin/python" -m pytest tests/python/test_threads.py tests/python/test_errors.py -q -p no:cacheprovider

@@ -18,6 +18,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -451,11 +452,9 @@ class Sketch {
     py::array_t<float> out({static_cast<py::ssize_t>(rows_), static_cast<py::ssize_t>(cols_)});
     float *data = out.mutable_data();
     const size_t len = static_cast<size_t>(rows_) * cols_;
-    if (!handle_) {
-      call_nogil([&] { return qjlkv_sketch_matrix(sketch_, data, len); });
-      return out;
-    }
-    const Session session(*handle_, "the cache that lent this sketch is closed");
+    // A lent sketch lives in its cache: holding the cache's lock keeps it from being freed.
+    std::optional<Session> session;
+    if (handle_) session.emplace(*handle_, "the cache that lent this sketch is closed");
     call_nogil([&] { return qjlkv_sketch_matrix(sketch_, data, len); });
     return out;
   }
