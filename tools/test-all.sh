@@ -5,7 +5,8 @@
 #   tools/test-all.sh            # everything
 #   QJLKV_SUITES="cpp python" tools/test-all.sh   # a subset of:
 #       deps cpp cuda packaging python rust eval sanitize fuzz
-# (sanitize: ASan+UBSan and TSan builds running the whole ctest suite, valgrind on the C demo;
+# (sanitize: ASan+UBSan and TSan builds running the whole ctest suite, valgrind on the C demo,
+# and, with python, the Python extension's thread tests under TSan;
 # fuzz: the libFuzzer harnesses for QJLKV_FUZZ_SECONDS each, default 60.)
 #
 # Each suite prints its own closing line; the script ends with "N passed, N failed".
@@ -86,6 +87,11 @@ if want rust && [ -x bindings/rust/run_tests.sh ]; then run_suite rust bindings/
 if want eval && [ -x tests/eval/run.sh ]; then run_suite eval tests/eval/run.sh; fi
 # valgrind runs the main build's demo; the sanitizer builds are their own.
 want sanitize && run_suite sanitize env QJLKV_VALGRIND_BUILD="$BUILD" tools/sanitize.sh
+# The Python extension under TSan (one cache hammered from several threads); needs the python
+# suite's environment.
+if want sanitize && want python && [ -x bindings/python/sanitize.sh ]; then
+  run_suite python-tsan bindings/python/sanitize.sh tsan "$BUILD"
+fi
 want fuzz && run_suite fuzz tools/fuzz.sh "${QJLKV_FUZZ_SECONDS:-60}"
 
 echo
