@@ -2,7 +2,9 @@
 # The README demo: SmolLM2-135M (numpy) answers a question about a ~750-token text with
 # an exact KV cache and with libqjlkv's default preset; prints both texts, the cache
 # memory and the KL divergence. Options go to the demo (--preset, --tokens, --question).
+# Runs in the evaluation's virtual environment (tools/eval/install.sh makes it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/eval/install.sh
-exec python3 -m tools.eval.demo "$@"
+source tools/python-env.sh
+exec "$QJLKV_EVAL_VENV/bin/python" -m tools.eval.demo "$@"

@@ -6,7 +6,8 @@
 #   QJLKV_SUITES="cpp python" tools/test-all.sh   # a subset of:
 #       deps cpp cuda packaging python rust eval sanitize fuzz
 # (sanitize: ASan+UBSan and TSan builds running the whole ctest suite, ASan+UBSan at -O0 on the
-# bad-input tests, valgrind on the C demo;
+# bad-input tests, valgrind on the C demo, and, with python, the Python extension's thread tests
+# under TSan;
 # fuzz: the libFuzzer harnesses for QJLKV_FUZZ_SECONDS each, default 60.)
 #
 # Each suite prints its own closing line; the script ends with "N passed, N failed".
@@ -49,7 +50,8 @@ apt_install() {  # installs the Debian packages that are missing
 
 deps() {
   apt_install cmake make g++ clang pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
-    libeigen3-dev abigail-tools bindgen libclang-dev libclang-rt-dev valgrind file dpkg-dev
+    libeigen3-dev abigail-tools bindgen libclang-dev libclang-rt-dev valgrind file dpkg-dev \
+    python3 python3-venv python3-dev  # the Python suites' virtual environments and the extension's build
 }
 
 # The main build is CPU-only, with the library's warnings as errors, and serves every suite; the
@@ -87,6 +89,11 @@ if want rust && [ -x bindings/rust/run_tests.sh ]; then run_suite rust bindings/
 if want eval && [ -x tests/eval/run.sh ]; then run_suite eval tests/eval/run.sh; fi
 # valgrind runs the main build's demo; the sanitizer builds are their own.
 want sanitize && run_suite sanitize env QJLKV_VALGRIND_BUILD="$BUILD" tools/sanitize.sh
+# The Python extension under TSan (one cache hammered from several threads); needs the python
+# suite's environment.
+if want sanitize && want python && [ -x bindings/python/sanitize.sh ]; then
+  run_suite python-tsan bindings/python/sanitize.sh tsan "$BUILD"
+fi
 want fuzz && run_suite fuzz tools/fuzz.sh "${QJLKV_FUZZ_SECONDS:-60}"
 
 echo

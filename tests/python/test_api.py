@@ -201,6 +201,28 @@ def test_public_callables_have_docstrings():
         assert getattr(qjlkv.Cache, name).__doc__, name
 
 
+def test_module_namespace_is_the_api():
+    public = {name for name in dir(qjlkv) if not name.startswith("_")}
+    assert public - {"hf"} == set(qjlkv.__all__)
+    for helper in ("np", "math", "Any", "Mapping", "Iterable", "annotations"):
+        assert not hasattr(qjlkv, helper), helper
+
+
+def test_help_reads_as_a_manual():
+    import pydoc
+
+    text = pydoc.render_doc(qjlkv.Cache, renderer=pydoc.plaintext)
+    for section in ("Creating", "decode loop", "Tensors", "Errors", "Threads", "serialized", "closed", "Memory"):
+        assert section in text, section
+    for name in ("append", "attend", "append_batch", "attend_batch", "scores", "reconstruct", "length", "clear",
+                 "stats", "sketch", "set_stream", "close", "closed", "config", "__init__"):
+        assert (getattr(qjlkv.Cache, name).__doc__ or "").strip(), name
+    for cls in (qjlkv.Config, qjlkv.Sketch):
+        for name, member in vars(cls).items():
+            if not name.startswith("_") and (callable(member) or isinstance(member, property)):
+                assert (getattr(cls, name).__doc__ or "").strip(), f"{cls.__name__}.{name}"
+
+
 def test_type_stubs_are_shipped():
     import importlib.resources
 

@@ -237,3 +237,17 @@ def test_library_cache_dtype_and_device_follow_the_model(model):
     assert (cfg.dtype, cfg.device, cfg.key_method, cfg.seed) == ("float32", -1, "kivi", 3)
     assert (cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 8, 2, 64)
     assert cache.get_seq_length() == 10 and cache.get_mask_sizes(1, 0) == (11, 0)
+
+
+def test_public_callables_have_docstrings():
+    from qjlkv import hf
+    from qjlkv.hf import QJLLayer, qjlkv_attention_forward
+
+    for fn in (qjlkv_attention_forward, use_qjlkv_attention):
+        assert (fn.__doc__ or "").strip(), fn.__name__
+    for cls in (QJLCache, QJLLayer):
+        assert (cls.__doc__ or "").strip(), cls.__name__
+        for name, member in vars(cls).items():
+            if not name.startswith("_") and (callable(member) or isinstance(member, property)):
+                assert (getattr(cls, name).__doc__ or "").strip(), f"{cls.__name__}.{name}"
+    assert set(hf.__all__) <= set(dir(hf))

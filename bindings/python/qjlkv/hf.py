@@ -1,7 +1,11 @@
 """Hugging Face transformers integration: a ``Cache`` backed by libqjlkv.
 
 >>> from qjlkv.hf import QJLCache
->>> out = model.generate(**inputs, past_key_values=QJLCache(model.config, preset="qjl"))
+>>> out = model.generate(**inputs, cache=QJLCache(model.config, preset="qjl"))
+
+(``cache=`` is the spelling of transformers 5.x; ``past_key_values=`` still works there, with
+a FutureWarning that it goes away in 6.0.) ``examples/hf_generate.py`` runs this on
+SmolLM2-135M.
 
 Works with Llama-family decoders (GQA included; RoPE is applied before keys reach the
 cache). Batch row ``b`` is the library's sequence ``b``.
@@ -76,45 +80,58 @@ class QJLLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Notes the dtype and device of the first keys (the library cache is the owner's)."""
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        """Appends this step's keys and values (batch, kv_heads, tokens, head_dim) to the
+        library cache; returns what the attention should see (see QJLCache)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         return self._owner._update(self.layer_idx, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the attention mask for ``query_length`` new tokens."""
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
+        """Positions cached for this layer (of sequence 0)."""
         return self._owner._length(self.layer_idx)
 
     def get_max_length(self) -> int:
+        """-1: the cache grows without a set limit."""
         return -1
 
     def reset(self) -> None:
+        """Clears every sequence of the whole cache (all layers share the library cache)."""
         self._owner.reset()
 
     def offload(self) -> None:
+        """Unsupported: the compressed cache lives in the library."""
         raise _unsupported("QJLCache does not offload: the compressed cache lives in the library")
 
     def prefetch(self) -> None:
+        """Unsupported: the compressed cache lives in the library."""
         raise _unsupported("QJLCache does not offload: the compressed cache lives in the library")
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Only a no-op crop (0 tokens) is supported: cached tokens cannot be dropped."""
         if tokens_to_remove != 0:
             raise _unsupported("QJLCache cannot drop cached tokens (assisted decoding / crop)")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Only the identity order is supported (no beam search)."""
         if not torch.equal(beam_idx.cpu(), torch.arange(len(beam_idx))):
             raise _unsupported("QJLCache cannot reorder sequences (beam search)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Only repeats=1 is supported."""
         if repeats != 1:
             raise _unsupported("QJLCache cannot repeat sequences (num_return_sequences / beams > 1)")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Unsupported (contrastive search)."""
         raise _unsupported("QJLCache cannot select sequences (contrastive search)")
 
 
@@ -203,9 +220,11 @@ class QJLCache(Cache):
 
     # -- transformers Cache API ---------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Positions cached for ``layer_idx`` (of sequence 0)."""
         return self._length(layer_idx) if layer_idx < self._num_layers else 0
 
     def reset(self) -> None:
+        """Clears every sequence; the library cache and its configuration stay."""
         if self._lib is not None:
             for b in range(self._batch):
                 self._lib.clear(b)
