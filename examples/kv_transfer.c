@@ -93,6 +93,7 @@ static uint32_t step(qjlkv_cache *c, uint32_t token) {
 static qjlkv_cache *make_cache(const char *preset) {
   qjlkv_config cfg;
   memset(&cfg, 0, sizeof cfg);
+  cfg.struct_size = sizeof cfg;
   CHECK(qjlkv_config_init(&cfg, preset, LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM));
   cfg.seed = 42;
   qjlkv_cache *c = NULL;

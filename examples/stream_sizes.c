@@ -62,6 +62,7 @@ int main(int argc, char **argv) {
   for (int p = 0; p < 4; ++p) {
     qjlkv_config cfg;
     memset(&cfg, 0, sizeof cfg);
+    cfg.struct_size = sizeof cfg;
     check(qjlkv_config_init(&cfg, presets[p], 1, hq, hkv, d), "config_init");
     cfg.dtype = QJLKV_DTYPE_BF16;
     cfg.outlier_skip_layers = 0; /* measure a traced OTT layer */

@@ -458,7 +458,7 @@ void check_rows(const CacheSpec &spec, const uint8_t *data, size_t rows, bool va
   for (size_t r = 0; r < rows; ++r) {
     double norm2 = 0.0;
     for (uint32_t j = 0; j < d; ++j) {
-      const float x = cpu::load_element(data, r * d + j, spec.cfg.dtype);
+      const float x = cpu::load_element(data, r * d + j, dtype_of(spec.cfg));
       if (!std::isfinite(x) || std::fabs(x) > limit)
         corrupt("layer %u: %s %s row %zu holds %g", layer, where, what, r, double(x));
       norm2 += double(x) * x;

@@ -55,7 +55,7 @@ std::vector<uint8_t> rows(const qjlkv_config &cfg, uint32_t tokens, uint64_t see
   std::vector<float> x = rng.normals(size_t(tokens) * cfg.num_kv_heads * cfg.head_dim);
   // A few small keys and values, so that OTT's pool changes hands (it keeps the smallest norms).
   for (size_t i = 0; i < x.size(); i += 7 * cfg.head_dim) x[i] *= 0.01f;
-  return qt::encode(x, cfg.dtype);
+  return qt::encode(x, qt::dtype_of(cfg));
 }
 
 void append(qjlkv_cache *c, const qjlkv_config &cfg, uint32_t layer, uint32_t seq, uint32_t n, uint64_t seed) {
@@ -91,7 +91,7 @@ void expect_identical(qjlkv_cache *a, uint32_t seq_a, qjlkv_cache *b, uint32_t s
     EXPECT_TRUE(same_bits(va.data(), vb.data(), floats * 4)) << "layer " << l << ": reconstructed values differ";
     const uint32_t nq = uint32_t(std::min<uint64_t>(3, len));
     qt::Rng rng(seed + l);
-    const std::vector<uint8_t> q = qt::encode(rng.normals(size_t(nq) * cfg.num_q_heads * cfg.head_dim), cfg.dtype);
+    const std::vector<uint8_t> q = qt::encode(rng.normals(size_t(nq) * cfg.num_q_heads * cfg.head_dim), qt::dtype_of(cfg));
     std::vector<float> sa(size_t(cfg.num_q_heads) * len), sb(sa.size());
     QT_ASSERT_OK(qjlkv_cache_scores(a, l, seq_a, q.data(), sa.data(), sa.size()));
     QT_ASSERT_OK(qjlkv_cache_scores(b, l, seq_b, q.data(), sb.data(), sb.size()));
@@ -173,7 +173,7 @@ void continue_decode(qjlkv_cache *a, uint32_t seq_a, qjlkv_cache *b, uint32_t se
       QT_ASSERT_OK(qjlkv_cache_append(a, l, seq_a, 1, k.data(), v.data()));
       QT_ASSERT_OK(qjlkv_cache_append_batch(b, l, 1, &seq_b, k.data(), v.data()));
       qt::Rng rng(step * 31 + l);
-      const std::vector<uint8_t> q = qt::encode(rng.normals(size_t(cfg.num_q_heads) * cfg.head_dim), cfg.dtype);
+      const std::vector<uint8_t> q = qt::encode(rng.normals(size_t(cfg.num_q_heads) * cfg.head_dim), qt::dtype_of(cfg));
       std::vector<uint8_t> oa(q.size()), ob(q.size());
       QT_ASSERT_OK(qjlkv_cache_attend(a, l, seq_a, 1, q.data(), 0.0f, oa.data()));
       QT_ASSERT_OK(qjlkv_cache_attend(b, l, seq_b, 1, q.data(), 0.0f, ob.data()));
@@ -288,7 +288,7 @@ std::vector<OutlierState> outlier_states(const std::vector<uint8_t> &s, const qj
     return v;
   };
   std::vector<OutlierState> states;
-  const size_t io = qt::dtype_bytes(cfg.dtype), row = size_t(cfg.head_dim) * io;
+  const size_t io = qt::dtype_bytes(qt::dtype_of(cfg)), row = size_t(cfg.head_dim) * io;
   size_t at = 128;
   for (uint32_t l = 0; l < u32(28); ++l) {
     const uint32_t heads = u32(at + 20), blocks = u32(at + 32), tail = u32(at + 36), record = u32(at + 40);

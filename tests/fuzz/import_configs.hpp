@@ -19,6 +19,7 @@ inline qjlkv_config import_config(uint32_t index) {
   index %= kImportConfigs;
   qjlkv_config cfg;
   std::memset(&cfg, 0, sizeof cfg);
+  cfg.struct_size = sizeof cfg;
   if (qjlkv_config_init(&cfg, kPresets[index], 2, 2, 1, 8) != QJLKV_OK) __builtin_trap();
   cfg.dtype = kDtypes[index];
   cfg.block_tokens = 8;
