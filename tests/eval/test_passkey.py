@@ -1,7 +1,7 @@
 """Pass-key retrieval (tools/eval/passkey.py) on SmolLM2, short haystacks."""
 
 from tools.eval.evaluate import CacheConfig
-from tools.eval.passkey import answer_key, make_prompts, markdown, needle, run_prompt
+from tools.eval.passkey import answer_key, make_prompts, markdown, needle, run_prompt, spread_order
 
 
 def test_prompts_put_the_needle_at_the_requested_depths(model):
@@ -35,7 +35,7 @@ def test_exact_and_compressed_caches_answer(model):
     key = prompts[0].key
     assert answer_key(answers[0]) == key  # SmolLM2 finds it with the exact cache
     assert answer_key(answers[1]) == key  # fp16 storage changes nothing here
-    length = prompts[0].prefix_tokens + len(prompts[0].rest) + len(prompts[0].question) + 7
+    length = prompts[0].prefix_tokens + len(prompts[0].rest) + len(prompts[0].question) + 5
     assert caches[0].lengths == [length] * model.shape.num_layers
     assert caches[1].cache.stats()["bytes_fp16_equivalent"] == \
         length * model.shape.num_layers * model.shape.num_kv_heads * model.shape.head_dim * 2 * 2
@@ -50,3 +50,10 @@ def test_table_counts_exact_matches():
     table = markdown(result)
     assert "| a | 32.00 | 1/1 | 1/2 | 2/3 |" in table
     assert "| b | 4.50 | 0/1 | 2/2 | 2/3 |" in table
+
+
+def test_spread_order_visits_every_depth_once_ends_first():
+    for n in range(1, 12):
+        order = spread_order(list(range(n)))
+        assert sorted(order) == list(range(n))
+        assert order[:2] == [0, n - 1][:n]

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from tools.eval.caches import ExactCache
+from tools.eval.evaluate import DEFAULT_TEXT, CacheConfig, evaluate, load_text_tokens
 from tools.eval.models import fetch
+from tools.eval.passkey import answer_key, make_prompts, run_prompt
 from tools.eval.tokenizer import pre_tokenize_qwen2
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -89,3 +91,22 @@ def test_greedy_answer_through_the_exact_cache(qwen):
             break
         logits = qwen.decode_step([out[-1]], pos, [cache])[0]
     assert tok.decode(out) == "The capital of France is Paris.<|im_end|>"
+
+
+def test_end_to_end_short_run(qwen):
+    """The accuracy run and the pass-key task on Qwen, very short: fp16 storage is nearly
+    lossless, q4_0 is not, and the model finds a key in a 256-token haystack."""
+    configs = [CacheConfig("exact preset", "exact", {"dtype": "float16"}),
+               CacheConfig("q4_0, Hadamard", "q4_0", {"rotate": True}, anchor=True)]
+    tokens = load_text_tokens(qwen, DEFAULT_TEXT, 40 + 4 + 1)
+    ref_ppl, results = evaluate(qwen, tokens, 40, configs, progress=False, bits_length=8192)
+    exact, rotated = results
+    assert 1 < ref_ppl < 100
+    assert exact.mean_kl < 1e-4 and exact.top1_agreement == 1.0
+    assert rotated.mean_kl > exact.mean_kl
+    assert 16 <= exact.bits_at_length < 16.01 and rotated.bits_at_length == 4.5
+
+    head, prompts = make_prompts(qwen, 256, [0.5])
+    _, head_kv = qwen.forward(head, all_logits=False)
+    answers, _ = run_prompt(qwen, head_kv, prompts[0], configs[:1])
+    assert [answer_key(a) for a in answers] == [prompts[0].key] * 2

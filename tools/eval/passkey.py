@@ -41,7 +41,7 @@ INSTRUCTION = ("There is a pass key hidden inside a lot of irrelevant text. Find
                "memorize it. I will quiz you about the pass key.\n\n")
 QUESTION = "\n\nWhat is the pass key? Answer with the number only."
 ANSWER_START = "The pass key is"
-ANSWER_TOKENS = 8  # greedy tokens after ANSWER_START: a space, 5 digits, a period, spare
+ANSWER_TOKENS = 6  # greedy tokens after ANSWER_START: a space and 5 digits (split one by one)
 
 
 def needle(key: int) -> str:
@@ -98,6 +98,22 @@ def make_prompts(model: LlamaModel, length: int, depths: list[float], seed: int 
     return head, prompts
 
 
+def spread_order(items: list) -> list:
+    """First, last, then the midpoints of the gaps, widest first: a run stopped early has
+    depths spread over the whole range, not only the shallow ones."""
+    n = len(items)
+    order = list(range(min(n, 2)))
+    if n > 1:
+        order[1] = n - 1
+    gaps = [(0, n - 1)] if n > 2 else []
+    while gaps:
+        low, high = gaps.pop(0)
+        middle = (low + high) // 2
+        order.append(middle)
+        gaps += [g for g in ((low, middle), (middle, high)) if g[1] - g[0] > 1]
+    return [items[i] for i in order]
+
+
 def answer_key(text: str) -> int | None:
     found = re.search(r"\d+", text)
     return int(found.group()) if found else None
@@ -133,7 +149,9 @@ def run_prompt(model: LlamaModel, head_kv, prompt: Prompt, configs: list[CacheCo
 
 
 def run(model_name: str, lengths: list[int], num_depths: int, configs: list[CacheConfig],
-        num_threads: int = 1, progress: bool = True) -> dict:
+        num_threads: int = 1, progress: bool = True, out_dir: str | None = None) -> dict:
+    """All prompts through all caches; with out_dir, the table so far is rewritten after
+    every prompt (a long run stopped early keeps what it measured)."""
     from tqdm import tqdm
 
     started = time.time()
@@ -142,25 +160,31 @@ def run(model_name: str, lengths: list[int], num_depths: int, configs: list[Cach
     names = ["exact (numpy fp32)"] + [c.name for c in configs]
     records = []
     bits = {}
+
+    def result() -> dict:
+        return {"meta": {"model": MODELS[model_name].title, "lengths": lengths, "depths": depths,
+                         "bits_length": BITS_LENGTH, "seconds": time.time() - started},
+                "rows": [{"name": n, "description": "float32 numpy, exact attention" if i == 0
+                          else configs[i - 1].describe(),
+                          "bits_at_length": 32.0 if i == 0 else bits[n]}
+                         for i, n in enumerate(names)],
+                "records": records}
+
     for length in lengths:
         head, prompts = make_prompts(model, length, depths)
         _, head_kv = model.forward(head, all_logits=False, progress=progress)
         if not bits:
             bits = {c.name: bits_at_length(c, model.shape, head_kv, BITS_LENGTH) for c in configs}
-        for prompt in tqdm(prompts, desc=f"pass key in {length} tokens", unit="depth",
-                           disable=not progress):
+        for prompt in tqdm(spread_order(prompts), desc=f"pass key in {length} tokens",
+                           unit="depth", disable=not progress):
             answers, _ = run_prompt(model, head_kv, prompt, configs, num_threads)
             records.append({"length": length, "depth": prompt.depth, "key": prompt.key,
                             "prompt_tokens": prompt.prefix_tokens + len(prompt.rest) + len(prompt.question),
                             "answers": dict(zip(names, answers)),
                             "correct": {n: answer_key(a) == prompt.key for n, a in zip(names, answers)}})
-    return {"meta": {"model": MODELS[model_name].title, "lengths": lengths, "depths": depths,
-                     "bits_length": BITS_LENGTH, "seconds": time.time() - started},
-            "rows": [{"name": n, "description": "float32 numpy, exact attention" if i == 0
-                      else configs[i - 1].describe(),
-                      "bits_at_length": 32.0 if i == 0 else bits[n]}
-                     for i, n in enumerate(names)],
-            "records": records}
+            if out_dir:
+                write(result(), out_dir)
+    return result()
 
 
 def markdown(result: dict) -> str:
@@ -200,6 +224,8 @@ def main(argv=None) -> int:
                    help="haystack lengths in tokens (default 2048 4096)")
     p.add_argument("--depths", type=int, default=8, help="needle depths from 5%% to 95%% (default 8)")
     p.add_argument("--only", help="run only the configurations whose name contains this")
+    p.add_argument("--without", action="append", default=[],
+                   help="leave out the configurations whose name contains this (repeatable)")
     p.add_argument("--quick", action="store_true", help="the 5 quick rows of tools.eval")
     p.add_argument("--out", default="build-eval", help="output folder (default build-eval)")
     p.add_argument("--threads", type=int, default=1, help="qjlkv worker threads per cache")
@@ -207,8 +233,8 @@ def main(argv=None) -> int:
     configs = headline_configurations(a.quick)
     if a.only:
         configs = [c for c in configs if a.only in c.name]
-    result = run(a.model, a.lengths, a.depths, configs, a.threads)
-    paths = write(result, a.out)
+    configs = [c for c in configs if not any(w in c.name for w in a.without)]
+    paths = write(run(a.model, a.lengths, a.depths, configs, a.threads, out_dir=a.out), a.out)
     with open(paths["table"]) as f:
         sys.stdout.write(f.read())
     print(f"\nwrote {paths['table']}, {paths['json']}")
