@@ -169,6 +169,8 @@ class Format:
     sinks: int = 0
     outlier_tokens: int = 0          # per block and kv head, kept exact
     outlier_rule: str = "range"      # "range": largest per-channel z-score; "small": OTT's
+    center_keys: bool = False        # subtract a per-(layer, kv head) fp16 mean key, fixed
+                                     # from the first block (q·μ is added back exactly)
     boundary_layers: tuple[int, int] = (0, 0)   # first, last layers using the boundary codecs
     boundary_key: Codec | None = None
     boundary_value: Codec | None = None
@@ -186,6 +188,8 @@ class Format:
             parts.append(f"S{self.sinks}")
         if self.outlier_tokens:
             parts.append(f"O{self.outlier_tokens}{'' if self.outlier_rule == 'range' else 's'}")
+        if self.center_keys:
+            parts.append("centered")
         if any(self.boundary_layers):
             k, v = self.codecs(0 if self.boundary_layers[0] else 10 ** 9, 10 ** 9 + 1)
             parts.append(f"edge {self.boundary_layers[0]}+{self.boundary_layers[1]}: "
@@ -203,7 +207,8 @@ class Format:
         per_block = (key.block_bytes(self.block - self.outlier_tokens, d)
                      + value.block_bytes(self.block - self.outlier_tokens, d)
                      + self.outlier_tokens * (2 * d * 2 + 1))
-        return shape.num_kv_heads * (exact * 2 * d * 2 + blocks * per_block)
+        mean = d * 2 if self.center_keys and blocks else 0
+        return shape.num_kv_heads * (exact * 2 * d * 2 + blocks * per_block + mean)
 
     def bits_at(self, shape, tokens: int) -> float:
         used = sum(self.layer_bytes(layer, shape, tokens) for layer in range(shape.num_layers))
@@ -219,6 +224,7 @@ class ResearchCache(ExactCache):
         rng = np.random.default_rng(seed)
         self.rotations = [randomized_hadamard(shape.head_dim, rng) for _ in range(shape.num_layers)]
         self.quantized = [fmt.sinks] * shape.num_layers   # [sinks, quantized): blocks
+        self.key_means: list[np.ndarray | None] = [None] * shape.num_layers
 
     def append(self, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
         if self.fp16_io:
@@ -245,7 +251,14 @@ class ResearchCache(ExactCache):
             mean = (kb * mask[..., None]).sum(0) / mask.sum(0)[:, None]
             kb[kept, heads] = np.broadcast_to(mean, kb[kept, heads].shape)
         rotation = self.rotations[layer]
-        kq, vq = key_codec.apply(kb, rotation), value_codec.apply(vb, rotation)
+        if f.center_keys:
+            if self.key_means[layer] is None:
+                self.key_means[layer] = fp16(kb.mean(0))
+            mean = self.key_means[layer]
+            kq = key_codec.apply(kb - mean, rotation) + mean
+        else:
+            kq = key_codec.apply(kb, rotation)
+        vq = value_codec.apply(vb, rotation)
         if kept is not None:
             kq[kept, heads], vq[kept, heads] = exact_k, exact_v
         self.keys[layer][span] = kq
@@ -323,6 +336,24 @@ def candidate_sets() -> dict[str, list[ResearchConfig]]:
         C("T3b K ch3 B64 R16, V lm2", Format(channel(3), lm(2), block=64, residual=16), "tier 3"),
         C("T4a K ch4 B128, V lm3", Format(channel(4), lm(3)), "tier 4"),
         C("T4b K ch4 B64 R16, V lm3", Format(channel(4), lm(3), block=64, residual=16), "tier 4"),
+    ]
+    # Whole candidates for the two tiers (≤ 3.0 and ≤ 4.0 bits at 8k, fp16 I/O).
+    sets["tiers"] = [
+        C("T3a K ch3 B128, V lm2", Format(channel(3), lm(2)), "tier 3"),
+        C("T3c K ch3 B128 S4, V lm2", Format(channel(3), lm(2), sinks=4), "tier 3"),
+        C("T3e K ch3 B64 R16 S4, V lm2", Format(channel(3), lm(2), block=64, residual=16, sinks=4),
+          "tier 3"),
+        C("T3i K centered rot-lm3 B128 S4, V lm2",
+          Format(lm(3), lm(2), sinks=4, center_keys=True), "tier 3"),
+        C("T4a K ch4 B128, V lm3", Format(channel(4), lm(3)), "tier 4"),
+        C("T4c K ch4 B128 S4, V lm3", Format(channel(4), lm(3), sinks=4), "tier 4"),
+        C("T4e K ch4 B64 R16 S4, V lm3", Format(channel(4), lm(3), block=64, residual=16, sinks=4),
+          "tier 4"),
+        C("T4i K centered rot-lm4 B128 S4, V lm3",
+          Format(lm(4), lm(3), sinks=4, center_keys=True), "tier 4"),
+        C("T4j K ch4 B128 S4, V lm3, edges K8 V4",
+          Format(channel(4), lm(3), sinks=4, boundary_layers=(1, 1), boundary_key=channel(8),
+                 boundary_value=lm(4)), "tier 4 (over budget)"),
     ]
     return sets
 
