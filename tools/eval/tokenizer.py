@@ -1,8 +1,11 @@
 """GPT-2-style byte-level BPE tokenizer read from GGUF metadata (tokenizer.ggml.*).
 
-Pre-tokenization follows llama.cpp's "smollm" pre-tokenizer: every digit is split off on
-its own, then the GPT-2 regex splits the remaining text. Control tokens (<|im_start|> ...)
-are matched literally when `allow_special` is set.
+Pre-tokenization follows llama.cpp's pre-tokenizer named by `tokenizer.ggml.pre`:
+  smollm  every digit is split off on its own, then the GPT-2 regex splits the rest;
+  qwen2   Qwen2's single regex (case-insensitive contractions, letters with one leading
+          non-letter, each digit alone, punctuation runs with their newlines, ...).
+Control and user-defined tokens (<|im_start|>, <tool_call> ...) are matched literally when
+`allow_special` is set.
 """
 from __future__ import annotations
 
@@ -14,7 +17,12 @@ _DIGIT = regex.compile(r"\p{N}")
 _GPT2_SPLIT = regex.compile(
     r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 )
-TOKEN_TYPE_CONTROL = 3
+# Qwen2's pattern, as in llama.cpp (LLAMA_VOCAB_PRE_TYPE_QWEN2) and Qwen's tokenizer.json
+_QWEN2_SPLIT = regex.compile(
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
 
 
 @functools.lru_cache(maxsize=1)
@@ -35,6 +43,11 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars)))
 
 
+def pre_tokenize_qwen2(text: str) -> list[str]:
+    """Split text into the words BPE runs on (llama.cpp's qwen2 pre-tokenizer)."""
+    return _QWEN2_SPLIT.findall(text)
+
+
 def pre_tokenize(text: str) -> list[str]:
     """Split text into the words BPE runs on (llama.cpp's smollm pre-tokenizer)."""
     words: list[str] = []
@@ -49,14 +62,20 @@ def pre_tokenize(text: str) -> list[str]:
     return words
 
 
+PRE_TOKENIZERS = {"smollm": pre_tokenize, "qwen2": pre_tokenize_qwen2}
+
+
 class Tokenizer:
     def __init__(self, tokens: list[str], token_types: list[int], merges: list[str],
-                 eos_id: int):
+                 eos_id: int, pre: str = "smollm"):
+        if pre not in PRE_TOKENIZERS:
+            raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
+        self.pre_tokenize = PRE_TOKENIZERS[pre]
         self.tokens = tokens
         self.token_ids = {t: i for i, t in enumerate(tokens)}
         self.merge_rank = {tuple(m.split(" ")): r for r, m in enumerate(merges)}
         self.special = {t: i for i, t in enumerate(tokens)
-                        if token_types[i] == TOKEN_TYPE_CONTROL}
+                        if token_types[i] in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)}
         self.special_ids = set(self.special.values())
         self.eos_id = eos_id
         self.byte_encoder = bytes_to_unicode()
@@ -75,7 +94,8 @@ class Tokenizer:
         return cls(fields["tokenizer.ggml.tokens"].contents(),
                    fields["tokenizer.ggml.token_type"].contents(),
                    fields["tokenizer.ggml.merges"].contents(),
-                   int(fields["tokenizer.ggml.eos_token_id"].contents()))
+                   int(fields["tokenizer.ggml.eos_token_id"].contents()),
+                   fields["tokenizer.ggml.pre"].contents())
 
     @functools.lru_cache(maxsize=65536)
     def _bpe(self, word: str) -> tuple[int, ...]:
@@ -96,7 +116,7 @@ class Tokenizer:
             if allow_special and piece in self.special:
                 ids.append(self.special[piece])
             elif piece:
-                for word in pre_tokenize(piece):
+                for word in self.pre_tokenize(piece):
                     ids.extend(self._bpe(word))
         return ids
 

