@@ -218,8 +218,14 @@ class Format:
 class ResearchCache(ExactCache):
     """ExactCache whose quantized blocks are replaced in place by their reconstructions."""
 
-    def __init__(self, name: str, shape, fmt: Format, fp16_io: bool = True, seed: int = 0):
+    def __init__(self, name: str, shape, fmt: Format, fp16_io: bool = True, seed: int = 0,
+                 reserve_tokens: int = 0):
         super().__init__(shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+        if reserve_tokens:   # the run's length known: no geometric growth (Qwen's memory)
+            for store in (self.keys, self.values):
+                for layer in range(shape.num_layers):
+                    store[layer] = np.empty((reserve_tokens, shape.num_kv_heads, shape.head_dim),
+                                            np.float32)
         self.name, self.shape, self.fmt, self.fp16_io = name, shape, fmt, fp16_io
         rng = np.random.default_rng(seed)
         self.rotations = [randomized_hadamard(shape.head_dim, rng) for _ in range(shape.num_layers)]
@@ -294,10 +300,11 @@ class ResearchConfig:
     group: str = "research"
     preset: str = "research"
     fields: dict = field(default_factory=dict)
+    reserve_tokens: int = 0        # the run's token count, when known
 
     def make(self, shape, num_threads: int):
         fmt = self.fmt or Format(EXACT, EXACT, residual=10 ** 9)
-        return ResearchCache(self.name, shape, fmt)
+        return ResearchCache(self.name, shape, fmt, reserve_tokens=self.reserve_tokens)
 
     def describe(self) -> str:
         return self.fmt.label() if self.fmt else "fp16 K/V, nothing quantized"
@@ -355,26 +362,28 @@ def candidate_sets() -> dict[str, list[ResearchConfig]]:
           Format(channel(4), lm(3), sinks=4, boundary_layers=(1, 1), boundary_key=channel(8),
                  boundary_value=lm(4)), "tier 4 (over budget)"),
     ]
+    # Qwen (≈ 7 GB for the model alone): the tier candidates that matter, a few at a time.
+    by_name = {c.name: c for c in sets["tiers"]}
+    sets["qwen"] = [by_name[n] for n in ("T3a K ch3 B128, V lm2", "T3c K ch3 B128 S4, V lm2",
+                                         "T3e K ch3 B64 R16 S4, V lm2", "T4c K ch4 B128 S4, V lm3",
+                                         "T4e K ch4 B64 R16 S4, V lm3",
+                                         "T3i K centered rot-lm3 B128 S4, V lm2")]
     return sets
 
 
 # ---- running ------------------------------------------------------------------------------
-def load_model(name: str):
-    from .model import LlamaModel
-    if name != "smollm2":
-        raise ValueError(f"model {name!r} is not supported here yet")
-    return LlamaModel(), "SmolLM2-135M-Instruct (Q4_1 GGUF)"
-
-
 def run(set_name: str, prefix: int, decode: int, only: str | None, model_name: str,
         out_dir: str) -> list[dict]:
     from .evaluate import DEFAULT_TEXT, evaluate, load_text_tokens
+    from .model import load_model
+    from .models import MODELS
 
     started = time.time()
     configs = candidate_sets()[set_name]
     if only:
         configs = [c for c in configs if any(o in c.name for o in only.split(","))]
-    model, model_label = load_model(model_name)
+    configs = [replace(c, reserve_tokens=prefix + decode + 1) for c in configs]
+    model, model_label = load_model(model_name), MODELS[model_name].title
     tokens = load_text_tokens(model, DEFAULT_TEXT, prefix + decode + 1)
     reference_ppl, results = evaluate(model, tokens, prefix, configs)
     seconds = time.time() - started
@@ -415,14 +424,28 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m tools.eval.research", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--set", default="screen", choices=sorted(candidate_sets()))
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "qwen2.5-1.5b"])
     p.add_argument("--prefix", type=int, default=2048)
     p.add_argument("--decode", type=int, default=512)
     p.add_argument("--only", help="comma-separated substrings of the candidate names to run")
     p.add_argument("--out", default=RESULTS_DIR)
     p.add_argument("--bits", nargs=4, type=int, metavar=("LAYERS", "KV_HEADS", "HEAD_DIM", "TOKENS"),
                    help="only print each candidate's bits for this shape and length")
+    p.add_argument("--passkey", type=int, nargs="+", metavar="LENGTH",
+                   help="pass-key retrieval (tools/eval/passkey.py) at these haystack lengths instead")
+    p.add_argument("--depths", type=int, default=4, help="pass-key needle depths (default 4)")
     a = p.parse_args(argv)
+    if a.passkey:
+        from . import passkey
+        configs = candidate_sets()[a.set]
+        if a.only:
+            configs = [c for c in configs if any(o in c.name for o in a.only.split(","))]
+        result = passkey.run(a.model, a.passkey, a.depths, configs)
+        result["meta"]["command"] = "python3 -m tools.eval.research " + " ".join(sys.argv[1:])
+        paths = passkey.write(result, os.path.join(a.out, f"passkey-{a.model}-{a.set}"))
+        with open(paths["table"]) as f:
+            sys.stdout.write(f.read())
+        return 0
     if a.bits:
         from types import SimpleNamespace
         shape = SimpleNamespace(num_layers=a.bits[0], num_kv_heads=a.bits[1], head_dim=a.bits[2])
