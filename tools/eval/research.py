@@ -98,6 +98,7 @@ class Codec:
     group: int = 0           # token: channels per group (0: the whole head)
     rotate: bool = False     # token: randomized Hadamard rotation first
     lloyd: bool = False      # token: Lloyd-Max Gaussian levels + fp16 group norm
+    norm_correct: bool = True  # lloyd: rescale the decoded group to the stored norm
 
     def __post_init__(self):
         if self.kind not in ("exact", "channel", "token"):
@@ -110,7 +111,8 @@ class Codec:
             return f"ch{self.bits}"
         g = f"g{self.group}" if self.group else "gd"
         return (("rot-" if self.rotate else "") + ("lm" if self.lloyd else "u")
-                + f"{self.bits}{'' if self.lloyd and not self.group else g}")
+                + f"{self.bits}{'' if self.lloyd and not self.group else g}"
+                + ("" if self.norm_correct or not self.lloyd else "-nocorr"))
 
     def block_bytes(self, tokens: int, d: int) -> float:
         """Bytes of one block of `tokens` tokens of one kv head."""
@@ -140,8 +142,11 @@ class Codec:
             unit = xg * (math.sqrt(g) / safe)
             edges = (levels[1:] + levels[:-1]) / 2
             y = levels[np.searchsorted(edges, unit)]
-            y_norm = np.linalg.norm(y, axis=-1, keepdims=True)
-            y = y * (norm / np.where(y_norm > 0, y_norm, 1.0))   # norm correction
+            if self.norm_correct:
+                y_norm = np.linalg.norm(y, axis=-1, keepdims=True)
+                y = y * (norm / np.where(y_norm > 0, y_norm, 1.0))
+            else:
+                y = y * (norm / math.sqrt(g))
         else:
             y = dequantized(xg, self.bits, axis=-1)
         y = y.reshape(B, H, d)
@@ -155,8 +160,9 @@ def channel(bits: int) -> Codec:
     return Codec("channel", bits)
 
 
-def token(bits: int, group: int = 0, rotate: bool = False, lloyd: bool = False) -> Codec:
-    return Codec("token", bits, group, rotate, lloyd)
+def token(bits: int, group: int = 0, rotate: bool = False, lloyd: bool = False,
+          norm_correct: bool = True) -> Codec:
+    return Codec("token", bits, group, rotate, lloyd, norm_correct)
 
 
 # ---- a whole candidate ----------------------------------------------------------------
@@ -361,6 +367,18 @@ def candidate_sets() -> dict[str, list[ResearchConfig]]:
         C("T4j K ch4 B128 S4, V lm3, edges K8 V4",
           Format(channel(4), lm(3), sinks=4, boundary_layers=(1, 1), boundary_key=channel(8),
                  boundary_value=lm(4)), "tier 4 (over budget)"),
+    ]
+    # Ablations of the recommended formats: what each detail of the value codes and the
+    # sinks is worth (does the implementation need it?).
+    sets["ablate"] = [
+        *[C(f"K fp16, V {c.label()}", Format(EXACT, c), "values only")
+          for c in (token(2, 0, rotate=True, lloyd=True, norm_correct=False),
+                    token(2, 0, rotate=False, lloyd=True), lm(2, 32), token(2, 32, rotate=True),
+                    token(3, 0, rotate=True, lloyd=True, norm_correct=False))],
+        *[C(f"T3c with S{n}", Format(channel(3), lm(2), sinks=n), "tier 3 sinks")
+          for n in (1, 2, 8)],
+        C("T3c with R16", Format(channel(3), lm(2), sinks=4, residual=16), "tier 3"),
+        C("T3c with R64", Format(channel(3), lm(2), sinks=4, residual=64), "tier 3 (over budget)"),
     ]
     # Qwen (≈ 7 GB for the model alone): the tier candidates that matter, a few at a time.
     by_name = {c.name: c for c in sets["tiers"]}
