@@ -319,6 +319,31 @@ class ResearchConfig:
         return 16.0 if self.fmt is None else self.fmt.bits_at(shape, tokens)
 
 
+@dataclass
+class QjlPrototypeConfig:
+    """The QJL prototype (tools/eval/prototype.py) in this harness; its tail is counted at
+    16 bits here (fp16 I/O), as the other candidates' are."""
+    name: str
+    options: dict
+    group: str = "qjl prototype"
+    reserve_tokens: int = 0
+
+    def make(self, shape, num_threads: int):
+        from .prototype import PrototypeQjlCache
+        return PrototypeQjlCache(self.name, shape, **self.options)
+
+    def describe(self) -> str:
+        return "prototype " + " ".join(f"{k}={v}" for k, v in self.options.items())
+
+    def bits_at(self, shape, tokens: int) -> float:
+        cache = self.make(shape, 1)
+        block, residual = cache.block, cache.residual
+        blocks = (tokens - residual) // block if tokens >= residual + block else 0
+        used = shape.num_kv_heads * (blocks * cache._block_bytes_per_head()
+                                     + (tokens - blocks * block) * shape.head_dim * 2 * 2)
+        return 8 * used / (tokens * shape.num_kv_heads * shape.head_dim * 2)
+
+
 def lm(bits: int, group: int = 0) -> Codec:
     """Rotated Lloyd-Max values with a norm per group (the TurboQuant-style "mse" codes)."""
     return token(bits, group, rotate=True, lloyd=True)
@@ -380,6 +405,12 @@ def candidate_sets() -> dict[str, list[ResearchConfig]]:
         C("T3c with R16", Format(channel(3), lm(2), sinks=4, residual=16), "tier 3"),
         C("T3c with R64", Format(channel(3), lm(2), sinks=4, residual=64), "tier 3 (over budget)"),
     ]
+    # QJL with its outlier channels as per-channel 4-bit codes, centered or not (issue 19's
+    # QJL improvements), on Qwen where plain QJL collapses.
+    sets["qjl"] = [QjlPrototypeConfig(f"QJL m={m}, 8 outlier channels 4-bit{', centered' if c else ''}",
+                                      {"m": m, "m_out": 0, "channels": 8, "outlier_bits": 4,
+                                       "center": c})
+                   for m, c in ((128, False), (128, True), (256, True))]
     # Qwen (≈ 7 GB for the model alone): the tier candidates that matter, a few at a time.
     by_name = {c.name: c for c in sets["tiers"]}
     sets["qwen"] = [by_name[n] for n in ("T3a K ch3 B128, V lm2", "T3c K ch3 B128 S4, V lm2",
@@ -400,7 +431,8 @@ def run(set_name: str, prefix: int, decode: int, only: str | None, model_name: s
     configs = candidate_sets()[set_name]
     if only:
         configs = [c for c in configs if any(o in c.name for o in only.split(","))]
-    configs = [replace(c, reserve_tokens=prefix + decode + 1) for c in configs]
+    configs = [replace(c, reserve_tokens=prefix + decode + 1) if isinstance(c, ResearchConfig)
+               else c for c in configs]
     model, model_label = load_model(model_name), MODELS[model_name].title
     tokens = load_text_tokens(model, DEFAULT_TEXT, prefix + decode + 1)
     reference_ppl, results = evaluate(model, tokens, prefix, configs)
@@ -466,7 +498,8 @@ def main(argv=None) -> int:
         return 0
     if a.bits:
         from types import SimpleNamespace
-        shape = SimpleNamespace(num_layers=a.bits[0], num_kv_heads=a.bits[1], head_dim=a.bits[2])
+        shape = SimpleNamespace(num_layers=a.bits[0], num_q_heads=a.bits[1], num_kv_heads=a.bits[1],
+                                head_dim=a.bits[2])
         for c in candidate_sets()[a.set]:
             print(f"{c.bits_at(shape, a.bits[3]):7.3f}  {c.name}")
         return 0
