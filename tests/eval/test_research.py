@@ -1,0 +1,108 @@
+"""The numpy caches of the tier research (tools/eval/research.py): codebooks, rotations,
+the block/tail protocol and the bit count, so the measured rows cannot silently drift."""
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from tools.eval.research import (EXACT, Format, ResearchCache, candidate_sets, channel, hadamard,
+                                 lloyd_max_gaussian, lm, randomized_hadamard, token)
+
+D = 64
+SHAPE = SimpleNamespace(num_layers=2, num_q_heads=2, num_kv_heads=1, head_dim=D)
+
+
+def test_lloyd_max_levels_match_the_published_gaussian_quantizers():
+    # Max (1960), Table I: optimum levels for a unit-variance Gaussian
+    np.testing.assert_allclose(lloyd_max_gaussian(1), [-math.sqrt(2 / math.pi), math.sqrt(2 / math.pi)],
+                               atol=1e-9)
+    np.testing.assert_allclose(lloyd_max_gaussian(2), [-1.5104, -0.4528, 0.4528, 1.5104], atol=1e-4)
+    np.testing.assert_allclose(lloyd_max_gaussian(3)[4:], [0.2451, 0.7560, 1.3439, 2.1520], atol=1e-4)
+    assert (np.diff(lloyd_max_gaussian(4)) > 0).all()
+
+
+def test_randomized_hadamard_is_orthogonal_and_round_trips():
+    assert (hadamard(8) @ hadamard(8).T == 8 * np.eye(8)).all()
+    r = randomized_hadamard(D, np.random.default_rng(3))
+    np.testing.assert_allclose(r @ r.T, np.eye(D), atol=1e-12)
+    x = np.random.default_rng(4).standard_normal((5, 1, D))
+    np.testing.assert_allclose((x @ r.T) @ r, x, atol=1e-12)
+    with pytest.raises(ValueError):
+        hadamard(48)
+
+
+def test_rotated_codes_decode_back_in_the_original_basis():
+    rng = np.random.default_rng(5)
+    r = randomized_hadamard(D, rng)
+    x = rng.standard_normal((7, 2, D))
+    x[:, :, 3] += 40.0        # an outlier channel: rotation spreads it
+    fine = token(8, 32, rotate=True).apply(x, r)
+    assert np.abs(fine - x).max() < 0.1    # 8-bit steps of ≈ 0.06
+    coarse_plain = token(2, 64).apply(x, r)
+    coarse_rotated = token(2, 64, rotate=True).apply(x, r)
+    assert np.linalg.norm(coarse_rotated - x) < np.linalg.norm(coarse_plain - x)
+
+
+def test_lloyd_codes_keep_each_groups_norm():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((9, 1, D)) * 3
+    x[0] = 0.0                                    # a zero vector stays zero, no NaN
+    y = lm(2).apply(x, randomized_hadamard(D, rng))
+    norms = np.linalg.norm(x, axis=-1)
+    np.testing.assert_allclose(np.linalg.norm(y, axis=-1), norms.astype(np.float16).astype(np.float64), rtol=1e-12)
+    assert (y[0] == 0).all()
+    cosine = (x[1:] * y[1:]).sum(-1) / norms[1:] / np.linalg.norm(y[1:], axis=-1)
+    assert cosine.min() > 0.85                    # 2-bit Lloyd-Max: ≈ 0.94 expected
+
+
+def test_channel_codes_follow_the_block():
+    x = np.random.default_rng(7).standard_normal((32, 1, D)) + np.linspace(-300, 300, D)
+    y = channel(4).apply(x, None)
+    step = (x.max(0) - x.min(0)) / 15
+    assert (np.abs(x - y) <= step / 2 * 1.01 + 0.25).all()
+
+
+def test_bits_counted_by_hand():
+    # 3-bit channel keys B=128 + 2-bit Lloyd values (fp16 norm per token), R=32, at 8192
+    # tokens of one kv head: 63 blocks of keys 128·64·3/8 + 64·4 = 3328 bytes and values
+    # 128·64·2/8 + 128·2 = 2304 bytes, 128 exact tokens of 2·64·2 bytes.
+    fmt = Format(channel(3), lm(2))
+    expected = 8 * (63 * (3328 + 2304) + 128 * 256) / (8192 * 64 * 2)
+    assert fmt.bits_at(SHAPE, 8192) == pytest.approx(expected)
+    # 4 sinks, 2 exact outlier tokens per block (fp16 K and V plus a uint8 index each),
+    # boundary layer (1 of 2) with exact keys and 4-bit per-token values in groups of 32
+    fmt = Format(channel(2), token(2, 32), block=64, residual=16, sinks=4, outlier_tokens=2,
+                 boundary_layers=(1, 0), boundary_key=EXACT, boundary_value=token(4, 32))
+    blocks, exact = (1000 - 4 - 16) // 64, 1000 - 15 * 64
+    inner = 62 * 64 * 2 / 8 + 64 * 4 + 62 * (64 * 2 / 8 + 2 * 4) + 2 * 257
+    edge = 62 * 64 * 2 + 62 * (64 * 4 / 8 + 2 * 4) + 2 * 257
+    expected = 8 * (blocks * (inner + edge) + 2 * exact * 256) / (2 * 1000 * 64 * 2)
+    assert blocks == 15 and fmt.bits_at(SHAPE, 1000) == pytest.approx(expected)
+
+
+def test_cache_quantizes_blocks_behind_the_tail_and_keeps_sinks_and_outliers_exact():
+    fmt = Format(channel(2), token(2, 32), block=64, residual=32, sinks=4, outlier_tokens=1)
+    cache = ResearchCache("c", SHAPE, fmt)
+    rng = np.random.default_rng(8)
+    keys = rng.standard_normal((200, 1, D)).astype(np.float32)
+    keys[50, 0, 7] = 80.0                       # stretches channel 7's range: kept exact
+    values = rng.standard_normal((200, 1, D)).astype(np.float32)
+    for start in range(0, 200, 37):             # uneven appends: the same blocks as one append
+        cache.append(0, keys[start:start + 37], values[start:start + 37])
+    cache.append(1, keys, values)
+    assert cache.quantized == [4 + 64 * 2, 4 + 64 * 2]
+    for layer in (0, 1):
+        stored_k = cache.keys[layer][:200]
+        np.testing.assert_array_equal(stored_k[:4], keys[:4].astype(np.float16))
+        np.testing.assert_array_equal(stored_k[132:], keys[132:].astype(np.float16))
+        np.testing.assert_array_equal(stored_k[50], keys[50].astype(np.float16))
+        assert not np.array_equal(stored_k[4:50], keys[4:50].astype(np.float16))
+    np.testing.assert_array_equal(cache.keys[0][:200], cache.keys[1][:200])
+    assert cache.stats()["bits_per_number"] == pytest.approx(fmt.bits_at(SHAPE, 200))
+
+
+def test_every_candidate_names_a_valid_format():
+    for configs in candidate_sets().values():
+        for c in configs:
+            assert 0 < c.bits_at(SHAPE, 8192) <= 16
