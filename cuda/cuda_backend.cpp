@@ -717,7 +717,21 @@ void CudaCache::stats(qjlkv_stats &out) const {
 
 namespace qjlkv {
 
+namespace {
+// Options the CPU backend has and the CUDA kernels do not yet: refused by name, before any device work.
+void refuse_cpu_only_options(const qjlkv_config &cfg) {
+  const bool kivi_keys = cfg.key_method == QJLKV_KEYS_KIVI || cfg.key_method == QJLKV_KEYS_OTT;
+  if (kivi_keys && cfg.key_bits == 3)
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.key_bits is 3: 3-bit KIVI/OTT keys are not yet available on CUDA (use "
+         "the CPU backend, config.device = -1)");
+  if (cfg.value_bits == 3)
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.value_bits is 3: 3-bit values are not yet available on CUDA (use the CPU "
+         "backend, config.device = -1)");
+}
+}  // namespace
+
 std::unique_ptr<qjlkv_cache> make_cuda_cache(CacheSpec spec) {
+  refuse_cpu_only_options(spec.cfg);
   const int device = spec.cfg.device;
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);

@@ -34,7 +34,7 @@ void check_sketch_dim(const char *field, uint32_t value, bool allow_zero) {
                 "%s is %u, must be a multiple of 8 in [%u, 65536]", field, value, allow_zero ? 0u : 8u);
 }
 
-bool is_bits(uint32_t b) { return b == 2 || b == 4 || b == 8; }
+bool is_bits(uint32_t b) { return b == 2 || b == 3 || b == 4 || b == 8; }
 
 }  // namespace
 
@@ -176,12 +176,12 @@ void validate_config(const qjlkv_config &caller_cfg) {
                     cfg.num_layers);
       [[fallthrough]];
     case QJLKV_KEYS_KIVI:
-      QJLKV_REQUIRE(is_bits(cfg.key_bits), "config.key_bits is %u, must be 2, 4 or 8", cfg.key_bits);
+      QJLKV_REQUIRE(is_bits(cfg.key_bits), "config.key_bits is %u, must be 2, 3, 4 or 8", cfg.key_bits);
       break;
     case QJLKV_KEYS_EXACT:
       break;
   }
-  QJLKV_REQUIRE(is_bits(cfg.value_bits) || cfg.value_bits == 16, "config.value_bits is %u, must be 2, 4, 8 or 16",
+  QJLKV_REQUIRE(is_bits(cfg.value_bits) || cfg.value_bits == 16, "config.value_bits is %u, must be 2, 3, 4, 8 or 16",
                 cfg.value_bits);
   QJLKV_REQUIRE(cfg.value_group_size >= 1 && d % cfg.value_group_size == 0,
                 "config.value_group_size is %u, must divide head_dim (%u)", cfg.value_group_size, d);

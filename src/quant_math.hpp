@@ -47,14 +47,20 @@ QJLKV_HD uint32_t quant_code(float x, const GroupQuant &q, uint32_t bits) {
 
 QJLKV_HD float dequant(uint32_t code, float scale, float min) { return float(code) * scale + min; }
 
-// b-bit codes (b in {2,4,8}) packed LSB-first: code j occupies bits (j*b) % 8 .. of byte j*b/8.
+// b-bit codes (b in {2,3,4,8}) packed as one LSB-first bit stream per row: code j occupies bits
+// j*b .. j*b + b - 1 of the row, bit i of the stream being bit i % 8 of byte i / 8. For 2, 4 and 8
+// bits a code never crosses a byte; 3-bit codes pack 8 codes in 3 bytes, and codes 2 and 5 of each
+// such group cross into the next byte (never past the row: rows hold a multiple of 8 codes).
 QJLKV_HD uint32_t unpack_code(const uint8_t *packed, uint32_t j, uint32_t bits) {
-  const uint32_t bit = j * bits;
-  return (uint32_t(packed[bit >> 3]) >> (bit & 7u)) & ((1u << bits) - 1u);
+  const uint32_t bit = j * bits, shift = bit & 7u;
+  uint32_t window = packed[bit >> 3];
+  if (shift + bits > 8u) window |= uint32_t(packed[(bit >> 3) + 1]) << 8;
+  return (window >> shift) & ((1u << bits) - 1u);
 }
-QJLKV_HD void pack_code(uint8_t *packed, uint32_t j, uint32_t bits, uint32_t code) {
-  const uint32_t bit = j * bits;
-  packed[bit >> 3] = uint8_t(packed[bit >> 3] | (code << (bit & 7u)));  // bytes start zeroed
+QJLKV_HD void pack_code(uint8_t *packed, uint32_t j, uint32_t bits, uint32_t code) {  // bytes start zeroed
+  const uint32_t bit = j * bits, shift = bit & 7u;
+  packed[bit >> 3] = uint8_t(packed[bit >> 3] | (code << shift));
+  if (shift + bits > 8u) packed[(bit >> 3) + 1] = uint8_t(packed[(bit >> 3) + 1] | (code >> (8u - shift)));
 }
 
 // QJL sign bit: 1 means projection > 0, 0 means <= 0; bit j of byte b is sketch row 8b + j.

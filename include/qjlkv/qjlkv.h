@@ -15,10 +15,10 @@
  * quantized as one block:
  *   - keys with QJL (1-bit signs of a random orthogonalized sketch plus the
  *     key norms, with a second sketch for the few outlier channels of each
- *     block), or KIVI (per-channel 2/4/8-bit), or OTT (KIVI plus tracing of
+ *     block), or KIVI (per-channel 2/3/4/8-bit), or OTT (KIVI plus tracing of
  *     outlier tokens), or kept exact in 16 bits;
- *   - values per token in groups of value_group_size channels with 2, 4 or 8
- *     bits (or kept exact in 16 bits).
+ *   - values per token in groups of value_group_size channels with 2, 3, 4 or
+ *     8 bits (or kept exact in 16 bits).
  * qjlkv_cache_attend() then computes decode attention softmax(scale·q·Kᵀ)·V
  * for the query heads of a layer directly on the compressed bytes.
  *
@@ -63,6 +63,8 @@
  * - Value groups and KIVI channels: min stored as the largest fp16 <= min,
  *   scale as the smallest fp16 >= (max - min)/(2^b - 1); codes round half to
  *   even; a group whose values are all equal gets scale 0 and reproduces min.
+ *   b-bit codes of a token (or a key block's token row) form one LSB-first bit
+ *   stream: code j is bits j·b .. j·b+b-1 (3-bit: 8 codes in 3 bytes).
  * - 16-bit exact storage (preset "exact", value_bits 16) is fp16 for fp32 and
  *   fp16 inputs, bf16 for bf16 inputs.
  */
@@ -225,14 +227,15 @@ typedef struct qjlkv_config {
   uint32_t initial_key_sketch_dim;
   uint32_t initial_outlier_sketch_dim;
   /* KIVI / OTT */
-  uint32_t key_bits;             /* 2, 4 or 8                                 */
+  uint32_t key_bits;             /* 2, 3, 4 or 8 (3: CPU only for now)        */
   /* OTT */
   uint32_t outlier_tokens;       /* P: pool size per (sequence, kv head),
                                     [0, block_tokens)                         */
   uint32_t outlier_spill_tokens; /* spill area size, [0, 4096]                */
   uint32_t outlier_skip_layers;  /* layers [0, n) do no tracing               */
   /* values */
-  uint32_t value_bits;           /* 2, 4, 8, or 16 = exact 16-bit values      */
+  uint32_t value_bits;           /* 2, 3, 4, 8, or 16 = exact 16-bit values
+                                    (3: CPU only for now)                     */
   uint32_t value_group_size;     /* g: divides head_dim                       */
   /* --- fields added after the first draft of API.md --- */
   uint32_t num_threads;          /* CPU worker threads <= 1024; 0 = all cores */

@@ -52,7 +52,7 @@ struct KernelTable {
                        const float *q, uint32_t rows, float *out, size_t out_stride);
   void (*dense_values)(const void *values, qjlkv_dtype dtype, size_t row_stride, uint32_t n, uint32_t d,
                        const float *w, size_t w_stride, uint32_t rows, float *acc);
-  // acc[r][d] += Σ_t w[r][t]·v̂_t over a block's quantized values (bits 2, 4, 8 or 16).
+  // acc[r][d] += Σ_t w[r][t]·v̂_t over a block's quantized values (bits 2, 3, 4, 8 or 16).
   void (*values_accumulate)(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride,
                             uint32_t rows, float *acc, float *scratch);
   // ---- appending: the reference quantizers' exact results, vectorized ----

@@ -188,8 +188,8 @@ bool Harness::setup() {
   cfg_.num_threads = in_.byte() % 4 == 3 ? 2 : 1;
   cfg_.seed = in_.u16();
   if (cfg_.key_method != QJLKV_KEYS_EXACT) {
-    static const uint32_t kBits[] = {2, 4, 8};
-    static const uint32_t kValueBits[] = {2, 4, 8, 16};
+    static const uint32_t kBits[] = {2, 3, 4, 8};
+    static const uint32_t kValueBits[] = {2, 3, 4, 8, 16};
     cfg_.key_bits = in_.pick(kBits);
     cfg_.value_bits = in_.pick(kValueBits);
     cfg_.value_group_size = in_.flag() ? 8 : d;

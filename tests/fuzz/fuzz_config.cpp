@@ -45,7 +45,7 @@ void set_raw(Enum &field, int value) {
   std::memcpy(&field, &value, sizeof value);
 }
 
-bool is_bits(uint32_t b) { return b == 2 || b == 4 || b == 8; }
+bool is_bits(uint32_t b) { return b == 2 || b == 3 || b == 4 || b == 8; }
 bool sketch_dim_ok(uint32_t v, bool allow_zero) { return v % 8 == 0 && v <= 65536 && (allow_zero || v > 0); }
 
 // The header's rules (include/qjlkv/qjlkv.h, struct qjlkv_config), plus the upper limits that

@@ -227,7 +227,7 @@ impl Config {
         initial_key_sketch_dim;
         /// QJL m_out of the initial layers.
         initial_outlier_sketch_dim;
-        /// KIVI/OTT key bits: 2, 4 or 8.
+        /// KIVI/OTT key bits: 2, 3, 4 or 8.
         key_bits;
         /// OTT P: outlier-token pool size per (sequence, kv head), <= `block_tokens`.
         outlier_tokens;
@@ -235,7 +235,7 @@ impl Config {
         outlier_spill_tokens;
         /// OTT: layers `[0, n)` do no tracing.
         outlier_skip_layers;
-        /// Value bits: 2, 4, 8, or 16 = exact 16-bit values.
+        /// Value bits: 2, 3, 4, 8, or 16 = exact 16-bit values.
         value_bits;
         /// g: channels per value quantization group; divides `head_dim`.
         value_group_size;
