@@ -653,7 +653,7 @@ void CudaCache::reconstruct(uint32_t layer_index, uint32_t seq_id, uint64_t firs
           default: cpu::kivi_dequantize_token(cfg, ls.layout, block, t, k); break;
         }
       }
-      if (v) cpu::values_dequantize_token(cfg, spec().stored_dtype, ls.layout, block, t, v);
+      if (v) cpu::values_dequantize_token(cfg, spec().stored_dtype, ls.layout, nullptr, block, t, v);
     }
   }
 }
@@ -724,6 +724,12 @@ void refuse_cpu_only_options(const qjlkv_config &cfg) {
   if (kivi_keys && cfg.key_bits == 3)
     fail(QJLKV_ERROR_UNSUPPORTED, "config.key_bits is 3: 3-bit KIVI/OTT keys are not yet available on CUDA (use "
          "the CPU backend, config.device = -1)");
+  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX)
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.value_method is QJLKV_VALUES_ROTATED_LLOYD_MAX: rotated Lloyd-Max values "
+         "are not yet available on CUDA (use the CPU backend, config.device = -1)");
+  if (cfg.sink_tokens > 0)
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.sink_tokens is %u: attention-sink tokens are not yet available on CUDA (use "
+         "the CPU backend, config.device = -1)", cfg.sink_tokens);
   if (cfg.value_bits == 3)
     fail(QJLKV_ERROR_UNSUPPORTED, "config.value_bits is 3: 3-bit values are not yet available on CUDA (use the CPU "
          "backend, config.device = -1)");

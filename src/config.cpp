@@ -38,27 +38,36 @@ bool is_bits(uint32_t b) { return b == 2 || b == 3 || b == 4 || b == 8; }
 
 }  // namespace
 
-// Every struct_size a release has had, oldest first.
-static_assert(sizeof(qjlkv_config) == QJLKV_CONFIG_SIZE_0_1, "qjlkv_config grew: add its new size here");
+// Every struct_size a caller may hold, oldest first: 0.1's, then 0.1's plus value_method and
+// sink_tokens (the current one). A size between them would cut a field in two. value_method took
+// 0.1's tail padding: a 0.1 struct's fields end before it, and its padding is never read.
+static_assert(sizeof(qjlkv_config) == 120, "qjlkv_config grew: add its new size here");
+constexpr size_t kConfigSizeSinks = sizeof(qjlkv_config);
+constexpr size_t kFieldsOf01 = offsetof(qjlkv_config, value_method);
+static_assert(kFieldsOf01 == 108 && QJLKV_CONFIG_SIZE_0_1 == 112);
+
+namespace {
+bool known_config_size(size_t size) { return size == QJLKV_CONFIG_SIZE_0_1 || size == kConfigSizeSinks; }
+}  // namespace
 
 size_t caller_config_size(const qjlkv_config &cfg) {
-  const size_t size = cfg.struct_size;
-  return size >= QJLKV_CONFIG_SIZE_0_1 && size <= sizeof(qjlkv_config) ? size : QJLKV_CONFIG_SIZE_0_1;
+  return known_config_size(cfg.struct_size) ? cfg.struct_size : QJLKV_CONFIG_SIZE_0_1;
 }
 
 void write_caller_config(qjlkv_config &dst, const qjlkv_config &src) {
   const size_t size = caller_config_size(dst);
   std::memcpy(&dst, &src, size);
+  if (size == QJLKV_CONFIG_SIZE_0_1) std::memset(reinterpret_cast<char *>(&dst) + kFieldsOf01, 0, size - kFieldsOf01);
   dst.struct_size = uint32_t(size);
 }
 
 qjlkv_config complete_config(const qjlkv_config &cfg) {
-  QJLKV_REQUIRE(cfg.struct_size >= QJLKV_CONFIG_SIZE_0_1 && cfg.struct_size <= sizeof(qjlkv_config),
-                "config.struct_size is %u, must be in [%u, %zu] (initialize the config with qjlkv_config_init)",
+  QJLKV_REQUIRE(known_config_size(cfg.struct_size),
+                "config.struct_size is %u, must be %u or %zu (initialize the config with qjlkv_config_init)",
                 cfg.struct_size, QJLKV_CONFIG_SIZE_0_1, sizeof(qjlkv_config));
   qjlkv_config full;
   std::memset(&full, 0, sizeof full);  // fields added after the caller's release default to 0
-  std::memcpy(&full, &cfg, cfg.struct_size);
+  std::memcpy(&full, &cfg, cfg.struct_size == QJLKV_CONFIG_SIZE_0_1 ? kFieldsOf01 : cfg.struct_size);
   full.struct_size = sizeof full;
   return full;
 }
@@ -94,6 +103,8 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
   cfg.value_bits = 2;
   cfg.value_group_size = head_dim % 32 == 0 ? 32 : head_dim % 16 == 0 ? 16 : 8;
   cfg.num_threads = 0;
+  cfg.value_method = QJLKV_VALUES_UNIFORM;
+  cfg.sink_tokens = 0;
   if (name.empty() || name == "qjl") {
     cfg.key_method = QJLKV_KEYS_QJL;
     cfg.block_tokens = 32;
@@ -181,10 +192,23 @@ void validate_config(const qjlkv_config &caller_cfg) {
     case QJLKV_KEYS_EXACT:
       break;
   }
-  QJLKV_REQUIRE(is_bits(cfg.value_bits) || cfg.value_bits == 16, "config.value_bits is %u, must be 2, 3, 4, 8 or 16",
-                cfg.value_bits);
-  QJLKV_REQUIRE(cfg.value_group_size >= 1 && d % cfg.value_group_size == 0,
-                "config.value_group_size is %u, must divide head_dim (%u)", cfg.value_group_size, d);
+  switch (cfg.value_method) {
+    case QJLKV_VALUES_UNIFORM:
+      QJLKV_REQUIRE(is_bits(cfg.value_bits) || cfg.value_bits == 16,
+                    "config.value_bits is %u, must be 2, 3, 4, 8 or 16", cfg.value_bits);
+      QJLKV_REQUIRE(cfg.value_group_size >= 1 && d % cfg.value_group_size == 0,
+                    "config.value_group_size is %u, must divide head_dim (%u)", cfg.value_group_size, d);
+      break;
+    case QJLKV_VALUES_ROTATED_LLOYD_MAX:
+      QJLKV_REQUIRE(cfg.value_bits >= 2 && cfg.value_bits <= 4,
+                    "config.value_bits is %u, must be 2, 3 or 4 with config.value_method "
+                    "QJLKV_VALUES_ROTATED_LLOYD_MAX",
+                    cfg.value_bits);
+      break;
+    default:
+      fail(QJLKV_ERROR_INVALID_ARGUMENT, "config.value_method is %u, must be a qjlkv_value_method", cfg.value_method);
+  }
+  QJLKV_REQUIRE(cfg.sink_tokens <= 65536, "config.sink_tokens is %u, must be <= 65536", cfg.sink_tokens);
   QJLKV_REQUIRE(cfg.num_threads <= 1024, "config.num_threads is %u, must be <= 1024 (0 = cores available)",
                 cfg.num_threads);
 }
@@ -226,7 +250,10 @@ BlockLayout make_layout(const qjlkv_config &cfg, const LayerSpec &layer) {
   l.key_bytes = at;
   at = (at + 7) & ~size_t(7);
   const size_t value_start = at;
-  if (cfg.value_bits == 16) {
+  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) {
+    l.value_bytes_per_token_codes = d * cfg.value_bits / 8;
+    l.value_scale = take(2 * B);
+  } else if (cfg.value_bits == 16) {
     l.value_bytes_per_token_codes = 2 * d;
   } else {
     const size_t groups = d / cfg.value_group_size;
@@ -286,6 +313,8 @@ CacheSpec make_cache_spec(const qjlkv_config &caller_cfg) {
   }
   if (cfg.key_method != QJLKV_KEYS_KIVI && cfg.key_method != QJLKV_KEYS_OTT) cfg.key_bits = 0;
   if (cfg.key_method != QJLKV_KEYS_OTT) cfg.outlier_tokens = cfg.outlier_spill_tokens = cfg.outlier_skip_layers = 0;
+  const bool rotated_values = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX;
+  if (rotated_values) cfg.value_group_size = 0;
   spec.cfg = cfg;
   spec.group_size = cfg.num_q_heads / cfg.num_kv_heads;
   spec.io_elem = dtype_size(cfg.dtype);
@@ -310,6 +339,7 @@ CacheSpec make_cache_spec(const qjlkv_config &caller_cfg) {
     }
     layer.traced = cfg.key_method == QJLKV_KEYS_OTT && l >= cfg.outlier_skip_layers && cfg.outlier_tokens > 0;
     layer.layout = make_layout(cfg, layer);
+    if (rotated_values) layer.value_signs = value_rotation_signs(cfg.head_dim, cfg.seed, l);
   }
   return spec;
 }

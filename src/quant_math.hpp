@@ -63,6 +63,25 @@ QJLKV_HD void pack_code(uint8_t *packed, uint32_t j, uint32_t bits, uint32_t cod
   if (shift + bits > 8u) packed[(bit >> 3) + 1] = uint8_t(packed[(bit >> 3) + 1] | (code >> (8u - shift)));
 }
 
+// Lloyd-Max levels for N(0,1) (Max 1960) of 2^bits codes, ascending: code c decodes to level c.
+QJLKV_HD float lloyd_max_level(uint32_t bits, uint32_t code) {
+  constexpr float k2[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
+  constexpr float k3[8] = {-2.1520f, -1.3440f, -0.7560f, -0.2451f, 0.2451f, 0.7560f, 1.3440f, 2.1520f};
+  constexpr float k4[16] = {-2.7326f, -2.0690f, -1.6180f, -1.2562f, -0.9424f, -0.6568f, -0.3881f, -0.1284f,
+                            0.1284f,  0.3881f,  0.6568f,  0.9424f,  1.2562f,  1.6180f,  2.0690f,  2.7326f};
+  return bits == 2 ? k2[code & 3u] : bits == 3 ? k3[code & 7u] : k4[code & 15u];
+}
+// The code of a normalized coordinate u: the number of midpoints 0.5f·(level c + level c+1)
+// (fp32) that u exceeds, so a u exactly on a midpoint takes the lower code (and NaN code 0).
+QJLKV_HD uint32_t lloyd_max_code(float u, uint32_t bits) {
+  uint32_t code = 0;
+  for (uint32_t c = 0; c + 1 < (1u << bits); ++c)
+    code += u > 0.5f * (lloyd_max_level(bits, c) + lloyd_max_level(bits, c + 1)) ? 1u : 0u;
+  return code;
+}
+// The smallest |level|: the norms of a token's levels are at least this times sqrt(d).
+QJLKV_HD float lloyd_max_smallest_level(uint32_t bits) { return lloyd_max_level(bits, (1u << bits) / 2u); }
+
 // QJL sign bit: 1 means projection > 0, 0 means <= 0; bit j of byte b is sketch row 8b + j.
 QJLKV_HD bool sign_bit(const uint8_t *bits, uint32_t row) { return (bits[row >> 3] >> (row & 7u)) & 1u; }
 QJLKV_HD void set_sign_bit(uint8_t *bits, uint32_t row, float projection) {

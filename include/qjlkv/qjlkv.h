@@ -10,7 +10,8 @@
  * ---------------------------------------------------------------------------
  * A cache holds, per layer and per sequence, the key and value vectors of every
  * kv head, appended token by token (or many tokens at once for a prefill). The
- * newest tokens stay exact in a "tail"; whenever the tail holds at least
+ * first sink_tokens tokens of a sequence (attention sinks) and the newest
+ * tokens stay exact, the latter in a "tail"; whenever the tail holds at least
  * residual_tokens + block_tokens tokens, its oldest block_tokens tokens are
  * quantized as one block:
  *   - keys with QJL (1-bit signs of a random orthogonalized sketch plus the
@@ -18,7 +19,8 @@
  *     block), or KIVI (per-channel 2/3/4/8-bit), or OTT (KIVI plus tracing of
  *     outlier tokens), or kept exact in 16 bits;
  *   - values per token in groups of value_group_size channels with 2, 3, 4 or
- *     8 bits (or kept exact in 16 bits).
+ *     8 bits (or kept exact in 16 bits), or per token after a randomized
+ *     Hadamard rotation with 2, 3 or 4-bit Lloyd-Max codes.
  * qjlkv_cache_attend() then computes decode attention softmax(scale·q·Kᵀ)·V
  * for the query heads of a layer directly on the compressed bytes.
  *
@@ -67,6 +69,16 @@
  *   stream: code j is bits j·b .. j·b+b-1 (3-bit: 8 codes in 3 bytes).
  * - 16-bit exact storage (preset "exact", value_bits 16) is fp16 for fp32 and
  *   fp16 inputs, bf16 for bf16 inputs.
+ * - Rotated Lloyd-Max values: y = H·diag(s)·v (H: normalized Walsh-Hadamard
+ *   blocks over the power-of-two blocks of the head, s: ±1 per channel from
+ *   the seed and layer), codes of the nearest Lloyd-Max level of y·sqrt(d)/‖y‖,
+ *   and one fp16 scale per token chosen so that the decoded vector has the
+ *   input's norm. Each value vector's L2 norm must be at most
+ *   65504·sqrt(d)·(the smallest |level|: 0.4528, 0.2451, 0.1284 for 2, 3, 4
+ *   bits), else append fails with INVALID_ARGUMENT naming values.
+ * - Attention sinks: the first sink_tokens positions of every sequence are
+ *   kept like the tail (input dtype, exact) and never quantized; blocks and the
+ *   tail rule apply to the positions after them.
  */
 #ifndef QJLKV_H
 #define QJLKV_H
@@ -149,6 +161,19 @@ typedef enum qjlkv_key_method {
   QJLKV_KEYS_OTT,     /* KIVI + outlier-token tracing                        */
   QJLKV_KEYS_EXACT    /* 16-bit keys, no quantization                        */
 } qjlkv_key_method;
+
+/* How values are stored once their block is quantized (config.value_method,
+ * a uint32_t holding one of these). Append-only: values never change meaning. */
+typedef enum qjlkv_value_method {
+  QJLKV_VALUES_UNIFORM = 0,          /* per token, groups of value_group_size
+                                        channels: min/max codes of value_bits
+                                        bits, or 16-bit values (value_bits 16) */
+  QJLKV_VALUES_ROTATED_LLOYD_MAX = 1 /* per token: a randomized Hadamard
+                                        rotation of the head, then value_bits
+                                        (2, 3 or 4) Lloyd-Max codes for N(0,1)
+                                        and one fp16 scale (value_group_size is
+                                        ignored); CPU only for now            */
+} qjlkv_value_method;
 
 /* ===========================================================================
  * Sketch
@@ -239,6 +264,12 @@ typedef struct qjlkv_config {
   uint32_t value_group_size;     /* g: divides head_dim                       */
   /* --- fields added after the first draft of API.md --- */
   uint32_t num_threads;          /* CPU worker threads <= 1024; 0 = all cores */
+  /* --- fields added after 0.1 (0 for a caller whose struct_size ends before
+         them: the 0.1 behaviour) --- */
+  uint32_t value_method;         /* a qjlkv_value_method; 0 = uniform codes   */
+  uint32_t sink_tokens;          /* S: the first S positions of every sequence
+                                    stay exact (attention sinks), <= 65536;
+                                    CPU only for now                          */
 } qjlkv_config;
 
 /* Fills every field of *cfg with the defaults of the named preset and the
@@ -248,9 +279,8 @@ typedef struct qjlkv_config {
  * many bytes are written; otherwise (e.g. an uninitialized struct) the first
  * release's QJLKV_CONFIG_SIZE_0_1 bytes are written, which every caller's
  * struct holds. struct_size is set to the size written. So a caller built
- * against a newer header who wants the fields added after 0.1 sets
- * cfg->struct_size = sizeof(qjlkv_config) first; in this release both sizes
- * are the same.
+ * against a newer header who wants the fields added after 0.1 (value_method,
+ * sink_tokens) sets cfg->struct_size = sizeof(qjlkv_config) first.
  *
  * Presets (bits per number measured by the library's own statistics, see
  * README.md for the table):
@@ -284,7 +314,10 @@ typedef struct qjlkv_cache qjlkv_cache;
 /* Creates an empty cache for cfg (validated as by qjlkv_config_validate).
  * The sketches of all layers are generated here, once.
  * Errors: INVALID_ARGUMENT, OUT_OF_MEMORY, UNSUPPORTED (device >= 0 in a
- * build without CUDA, or no CUDA device present), DEVICE. On failure *out is
+ * build without CUDA, or no CUDA device present, or an option the CUDA
+ * backend does not have yet: key_bits or value_bits 3, value_method
+ * QJLKV_VALUES_ROTATED_LLOYD_MAX, sink_tokens > 0; the message names it),
+ * DEVICE. On failure *out is
  * set to NULL (when out != NULL). */
 QJLKV_API qjlkv_status qjlkv_cache_create(const qjlkv_config *cfg, qjlkv_cache **out);
 

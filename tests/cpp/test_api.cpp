@@ -64,8 +64,11 @@ TEST(Presets, DocumentedDefaults) {
     for (const char *name : {"qjl", "kivi", "ott", "exact"}) {
       SCOPED_TRACE(std::string(name) + " d=" + std::to_string(d));
       qjlkv_config cfg;
+      cfg.struct_size = sizeof cfg;
       QT_ASSERT_OK(qjlkv_config_init(&cfg, name, 3, 8, 2, d));
       EXPECT_EQ(cfg.struct_size, sizeof(qjlkv_config));
+      EXPECT_EQ(cfg.value_method, uint32_t(QJLKV_VALUES_UNIFORM));
+      EXPECT_EQ(cfg.sink_tokens, 0u);
       EXPECT_EQ(cfg.num_layers, 3u);
       EXPECT_EQ(cfg.num_q_heads, 8u);
       EXPECT_EQ(cfg.num_kv_heads, 2u);
@@ -133,11 +136,38 @@ void expect_same_config(const qjlkv_config &a, const qjlkv_config &b) {
   QT_SAME(value_bits);
   QT_SAME(value_group_size);
   QT_SAME(num_threads);
+  QT_SAME(value_method);
+  QT_SAME(sink_tokens);
 #undef QT_SAME
+}
+
+// A struct whose struct_size is no size this library knows (e.g. never set) is a 0.1 struct:
+// config_init writes its 112 bytes (fields up to num_threads, then zeroed tail padding, where
+// value_method now lives) and nothing after them, and create gives the fields added after 0.1
+// their defaults.
+TEST(Presets, UnknownStructSizeWritesTheFirstReleasesFields) {
+  qjlkv_config cfg;
+  std::memset(&cfg, 0xA5, sizeof cfg);
+  QT_ASSERT_OK(qjlkv_config_init(&cfg, "kivi", 1, 2, 1, 64));
+  EXPECT_EQ(cfg.struct_size, QJLKV_CONFIG_SIZE_0_1);
+  EXPECT_EQ(cfg.value_method, 0u) << "0.1's tail padding, written as zeros";
+  EXPECT_EQ(cfg.sink_tokens, 0xA5A5A5A5u);
+  cfg.value_method = 0xA5A5A5A5u;  // never read from a 0.1 struct
+  QT_EXPECT_OK(qjlkv_config_validate(&cfg));
+  qjlkv_cache *c = nullptr;
+  QT_ASSERT_OK(qjlkv_cache_create(&cfg, &c));
+  qjlkv_config got;
+  got.struct_size = sizeof got;
+  QT_EXPECT_OK(qjlkv_cache_config(c, &got));
+  EXPECT_EQ(got.struct_size, sizeof got);
+  EXPECT_EQ(got.value_method, 0u);
+  EXPECT_EQ(got.sink_tokens, 0u);
+  qjlkv_cache_destroy(c);
 }
 
 TEST(Presets, NullAndEmptyNameMeanQjl) {
   qjlkv_config qjl, null_name, empty_name;
+  qjl.struct_size = null_name.struct_size = empty_name.struct_size = sizeof(qjlkv_config);
   QT_ASSERT_OK(qjlkv_config_init(&qjl, "qjl", 2, 4, 4, 96));
   QT_ASSERT_OK(qjlkv_config_init(&null_name, nullptr, 2, 4, 4, 96));
   QT_ASSERT_OK(qjlkv_config_init(&empty_name, "", 2, 4, 4, 96));
@@ -186,6 +216,7 @@ TEST(Config, ValidateAcceptsWhatInitProduces) {
 
 TEST(Config, CacheReturnsTheConfigItWasCreatedWith) {
   qjlkv_config cfg;
+  cfg.struct_size = sizeof cfg;
   QT_ASSERT_OK(qjlkv_config_init(&cfg, "qjl", 4, 12, 4, 80));
   cfg.seed = 0x123456789abcdefull;
   cfg.dtype = QJLKV_DTYPE_BF16;
@@ -200,10 +231,12 @@ TEST(Config, CacheReturnsTheConfigItWasCreatedWith) {
   cfg.value_bits = 4;
   cfg.value_group_size = 20;
   cfg.num_threads = 3;
+  cfg.sink_tokens = 7;
   qt::Cache cache = qt::make_cache(cfg);
   ASSERT_TRUE(cache);
   qjlkv_config back;
   std::memset(&back, 0xAB, sizeof back);
+  back.struct_size = sizeof back;
   QT_ASSERT_OK(qjlkv_cache_config(cache.get(), &back));
   expect_same_config(cfg, back);
 }

@@ -186,6 +186,7 @@ inline double norm(const float *a, uint32_t n) { return std::sqrt(dot(a, a, n));
 inline qjlkv_config make_config(const char *preset, uint32_t layers, uint32_t hq, uint32_t hkv, uint32_t d) {
   qjlkv_config cfg;
   std::memset(&cfg, 0, sizeof cfg);
+  cfg.struct_size = sizeof cfg;  // every field, those added after 0.1 too
   const qjlkv_status s = qjlkv_config_init(&cfg, preset, layers, hq, hkv, d);
   EXPECT_EQ(s, QJLKV_OK) << "qjlkv_config_init(" << (preset ? preset : "NULL") << ") -> " << describe(s);
   cfg.num_threads = 1;

@@ -302,12 +302,14 @@ const Field kConfigFields[] = {
     QJLKV_FIELD(value_bits, U32),
     QJLKV_FIELD(value_group_size, U32),
     QJLKV_FIELD(num_threads, U32),
+    QJLKV_FIELD(value_method, U32),
+    QJLKV_FIELD(sink_tokens, U32),
 };
 #undef QJLKV_FIELD
 // Fails to compile when the header grows qjlkv_config: the table above must list the new field.
 constexpr size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 static_assert(sizeof(qjlkv_config) ==
-                  round_up(offsetof(qjlkv_config, num_threads) + sizeof(uint32_t), alignof(qjlkv_config)),
+                  round_up(offsetof(qjlkv_config, sink_tokens) + sizeof(uint32_t), alignof(qjlkv_config)),
               "qjlkv_config has fields that kConfigFields does not list");
 
 py::dict config_to_dict(const qjlkv_config &cfg) {
@@ -666,6 +668,10 @@ PYBIND11_MODULE(_qjlkv, m) {
       .value("OTT", QJLKV_KEYS_OTT)
       .value("EXACT", QJLKV_KEYS_EXACT)
       .finalize();
+  py::native_enum<qjlkv_value_method>(m, "ValueMethod", "enum.IntEnum", "qjlkv_value_method (config.value_method)")
+      .value("UNIFORM", QJLKV_VALUES_UNIFORM)
+      .value("ROTATED_LLOYD_MAX", QJLKV_VALUES_ROTATED_LLOYD_MAX)
+      .finalize();
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -705,6 +711,8 @@ PYBIND11_MODULE(_qjlkv, m) {
         const uint32_t l = to_u32(num_layers, "num_layers"), hq = to_u32(num_q_heads, "num_q_heads"),
                        hkv = to_u32(num_kv_heads, "num_kv_heads"), d = to_u32(head_dim, "head_dim");
         qjlkv_config cfg;
+        std::memset(&cfg, 0, sizeof cfg);
+        cfg.struct_size = sizeof cfg;  // every field, those added after 0.1 too
         check(qjlkv_config_init(&cfg, has_name ? name.c_str() : nullptr, l, hq, hkv, d));
         return config_to_dict(cfg);
       },

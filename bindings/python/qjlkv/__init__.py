@@ -35,6 +35,7 @@ from ._qjlkv import (
     OutOfMemory,
     Status,
     Unsupported,
+    ValueMethod,
 )
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "Sketch",
     "Status",
     "Unsupported",
+    "ValueMethod",
     "status_string",
     "last_error_message",
     "version_number",

@@ -38,6 +38,9 @@ pub const QJLKV_KEYS_KIVI: qjlkv_key_method = 1;
 pub const QJLKV_KEYS_OTT: qjlkv_key_method = 2;
 pub const QJLKV_KEYS_EXACT: qjlkv_key_method = 3;
 pub type qjlkv_key_method = ::std::os::raw::c_uint;
+pub const QJLKV_VALUES_UNIFORM: qjlkv_value_method = 0;
+pub const QJLKV_VALUES_ROTATED_LLOYD_MAX: qjlkv_value_method = 1;
+pub type qjlkv_value_method = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct qjlkv_sketch {
@@ -89,12 +92,14 @@ pub struct qjlkv_config {
     pub value_bits: u32,
     pub value_group_size: u32,
     pub num_threads: u32,
+    pub value_method: u32,
+    pub sink_tokens: u32,
 }
 #[test]
 fn bindgen_test_layout_qjlkv_config() {
     assert_eq!(
         ::std::mem::size_of::<qjlkv_config>(),
-        112usize,
+        120usize,
         concat!("Size of: ", stringify!(qjlkv_config))
     );
     assert_eq!(
@@ -512,6 +517,40 @@ fn bindgen_test_layout_qjlkv_config() {
         );
     }
     test_field_num_threads();
+    fn test_field_value_method() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<qjlkv_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).value_method) as usize - ptr as usize
+            },
+            108usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(qjlkv_config),
+                "::",
+                stringify!(value_method)
+            )
+        );
+    }
+    test_field_value_method();
+    fn test_field_sink_tokens() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<qjlkv_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).sink_tokens) as usize - ptr as usize
+            },
+            112usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(qjlkv_config),
+                "::",
+                stringify!(sink_tokens)
+            )
+        );
+    }
+    test_field_sink_tokens();
 }
 extern "C" {
     pub fn qjlkv_config_init(

@@ -118,6 +118,9 @@ impl Config {
     ) -> Result<Config, Error> {
         let name = CString::new(name).map_err(|_| Error::invalid(format!("preset {name:?} contains a NUL byte")))?;
         let mut raw = MaybeUninit::<sys::qjlkv_config>::zeroed();
+        // Every field, those added after 0.1 too: init writes struct_size bytes when it knows the size.
+        // SAFETY: raw is zeroed, so writing one field of it is sound.
+        unsafe { (*raw.as_mut_ptr()).struct_size = std::mem::size_of::<sys::qjlkv_config>() as u32 };
         // SAFETY: raw is a valid, writable qjlkv_config; name is NUL-terminated.
         check(unsafe {
             sys::qjlkv_config_init(
@@ -241,5 +244,11 @@ impl Config {
         value_group_size;
         /// CPU worker threads; 0 = the cores available. Results do not depend on it.
         num_threads;
+        /// A `qjlkv_value_method`: 0 = uniform per-token codes in groups, 1 = rotated
+        /// Lloyd-Max codes (`value_bits` 2, 3 or 4; CPU only for now).
+        value_method;
+        /// S: the first S positions of every sequence stay exact (attention sinks), <= 65536;
+        /// CPU only for now.
+        sink_tokens;
     }
 }
