@@ -105,7 +105,18 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
   cfg.num_threads = 0;
   cfg.value_method = QJLKV_VALUES_UNIFORM;
   cfg.sink_tokens = 0;
-  if (name.empty() || name == "qjl") {
+  if (name.empty() || name == "q3" || name == "q4") {
+    // The tiers of issue 19 (research helper's T3c / T4c, docs/ACCURACY.md): per-channel 3- or
+    // 4-bit keys, the first 4 tokens exact (attention sinks), rotated 2- or 3-bit Lloyd-Max values.
+    const bool four = name == "q4";
+    cfg.key_method = QJLKV_KEYS_KIVI;
+    cfg.key_bits = four ? 4 : 3;
+    cfg.block_tokens = 128;
+    cfg.residual_tokens = 32;
+    cfg.sink_tokens = 4;
+    cfg.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
+    cfg.value_bits = four ? 3 : 2;
+  } else if (name == "qjl") {
     cfg.key_method = QJLKV_KEYS_QJL;
     cfg.block_tokens = 32;
     cfg.residual_tokens = 32;
@@ -121,7 +132,7 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
     cfg.residual_tokens = 0;
     cfg.value_bits = 16;
   } else {
-    fail(QJLKV_ERROR_INVALID_ARGUMENT, "preset \"%.64s\" is unknown; known presets: qjl, kivi, ott, exact",
+    fail(QJLKV_ERROR_INVALID_ARGUMENT, "preset \"%.64s\" is unknown; known presets: q3, q4, qjl, kivi, ott, exact",
          preset);
   }
   write_caller_config(out, cfg);

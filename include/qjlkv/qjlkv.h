@@ -284,7 +284,19 @@ typedef struct qjlkv_config {
  *
  * Presets (bits per number measured by the library's own statistics, see
  * README.md for the table):
- *   "qjl"   (also preset NULL or ""): QJL keys, m = 2d sketch rows,
+ *   "q3"    (also preset NULL or ""): the 3-bit tier. KIVI keys, 3-bit,
+ *           B = 128, R = 32; the first 4 tokens of every sequence exact
+ *           (sink_tokens = 4); rotated 2-bit Lloyd-Max values
+ *           (value_method QJLKV_VALUES_ROTATED_LLOYD_MAX). 2.90 bits per
+ *           number at 8192 tokens with fp16 I/O and d = 128 (2.96 at d = 64).
+ *   "q4"    the 4-bit tier: "q3" with 4-bit keys and 3-bit values; 3.88
+ *           bits (3.94 at d = 64).
+ *           Both tiers use fields added after 0.1 (value_method,
+ *           sink_tokens): set cfg->struct_size = sizeof(qjlkv_config) before
+ *           this call, or a 0.1-sized struct gets their keys with uniform
+ *           2-bit values and no sinks. CPU only for now (a CUDA cache with
+ *           them returns UNSUPPORTED). Accuracy: docs/ACCURACY.md.
+ *   "qjl"   QJL keys, m = 2d sketch rows,
  *           c = 4 outlier channels with m_out = d, B = 32, R = 32;
  *           2-bit values in groups of 64 (32 when 64 does not divide d).
  *           Lossy: see docs/ACCURACY.md.

@@ -61,14 +61,16 @@ TEST(Handles, DestroyNullIsANoOp) {
 
 TEST(Presets, DocumentedDefaults) {
   for (uint32_t d : {64u, 128u}) {
-    for (const char *name : {"qjl", "kivi", "ott", "exact"}) {
+    for (const char *name : {"q3", "q4", "qjl", "kivi", "ott", "exact"}) {
       SCOPED_TRACE(std::string(name) + " d=" + std::to_string(d));
       qjlkv_config cfg;
       cfg.struct_size = sizeof cfg;
       QT_ASSERT_OK(qjlkv_config_init(&cfg, name, 3, 8, 2, d));
       EXPECT_EQ(cfg.struct_size, sizeof(qjlkv_config));
-      EXPECT_EQ(cfg.value_method, uint32_t(QJLKV_VALUES_UNIFORM));
-      EXPECT_EQ(cfg.sink_tokens, 0u);
+      const std::string preset = name;
+      const bool tier = preset == "q3" || preset == "q4";
+      EXPECT_EQ(cfg.value_method, uint32_t(tier ? QJLKV_VALUES_ROTATED_LLOYD_MAX : QJLKV_VALUES_UNIFORM));
+      EXPECT_EQ(cfg.sink_tokens, tier ? 4u : 0u);
       EXPECT_EQ(cfg.num_layers, 3u);
       EXPECT_EQ(cfg.num_q_heads, 8u);
       EXPECT_EQ(cfg.num_kv_heads, 2u);
@@ -79,8 +81,13 @@ TEST(Presets, DocumentedDefaults) {
       EXPECT_EQ(cfg.num_threads, 0u);
       EXPECT_EQ(cfg.sketch_flags, QJLKV_SKETCH_ORTHOGONAL);
       QT_EXPECT_OK(qjlkv_config_validate(&cfg));
-      const std::string preset = name;
-      if (preset == "qjl") {
+      if (tier) {
+        EXPECT_EQ(cfg.key_method, QJLKV_KEYS_KIVI);
+        EXPECT_EQ(cfg.key_bits, preset == "q3" ? 3u : 4u);
+        EXPECT_EQ(cfg.value_bits, preset == "q3" ? 2u : 3u);
+        EXPECT_EQ(cfg.block_tokens, 128u);
+        EXPECT_EQ(cfg.residual_tokens, 32u);
+      } else if (preset == "qjl") {
         EXPECT_EQ(cfg.key_method, QJLKV_KEYS_QJL);
         EXPECT_EQ(cfg.key_sketch_dim, 2 * d);
         EXPECT_EQ(cfg.outlier_channels, 4u);
@@ -165,18 +172,18 @@ TEST(Presets, UnknownStructSizeWritesTheFirstReleasesFields) {
   qjlkv_cache_destroy(c);
 }
 
-TEST(Presets, NullAndEmptyNameMeanQjl) {
-  qjlkv_config qjl, null_name, empty_name;
-  qjl.struct_size = null_name.struct_size = empty_name.struct_size = sizeof(qjlkv_config);
-  QT_ASSERT_OK(qjlkv_config_init(&qjl, "qjl", 2, 4, 4, 96));
+TEST(Presets, NullAndEmptyNameMeanQ3) {
+  qjlkv_config q3, null_name, empty_name;
+  q3.struct_size = null_name.struct_size = empty_name.struct_size = sizeof(qjlkv_config);
+  QT_ASSERT_OK(qjlkv_config_init(&q3, "q3", 2, 4, 4, 96));
   QT_ASSERT_OK(qjlkv_config_init(&null_name, nullptr, 2, 4, 4, 96));
   QT_ASSERT_OK(qjlkv_config_init(&empty_name, "", 2, 4, 4, 96));
-  expect_same_config(qjl, null_name);
-  expect_same_config(qjl, empty_name);
+  expect_same_config(q3, null_name);
+  expect_same_config(q3, empty_name);
 }
 
 TEST(Presets, EveryPresetRunsEndToEnd) {
-  for (const char *name : {"qjl", "kivi", "ott", "exact"}) {
+  for (const char *name : {"q3", "q4", "qjl", "kivi", "ott", "exact"}) {
     SCOPED_TRACE(name);
     qjlkv_config cfg = qt::make_config(name, 3, 4, 2, 64);
     qt::Cache cache = qt::make_cache(cfg);
@@ -203,8 +210,9 @@ TEST(Presets, EveryPresetRunsEndToEnd) {
 
 TEST(Config, ValidateAcceptsWhatInitProduces) {
   for (uint32_t d : {8u, 16u, 80u, 96u, 136u, 256u}) {
-    for (const char *name : {"qjl", "kivi", "ott", "exact"}) {
+    for (const char *name : {"q3", "q4", "qjl", "kivi", "ott", "exact"}) {
       qjlkv_config cfg;
+      cfg.struct_size = sizeof cfg;
       QT_ASSERT_OK(qjlkv_config_init(&cfg, name, 1, 6, 3, d));
       QT_EXPECT_OK(qjlkv_config_validate(&cfg));
       EXPECT_EQ(d % cfg.value_group_size, 0u) << name << " d=" << d;

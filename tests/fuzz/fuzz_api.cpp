@@ -181,7 +181,7 @@ class Harness {
 };
 
 bool Harness::setup() {
-  static const char *const kPresets[] = {"qjl", "kivi", "ott", "exact"};
+  static const char *const kPresets[] = {"qjl", "kivi", "ott", "exact", "q3", "q4"};
   static const qjlkv_dtype kDtypes[] = {QJLKV_DTYPE_F32, QJLKV_DTYPE_F16, QJLKV_DTYPE_BF16};
   static const uint32_t kDims[] = {8, 16, 32};
   const char *preset = in_.pick(kPresets);
@@ -200,6 +200,7 @@ bool Harness::setup() {
     cfg_.key_bits = in_.pick(kBits);
     cfg_.value_bits = in_.pick(kValueBits);
     cfg_.value_group_size = in_.flag() ? 8 : d;
+    cfg_.value_method = QJLKV_VALUES_UNIFORM;
     if (in_.byte() % 4 == 3) {
       cfg_.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
       cfg_.value_bits = 2 + in_.byte() % 3;

@@ -119,7 +119,7 @@ bool small(const qjlkv_config &c) {
 }
 
 void fuzz_config_init(Input &in, qjlkv_config &cfg) {
-  static const char *const kPresets[] = {"qjl", "kivi", "ott", "exact", "", nullptr, "QJL", "qjl ", "exactly"};
+  static const char *const kPresets[] = {"qjl", "kivi", "ott", "exact", "", nullptr, "QJL", "qjl ", "exactly", "q3", "q4", "q5"};
   const char *preset = in.pick(kPresets);
   const uint32_t layers = fuzz_u32(in), hq = fuzz_u32(in), hkv = fuzz_u32(in), d = fuzz_u32(in);
   std::memset(&cfg, 0xA5, sizeof cfg);
@@ -129,7 +129,7 @@ void fuzz_config_init(Input &in, qjlkv_config &cfg) {
   const qjlkv_config before = cfg;
   const qjlkv_status s = qjlkv_config_init(&cfg, preset, layers, hq, hkv, d);
   const std::string p = preset ? preset : "";
-  const bool preset_ok = p.empty() || p == "qjl" || p == "kivi" || p == "ott" || p == "exact";
+  const bool preset_ok = p.empty() || p == "q3" || p == "q4" || p == "qjl" || p == "kivi" || p == "ott" || p == "exact";
   const bool shape_ok = layers >= 1 && layers <= 65536 && hkv >= 1 && hkv <= 4096 && hq >= 1 && hq <= 4096 &&
                         hq % hkv == 0 && d >= 8 && d <= 256 && d % 8 == 0;
   FUZZ_CHECK((s == QJLKV_OK) == (preset_ok && shape_ok), "config_init(\"%s\", %u, %u, %u, %u) -> %s", p.c_str(),

@@ -30,6 +30,7 @@ using qt::names_identifier;
 inline qjlkv_config small_config(const char *preset, qjlkv_dtype dtype = QJLKV_DTYPE_F32, uint32_t threads = 1) {
   qjlkv_config cfg;
   std::memset(&cfg, 0, sizeof cfg);
+  cfg.struct_size = sizeof cfg;  // the fields added after 0.1 too (the q3/q4 tiers use them)
   const qjlkv_status s = qjlkv_config_init(&cfg, preset, /*layers*/ 2, /*Hq*/ 4, /*Hkv*/ 2, /*d*/ 16);
   EXPECT_EQ(s, QJLKV_OK) << preset << ": " << describe(s);
   cfg.dtype = dtype;

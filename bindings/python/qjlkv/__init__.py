@@ -68,7 +68,7 @@ status_string = _qjlkv.status_string
 last_error_message = _qjlkv.last_error_message
 
 #: Preset names accepted by :class:`Config` (``qjlkv_config_init``).
-PRESETS = ("qjl", "kivi", "ott", "exact")
+PRESETS = ("q3", "q4", "qjl", "kivi", "ott", "exact")
 
 _DTYPE_NAMES = {
     "float32": DType.F32, "fp32": DType.F32, "f32": DType.F32, "float": DType.F32,
@@ -141,11 +141,11 @@ class Config:
 
     FIELDS: tuple = _qjlkv.CONFIG_FIELDS
 
-    def __init__(self, preset: str | None = "qjl", *, num_layers: int, num_q_heads: int, num_kv_heads: int,
+    def __init__(self, preset: str | None = None, *, num_layers: int, num_q_heads: int, num_kv_heads: int,
                  head_dim: int, **fields: Any) -> None:
         values = _qjlkv.config_init(preset, num_layers, num_q_heads, num_kv_heads, head_dim)
         object.__setattr__(self, "_values", values)
-        object.__setattr__(self, "preset", preset or "qjl")
+        object.__setattr__(self, "preset", preset or "q3")  # None or "": the library's default
         for name, value in fields.items():
             setattr(self, name, value)
 

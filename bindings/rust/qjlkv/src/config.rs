@@ -105,7 +105,7 @@ macro_rules! u32_fields {
 }
 
 impl Config {
-    /// The named preset (`"qjl"`, `"kivi"`, `"ott"` or `"exact"`; see `qjlkv_config_init`)
+    /// The named preset (`"q3"`, `"q4"`, `"qjl"`, `"kivi"`, `"ott"` or `"exact"`; see `qjlkv_config_init`)
     /// for a model of the given shape. Errors name the argument: an unknown preset, zero
     /// sizes, `num_q_heads` not a multiple of `num_kv_heads`, `head_dim` not a multiple of 8
     /// in [8, 256].
