@@ -226,7 +226,10 @@ QJLKV_API void qjlkv_sketch_destroy(qjlkv_sketch *s);
  * first so the struct can grow without breaking the ABI: fields are
  * append-only, and the library reads and writes only the first struct_size
  * bytes (fields beyond them take their defaults). QJLKV_CONFIG_SIZE_0_1 is the
- * size of the first release, the smallest struct_size any library accepts. */
+ * size of the first release, the smallest struct_size any library accepts.
+ * The accepted sizes are QJLKV_CONFIG_SIZE_0_1 and sizeof(qjlkv_config) (120:
+ * value_method took 0.1's tail padding at offset 108, which is never read from
+ * a 0.1-sized struct, and sink_tokens follows). */
 #define QJLKV_CONFIG_SIZE_0_1 112u
 typedef struct qjlkv_config {
   uint32_t struct_size;          /* sizeof(qjlkv_config) of the caller        */
@@ -274,9 +277,10 @@ typedef struct qjlkv_config {
 
 /* Fills every field of *cfg with the defaults of the named preset and the
  * given shape.
- * Size: when cfg->struct_size already holds a size this library knows (from
- * QJLKV_CONFIG_SIZE_0_1 to the library's sizeof(qjlkv_config)), exactly that
- * many bytes are written; otherwise (e.g. an uninitialized struct) the first
+ * Size: when cfg->struct_size already holds a size this library knows
+ * (QJLKV_CONFIG_SIZE_0_1 or the library's sizeof(qjlkv_config)), exactly that
+ * many bytes are written (a 0.1-sized struct's tail padding as zeros);
+ * otherwise (e.g. an uninitialized struct) the first
  * release's QJLKV_CONFIG_SIZE_0_1 bytes are written, which every caller's
  * struct holds. struct_size is set to the size written. So a caller built
  * against a newer header who wants the fields added after 0.1 (value_method,

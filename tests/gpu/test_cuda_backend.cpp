@@ -494,9 +494,13 @@ TEST(CudaBackend, CpuOnlyOptionsAreRefusedByName) {
       {"kivi", "key_bits", [](qjlkv_config &c) { c.key_bits = 3; }},
       {"ott", "key_bits", [](qjlkv_config &c) { c.key_bits = 3; }},
       {"qjl", "value_bits", [](qjlkv_config &c) { c.value_bits = 3; }},
+      {"kivi", "value_method", [](qjlkv_config &c) { c.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX; }},
+      {"exact", "sink_tokens", [](qjlkv_config &c) { c.sink_tokens = 4; }},
+      {"q4", "value_method", [](qjlkv_config &) {}},  // the tier: 4-bit keys are fine, its values are not
   };
   for (const Case &k : cases) {
     qjlkv_config cfg;
+    cfg.struct_size = sizeof cfg;
     QJLKV_OK(qjlkv_config_init(&cfg, k.preset, 1, 4, 1, 64));
     k.set(cfg);
     cfg.device = 0;
