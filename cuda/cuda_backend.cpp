@@ -662,7 +662,7 @@ void CudaCache::reconstruct(uint32_t layer_index, uint32_t seq_id, uint64_t firs
           case QJLKV_KEYS_OTT: cpu::kivi_dequantize_token(cfg, ls.layout, block, t, k); break;
         }
       }
-      if (v) cpu::values_dequantize_token(cfg, spec().stored_dtype, ls.layout, block, t, v);
+      if (v) cpu::values_dequantize_token(cfg, spec().stored_dtype, ls.layout, nullptr, block, t, v);
     }
   }
 }
@@ -726,7 +726,27 @@ void CudaCache::stats(qjlkv_stats &out) const {
 
 namespace qjlkv {
 
+namespace {
+// Options the CPU backend has and the CUDA kernels do not yet: refused by name, before any device work.
+void refuse_cpu_only_options(const qjlkv_config &cfg) {
+  const bool kivi_keys = cfg.key_method == QJLKV_KEYS_KIVI || cfg.key_method == QJLKV_KEYS_OTT;
+  if (kivi_keys && cfg.key_bits == 3)
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.key_bits is 3: 3-bit KIVI/OTT keys are not yet available on CUDA (use "
+         "the CPU backend, config.backend = QJLKV_BACKEND_CPU)");
+  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX)
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.value_method is QJLKV_VALUES_ROTATED_LLOYD_MAX: rotated Lloyd-Max values "
+         "are not yet available on CUDA (use the CPU backend, config.backend = QJLKV_BACKEND_CPU)");
+  if (cfg.sink_tokens > 0)
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.sink_tokens is %u: attention-sink tokens are not yet available on CUDA (use "
+         "the CPU backend, config.backend = QJLKV_BACKEND_CPU)", cfg.sink_tokens);
+  if (cfg.value_bits == 3)
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.value_bits is 3: 3-bit values are not yet available on CUDA (use the CPU "
+         "backend, config.backend = QJLKV_BACKEND_CPU)");
+}
+}  // namespace
+
 std::unique_ptr<qjlkv_cache> make_cuda_cache(CacheSpec spec) {
+  refuse_cpu_only_options(spec.cfg);
   const uint32_t device = spec.cfg.device_ordinal;
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);

@@ -44,7 +44,7 @@ void check_sketch_dim(const char *field, uint32_t value, bool allow_zero) {
                 QJLKV_MAX_SKETCH_DIM);
 }
 
-bool is_bits(uint32_t b) { return b == 2 || b == 4 || b == 8; }
+bool is_bits(uint32_t b) { return b == 2 || b == 3 || b == 4 || b == 8; }
 
 }  // namespace
 
@@ -136,7 +136,20 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
   cfg.value_bits = 2;
   cfg.value_group_size = head_dim % 32 == 0 ? 32 : head_dim % 16 == 0 ? 16 : 8;  // head_dim % 8 == 0
   cfg.num_threads = 0;
-  if (name.empty() || name == "qjl") {
+  cfg.value_method = QJLKV_VALUES_UNIFORM;
+  cfg.sink_tokens = 0;
+  if (name.empty() || name == "q3" || name == "q4") {
+    // The tiers of issue 19 (research helper's T3c / T4c, docs/ACCURACY.md): per-channel 3- or
+    // 4-bit keys, the first 4 tokens exact (attention sinks), rotated 2- or 3-bit Lloyd-Max values.
+    const bool four = name == "q4";
+    cfg.key_method = QJLKV_KEYS_KIVI;
+    cfg.key_bits = four ? 4 : 3;
+    cfg.block_tokens = 128;
+    cfg.residual_tokens = 32;
+    cfg.sink_tokens = 4;
+    cfg.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
+    cfg.value_bits = four ? 3 : 2;
+  } else if (name == "qjl") {
     cfg.key_method = QJLKV_KEYS_QJL;
     cfg.block_tokens = 32;
     cfg.residual_tokens = 32;
@@ -152,7 +165,7 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
     cfg.residual_tokens = 0;
     cfg.value_bits = 16;
   } else {
-    fail(QJLKV_ERROR_INVALID_ARGUMENT, "preset \"%.64s\" is unknown; known presets: qjl, kivi, ott, exact",
+    fail(QJLKV_ERROR_INVALID_ARGUMENT, "preset \"%.64s\" is unknown; known presets: q3, q4, qjl, kivi, ott, exact",
          preset);
   }
   write_caller_config(out, cfg);
@@ -213,15 +226,29 @@ void validate_config(const qjlkv_config &caller_cfg) {
                     cfg.num_layers);
       [[fallthrough]];
     case QJLKV_KEYS_KIVI:
-      QJLKV_REQUIRE(is_bits(cfg.key_bits), "config.key_bits is %u, must be 2, 4 or 8", cfg.key_bits);
+      QJLKV_REQUIRE(is_bits(cfg.key_bits), "config.key_bits is %u, must be 2, 3, 4 or 8", cfg.key_bits);
       break;
     case QJLKV_KEYS_EXACT:
       break;
   }
-  QJLKV_REQUIRE(is_bits(cfg.value_bits) || cfg.value_bits == 16, "config.value_bits is %u, must be 2, 4, 8 or 16",
-                cfg.value_bits);
-  QJLKV_REQUIRE(cfg.value_group_size >= 1 && d % cfg.value_group_size == 0,
-                "config.value_group_size is %u, must divide head_dim (%u)", cfg.value_group_size, d);
+  switch (cfg.value_method) {
+    case QJLKV_VALUES_UNIFORM:
+      QJLKV_REQUIRE(is_bits(cfg.value_bits) || cfg.value_bits == 16,
+                    "config.value_bits is %u, must be 2, 3, 4, 8 or 16", cfg.value_bits);
+      QJLKV_REQUIRE(cfg.value_group_size >= 1 && d % cfg.value_group_size == 0,
+                    "config.value_group_size is %u, must divide head_dim (%u)", cfg.value_group_size, d);
+      break;
+    case QJLKV_VALUES_ROTATED_LLOYD_MAX:
+      QJLKV_REQUIRE(cfg.value_bits >= 2 && cfg.value_bits <= 4,
+                    "config.value_bits is %u, must be 2, 3 or 4 with config.value_method "
+                    "QJLKV_VALUES_ROTATED_LLOYD_MAX",
+                    cfg.value_bits);
+      break;
+    default:
+      fail(QJLKV_ERROR_INVALID_ARGUMENT, "config.value_method is %u, must be a qjlkv_value_method", cfg.value_method);
+  }
+  QJLKV_REQUIRE(cfg.sink_tokens <= QJLKV_MAX_RESIDUAL_TOKENS, "config.sink_tokens is %u, must be <= %u", cfg.sink_tokens,
+                QJLKV_MAX_RESIDUAL_TOKENS);
   QJLKV_REQUIRE(cfg.num_threads <= QJLKV_MAX_THREADS, "config.num_threads is %u, must be <= %u (0 = cores available)",
                 cfg.num_threads, QJLKV_MAX_THREADS);
 }
@@ -263,7 +290,10 @@ BlockLayout make_layout(const qjlkv_config &cfg, const LayerSpec &layer) {
   l.key_bytes = at;
   at = (at + 7) & ~size_t(7);
   const size_t value_start = at;
-  if (cfg.value_bits == 16) {
+  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) {
+    l.value_bytes_per_token_codes = d * cfg.value_bits / 8;
+    l.value_scale = take(2 * B);
+  } else if (cfg.value_bits == 16) {
     l.value_bytes_per_token_codes = 2 * d;
   } else {
     const size_t groups = d / cfg.value_group_size;
@@ -323,6 +353,8 @@ CacheSpec make_cache_spec(const qjlkv_config &caller_cfg) {
   }
   if (cfg.key_method != QJLKV_KEYS_KIVI && cfg.key_method != QJLKV_KEYS_OTT) cfg.key_bits = 0;
   if (cfg.key_method != QJLKV_KEYS_OTT) cfg.outlier_tokens = cfg.outlier_spill_tokens = cfg.outlier_skip_layers = 0;
+  const bool rotated_values = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX;
+  if (rotated_values) cfg.value_group_size = 0;
   spec.cfg = cfg;
   spec.group_size = cfg.num_q_heads / cfg.num_kv_heads;
   spec.io_elem = dtype_size(dtype_of(cfg));
@@ -347,6 +379,7 @@ CacheSpec make_cache_spec(const qjlkv_config &caller_cfg) {
     }
     layer.traced = cfg.key_method == QJLKV_KEYS_OTT && l >= cfg.outlier_skip_layers && cfg.outlier_tokens > 0;
     layer.layout = make_layout(cfg, layer);
+    if (rotated_values) layer.value_signs = value_rotation_signs(cfg.head_dim, cfg.seed, l);
   }
   return spec;
 }

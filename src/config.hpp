@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "qjlkv/qjlkv.h"
+#include "rotation.hpp"
 #include "sketch.hpp"
 
 namespace qjlkv {
@@ -48,7 +49,8 @@ struct BlockLayout {
   size_t key_mask = 0;                       // OTT: [B/8] bit t set = slot t moved to the pool
   size_t key_bytes_per_token_bits_in = 0, key_bytes_per_token_bits_out = 0, key_bytes_per_token_codes = 0;
   // values
-  size_t value_scale = 0, value_min = 0;     // fp16[B][d/g] each (b-bit values)
+  size_t value_scale = 0, value_min = 0;     // fp16[B][d/g] each (b-bit values); rotated Lloyd-Max:
+                                             // value_scale fp16[B], no minima
   size_t value_codes = 0;                    // [B][d*b/8], or 16-bit[B][d] when value_bits == 16
   size_t value_bytes_per_token_codes = 0;
   size_t key_bytes = 0, value_bytes = 0;     // unpadded sizes, for the statistics
@@ -62,6 +64,7 @@ struct LayerSpec {
   bool traced = false;        // OTT tracing active in this layer
   std::unique_ptr<qjlkv_sketch> sketch;
   BlockLayout layout;
+  std::vector<float> value_signs;  // rotated Lloyd-Max values: the rotation's s (rotation.hpp)
 };
 
 struct CacheSpec {

@@ -47,15 +47,40 @@ QJLKV_HD uint32_t quant_code(float x, const GroupQuant &q, uint32_t bits) {
 
 QJLKV_HD float dequant(uint32_t code, float scale, float min) { return float(code) * scale + min; }
 
-// b-bit codes (b in {2,4,8}) packed LSB-first: code j occupies bits (j*b) % 8 .. of byte j*b/8.
+// b-bit codes (b in {2,3,4,8}) packed as one LSB-first bit stream per row: code j occupies bits
+// j*b .. j*b + b - 1 of the row, bit i of the stream being bit i % 8 of byte i / 8. For 2, 4 and 8
+// bits a code never crosses a byte; 3-bit codes pack 8 codes in 3 bytes, and codes 2 and 5 of each
+// such group cross into the next byte (never past the row: rows hold a multiple of 8 codes).
 QJLKV_HD uint32_t unpack_code(const uint8_t *packed, uint32_t j, uint32_t bits) {
-  const uint32_t bit = j * bits;
-  return (uint32_t(packed[bit >> 3]) >> (bit & 7u)) & ((1u << bits) - 1u);
+  const uint32_t bit = j * bits, shift = bit & 7u;
+  uint32_t window = packed[bit >> 3];
+  if (shift + bits > 8u) window |= uint32_t(packed[(bit >> 3) + 1]) << 8;
+  return (window >> shift) & ((1u << bits) - 1u);
 }
-QJLKV_HD void pack_code(uint8_t *packed, uint32_t j, uint32_t bits, uint32_t code) {
-  const uint32_t bit = j * bits;
-  packed[bit >> 3] = uint8_t(packed[bit >> 3] | (code << (bit & 7u)));  // bytes start zeroed
+QJLKV_HD void pack_code(uint8_t *packed, uint32_t j, uint32_t bits, uint32_t code) {  // bytes start zeroed
+  const uint32_t bit = j * bits, shift = bit & 7u;
+  packed[bit >> 3] = uint8_t(packed[bit >> 3] | (code << shift));
+  if (shift + bits > 8u) packed[(bit >> 3) + 1] = uint8_t(packed[(bit >> 3) + 1] | (code >> (8u - shift)));
 }
+
+// Lloyd-Max levels for N(0,1) (Max 1960) of 2^bits codes, ascending: code c decodes to level c.
+QJLKV_HD float lloyd_max_level(uint32_t bits, uint32_t code) {
+  constexpr float k2[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
+  constexpr float k3[8] = {-2.1520f, -1.3440f, -0.7560f, -0.2451f, 0.2451f, 0.7560f, 1.3440f, 2.1520f};
+  constexpr float k4[16] = {-2.7326f, -2.0690f, -1.6180f, -1.2562f, -0.9424f, -0.6568f, -0.3881f, -0.1284f,
+                            0.1284f,  0.3881f,  0.6568f,  0.9424f,  1.2562f,  1.6180f,  2.0690f,  2.7326f};
+  return bits == 2 ? k2[code & 3u] : bits == 3 ? k3[code & 7u] : k4[code & 15u];
+}
+// The code of a normalized coordinate u: the number of midpoints 0.5f·(level c + level c+1)
+// (fp32) that u exceeds, so a u exactly on a midpoint takes the lower code (and NaN code 0).
+QJLKV_HD uint32_t lloyd_max_code(float u, uint32_t bits) {
+  uint32_t code = 0;
+  for (uint32_t c = 0; c + 1 < (1u << bits); ++c)
+    code += u > 0.5f * (lloyd_max_level(bits, c) + lloyd_max_level(bits, c + 1)) ? 1u : 0u;
+  return code;
+}
+// The smallest |level|: the norms of a token's levels are at least this times sqrt(d).
+QJLKV_HD float lloyd_max_smallest_level(uint32_t bits) { return lloyd_max_level(bits, (1u << bits) / 2u); }
 
 // QJL sign bit: 1 means projection > 0, 0 means <= 0; bit j of byte b is sketch row 8b + j.
 QJLKV_HD bool sign_bit(const uint8_t *bits, uint32_t row) { return (bits[row >> 3] >> (row & 7u)) & 1u; }

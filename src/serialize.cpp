@@ -171,7 +171,21 @@ struct BufferSink {
   }
 };
 
+// Format version 1 predates attention sinks and rotated values (the "q3"/"q4" tiers): their
+// state is not in its sections, and their config fields are not in its header. Refused rather
+// than written incompletely; a later format version adds them (docs/FORMAT.md).
+void require_format_v1_config(const qjlkv_cache *c) {
+  const qjlkv_config &cfg = c->spec().cfg;
+  if (cfg.sink_tokens > 0)
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.sink_tokens is %u: attention-sink tokens are not in stream format %u yet",
+         cfg.sink_tokens, kFormatVersion);
+  if (cfg.value_method != QJLKV_VALUES_UNIFORM)
+    fail(QJLKV_ERROR_UNSUPPORTED, "config.value_method is %u: rotated values are not in stream format %u yet",
+         cfg.value_method, kFormatVersion);
+}
+
 void check_range(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uint32_t num_layers) {
+  require_format_v1_config(c);
   const uint32_t layers = c->spec().cfg.num_layers;
   QJLKV_REQUIRE(num_layers >= 1, "num_layers is 0, must be >= 1");
   QJLKV_REQUIRE(first_layer < layers && num_layers <= layers - first_layer,
@@ -582,6 +596,7 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t expected_layer, Porta
 }
 
 void import_stream(qjlkv_cache *c, uint32_t seq, Reader &in) {
+  require_format_v1_config(c);
   const HeaderInfo info = read_header(in, c, seq);
   if (in.known_size() != Reader::kUnknown && in.known_size() != kHeaderBytes + info.payload + kTrailerBytes)
     fail(QJLKV_ERROR_INVALID_ARGUMENT, "size is %llu, the stream's header announces %llu bytes",

@@ -10,15 +10,17 @@
  * ---------------------------------------------------------------------------
  * A cache holds, per layer and per sequence, the key and value vectors of every
  * kv head, appended token by token (or many tokens at once for a prefill). The
- * newest tokens stay exact in a "tail"; whenever the tail holds at least
+ * first sink_tokens tokens of a sequence (attention sinks) and the newest
+ * tokens stay exact, the latter in a "tail"; whenever the tail holds at least
  * residual_tokens + block_tokens tokens, its oldest block_tokens tokens are
  * quantized as one block:
  *   - keys with QJL (1-bit signs of a random orthogonalized sketch plus the
  *     key norms, with a second sketch for the few outlier channels of each
- *     block), or KIVI (per-channel 2/4/8-bit), or OTT (KIVI plus tracing of
+ *     block), or KIVI (per-channel 2/3/4/8-bit), or OTT (KIVI plus tracing of
  *     outlier tokens), or kept exact in 16 bits;
- *   - values per token in groups of value_group_size channels with 2, 4 or 8
- *     bits (or kept exact in 16 bits).
+ *   - values per token in groups of value_group_size channels with 2, 3, 4 or
+ *     8 bits (or kept exact in 16 bits), or per token after a randomized
+ *     Hadamard rotation with 2, 3 or 4-bit Lloyd-Max codes.
  * qjlkv_cache_attend() then computes decode attention softmax(scale·q·Kᵀ)·V
  * for the query heads of a layer directly on the compressed bytes.
  *
@@ -84,8 +86,20 @@
  * - Value groups and KIVI channels: min stored as the largest fp16 <= min,
  *   scale as the smallest fp16 >= (max - min)/(2^b - 1); codes round half to
  *   even; a group whose values are all equal gets scale 0 and reproduces min.
+ *   b-bit codes of a token (or a key block's token row) form one LSB-first bit
+ *   stream: code j is bits j·b .. j·b+b-1 (3-bit: 8 codes in 3 bytes).
  * - 16-bit exact storage (preset "exact", value_bits 16) is fp16 for fp32 and
  *   fp16 inputs, bf16 for bf16 inputs.
+ * - Rotated Lloyd-Max values: y = H·diag(s)·v (H: normalized Walsh-Hadamard
+ *   blocks over the power-of-two blocks of the head, s: ±1 per channel from
+ *   the seed and layer), codes of the nearest Lloyd-Max level of y·sqrt(d)/‖y‖,
+ *   and one fp16 scale per token chosen so that the decoded vector has the
+ *   input's norm. Each value vector's L2 norm must be at most
+ *   65504·sqrt(d)·(the smallest |level|: 0.4528, 0.2451, 0.1284 for 2, 3, 4
+ *   bits), else append fails with INVALID_ARGUMENT naming values.
+ * - Attention sinks: the first sink_tokens positions of every sequence are
+ *   kept like the tail (input dtype, exact) and never quantized; blocks and the
+ *   tail rule apply to the positions after them.
  */
 #ifndef QJLKV_H
 #define QJLKV_H
@@ -194,6 +208,19 @@ typedef enum qjlkv_backend {
 #define QJLKV_MAX_SPILL_TOKENS 4096u     /* config.outlier_spill_tokens       */
 #define QJLKV_MAX_THREADS 1024u          /* config.num_threads                */
 
+/* How values are stored once their block is quantized (config.value_method,
+ * a uint32_t holding one of these). Append-only: values never change meaning. */
+typedef enum qjlkv_value_method {
+  QJLKV_VALUES_UNIFORM = 0,          /* per token, groups of value_group_size
+                                        channels: min/max codes of value_bits
+                                        bits, or 16-bit values (value_bits 16) */
+  QJLKV_VALUES_ROTATED_LLOYD_MAX = 1 /* per token: a randomized Hadamard
+                                        rotation of the head, then value_bits
+                                        (2, 3 or 4) Lloyd-Max codes for N(0,1)
+                                        and one fp16 scale (value_group_size is
+                                        ignored); CPU only for now            */
+} qjlkv_value_method;
+
 /* ===========================================================================
  * Sketch
  * ======================================================================== */
@@ -280,7 +307,7 @@ typedef struct qjlkv_config {
   uint32_t initial_key_sketch_dim;
   uint32_t initial_outlier_sketch_dim;
   /* KIVI / OTT */
-  uint32_t key_bits;             /* 2, 4 or 8                                 */
+  uint32_t key_bits;             /* 2, 3, 4 or 8 (3: CPU only for now)        */
   /* OTT */
   uint32_t outlier_tokens;       /* P: pool size per (sequence, kv head),
                                     [0, block_tokens)                         */
@@ -288,7 +315,8 @@ typedef struct qjlkv_config {
                                     [0, QJLKV_MAX_SPILL_TOKENS]               */
   uint32_t outlier_skip_layers;  /* layers [0, n) do no tracing, n <= layers  */
   /* values */
-  uint32_t value_bits;           /* 2, 4, 8, or 16 = exact 16-bit values      */
+  uint32_t value_bits;           /* 2, 3, 4, 8, or 16 = exact 16-bit values
+                                    (3: CPU only for now)                     */
   uint32_t value_group_size;     /* g: divides head_dim                       */
   uint32_t num_threads;          /* CPU worker threads, <= QJLKV_MAX_THREADS;
                                     0 = all cores                             */
@@ -297,6 +325,12 @@ typedef struct qjlkv_config {
                                     read, written as 0                        */
   /* --- added in 0.2 --- */
   uint32_t backend;              /* a qjlkv_backend (default CPU)             */
+  uint32_t value_method;         /* a qjlkv_value_method; 0 = uniform codes
+                                    (the meaning of a 0.1-sized struct)       */
+  uint32_t sink_tokens;          /* S: the first S positions of every sequence
+                                    stay exact (attention sinks),
+                                    <= QJLKV_MAX_RESIDUAL_TOKENS; 0 for a
+                                    0.1-sized struct                          */
 } qjlkv_config;
 
 /* Fills the first cfg->struct_size bytes of *cfg with the defaults of the
@@ -307,7 +341,18 @@ typedef struct qjlkv_config {
  * README.md for the table). Every preset fills every field; in all of them
  * g (value_group_size) is the largest of 32, 16 and 8 that divides d, except
  * where "qjl" says otherwise:
- *   "qjl"   (also preset NULL or ""): QJL keys, m = 2d sketch rows,
+ *   "q3"    (also preset NULL or ""): the 3-bit tier. KIVI keys, 3-bit,
+ *           B = 128, R = 32; the first 4 tokens of every sequence exact
+ *           (sink_tokens = 4); rotated 2-bit Lloyd-Max values
+ *           (value_method QJLKV_VALUES_ROTATED_LLOYD_MAX). 2.90 bits per
+ *           number at 8192 tokens with fp16 I/O and d = 128 (2.96 at d = 64).
+ *   "q4"    the 4-bit tier: "q3" with 4-bit keys and 3-bit values; 3.88
+ *           bits (3.94 at d = 64).
+ *           Both tiers use fields added in 0.2 (value_method, sink_tokens):
+ *           a 0.1-sized struct gets their keys with uniform 2-bit values and
+ *           no sinks. CPU only for now (a CUDA cache with them returns
+ *           UNSUPPORTED). Accuracy: docs/ACCURACY.md.
+ *   "qjl"   QJL keys, m = 2d sketch rows,
  *           c = 4 outlier channels with m_out = d (c = 0 and m_out = 0 when
  *           d < 16), no initial layers (their sizes equal m and m_out),
  *           B = 32, R = 32; 2-bit values, g = 64 when 64 divides d.
@@ -346,7 +391,10 @@ typedef struct qjlkv_cache qjlkv_cache;
  * The sketches of all layers are generated here, once.
  * Errors: INVALID_ARGUMENT, OUT_OF_MEMORY, UNSUPPORTED (the CUDA backend in
  * a build without CUDA, no CUDA device with that ordinal, or QJLKV_CPU_ISA
- * forcing kernels this CPU cannot run, see "Environment"), DEVICE. On failure
+ * forcing kernels this CPU cannot run, see "Environment", or an option the
+ * CUDA backend does not have yet: key_bits or value_bits 3, value_method
+ * QJLKV_VALUES_ROTATED_LLOYD_MAX, sink_tokens > 0; the message names it),
+ * DEVICE. On failure
  * *out is set to NULL (when out != NULL). */
 QJLKV_API qjlkv_status qjlkv_cache_create(const qjlkv_config *cfg, qjlkv_cache **out);
 

@@ -38,10 +38,12 @@ struct OutlierTokens {
 
 struct Sequence {
   uint64_t length = 0;
+  uint32_t sink_tokens = 0;  // exact tokens at positions [0, sink_tokens), before the blocks
   uint32_t blocks = 0;       // quantized blocks (per head)
   uint32_t tail_tokens = 0;  // full-precision tokens after the blocks
   std::vector<std::vector<uint8_t>> heads;  // per kv head: blocks * stride bytes
   std::vector<uint8_t> tail_keys, tail_values;  // [tail_tokens][Hkv][d], I/O dtype
+  std::vector<uint8_t> sink_keys, sink_values;  // [sink_tokens][Hkv][d], I/O dtype
   std::vector<OutlierTokens> outliers;          // per kv head, OTT-traced layers only
 };
 
@@ -75,6 +77,8 @@ constexpr uint32_t kTaskTokens = 2048;
 struct AppendPlan {
   Sequence *seq = nullptr;
   bool created = false;
+  uint32_t new_sinks = 0;  // the first new_sinks input tokens become sinks; the rest follow SPEC §6
+  std::vector<uint8_t> new_sink_keys, new_sink_values;  // complete new sinks when new_sinks > 0
   uint32_t new_blocks = 0;
   uint32_t new_tail_tokens = 0;
   std::vector<std::vector<uint8_t>> grown_heads;  // replacement buffers (old bytes copied) or empty
@@ -126,6 +130,8 @@ class CpuCache final : public qjlkv_cache {
   // Refuses non-finite elements and those beyond `limit` (a CacheSpec limit, or FLT_MAX).
   void check_data(const char *name, const void *data, size_t elems, float limit) const;
   void check_key_norms(const void *keys, size_t tokens) const;
+  // Rotated Lloyd-Max values: refuses value vectors whose fp16 scale would overflow.
+  void check_value_norms(const void *values, size_t tokens) const;
   // Fills plan (whose seq is set) with the blocks to quantize and every buffer they need.
   void plan_append(AppendPlan &plan, uint32_t layer, uint32_t n_new, const uint8_t *keys,
                    const uint8_t *values) const;
@@ -205,6 +211,27 @@ void CpuCache::check_key_norms(const void *keys, size_t tokens) const {
       fail(QJLKV_ERROR_INVALID_ARGUMENT, "keys: the key vector of token %zu, kv head %zu has L2 norm %g > 65504, "
            "which QJL cannot store (norms are fp16)", v / spec().cfg.num_kv_heads, v % spec().cfg.num_kv_heads,
            std::sqrt(norm2));
+  }
+}
+
+void CpuCache::check_value_norms(const void *values, size_t tokens) const {
+  const qjlkv_config &cfg = spec().cfg;
+  const uint32_t d = cfg.head_dim;
+  // scale = ‖v‖ / ‖levels‖ with ‖levels‖ >= smallest |level|·sqrt(d): below this norm the fp16
+  // scale stays finite.
+  const double limit = double(kHalfMax) * lloyd_max_smallest_level(cfg.value_bits) * std::sqrt(double(d));
+  const float clearly_within = float(0.98 * limit * limit);
+  for (size_t v = 0; v < tokens * cfg.num_kv_heads; ++v) {
+    if (kernels_->sum_squares(values, dtype_of(cfg), v * d, d) < clearly_within) continue;
+    double norm2 = 0.0;
+    for (uint32_t j = 0; j < d; ++j) {
+      const double x = load_element(values, v * d + j, dtype_of(cfg));
+      norm2 += x * x;
+    }
+    if (std::sqrt(norm2) > limit)
+      fail(QJLKV_ERROR_INVALID_ARGUMENT, "values: the value vector of token %zu, kv head %zu has L2 norm %g > %g, "
+           "which rotated Lloyd-Max values of %u bits cannot store (their per-token scale is fp16)",
+           v / cfg.num_kv_heads, v % cfg.num_kv_heads, std::sqrt(norm2), limit, cfg.value_bits);
   }
 }
 
@@ -345,7 +372,8 @@ void CpuCache::make_layer_kernels() {
     const LayerSpec &ls = spec().layers[l];
     LayerKernels &lk = layer_kernels_[l];
     lk.keys = CodesArgs{&ls.layout, cfg.block_tokens, d, cfg.key_bits, 0, spec().stored_dtype};
-    lk.values = CodesArgs{&ls.layout, cfg.block_tokens, d, cfg.value_bits, cfg.value_group_size, spec().stored_dtype};
+    lk.values = CodesArgs{&ls.layout,          cfg.block_tokens,     d, cfg.value_bits, cfg.value_group_size,
+                          spec().stored_dtype, cfg.value_method, ls.value_signs.data()};
     if (cfg.key_method != QJLKV_KEYS_QJL) continue;
     const size_t stride = padded_sketch_rows(ls.sketch_rows);
     const float *S = ls.sketch->matrix.data.data();  // [sketch_rows][d]
@@ -431,7 +459,7 @@ void CpuCache::quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, co
     uint8_t *block = bytes.data() + old_size + size_t(b) * layout.stride;
     std::memset(block, 0, layout.stride);
     if (ls.traced && seq.outliers[head].tracing)
-      trace_outliers(seq.outliers[head], (uint64_t(seq.blocks) + b) * B, block_keys, block_values,
+      trace_outliers(seq.outliers[head], cfg.sink_tokens + (uint64_t(seq.blocks) + b) * B, block_keys, block_values,
                      block + layout.key_mask, kernel_scratch);
     switch (key_method_of(cfg)) {
       case QJLKV_KEYS_QJL: qjl_quantize_fast(layer, block_keys, block, kernel_scratch); break;
@@ -452,6 +480,7 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   check_data("keys", keys, tokens * token_elems_, spec().key_limit);
   check_data("values", values, tokens * token_elems_, spec().value_limit);
   if (cfg.key_method == QJLKV_KEYS_QJL) check_key_norms(keys, tokens);
+  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) check_value_norms(values, tokens);
 
   const auto *key_bytes = static_cast<const uint8_t *>(keys);
   const auto *value_bytes = static_cast<const uint8_t *>(values);
@@ -468,13 +497,28 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
       plan.seq = &it->second;
       plan.created = created;
       if (created) create_heads(it->second, layer);
-      plan_append(plan, layer, tokens_per_seq, key_bytes + i * seq_input_bytes, value_bytes + i * seq_input_bytes);
+      const Sequence &seq = it->second;
+      plan.new_sinks = std::min(cfg.sink_tokens - seq.sink_tokens, tokens_per_seq);
+      if (plan.new_sinks) {
+        const size_t bytes = size_t(plan.new_sinks) * token_bytes_;
+        for (auto [dst, old, input] : {std::tuple{&plan.new_sink_keys, &seq.sink_keys, key_bytes},
+                                       std::tuple{&plan.new_sink_values, &seq.sink_values, value_bytes}}) {
+          dst->reserve(old->size() + bytes);
+          dst->assign(old->begin(), old->end());
+          dst->insert(dst->end(), input + i * seq_input_bytes, input + i * seq_input_bytes + bytes);
+        }
+      }
+      const size_t skip = size_t(plan.new_sinks) * token_bytes_;
+      plan_append(plan, layer, tokens_per_seq - plan.new_sinks, key_bytes + i * seq_input_bytes + skip,
+                  value_bytes + i * seq_input_bytes + skip);
     }
     scratch.resize(quantize_scratch_floats() * pool_.size());
     quantize = [&, per_worker = scratch.size() / pool_.size()](size_t index, unsigned worker) {
       const uint32_t i = uint32_t(index / cfg.num_kv_heads), head = uint32_t(index % cfg.num_kv_heads);
       if (plans[i].new_blocks == 0) return;
-      quantize_head(layer, plans[i], head, key_bytes + i * seq_input_bytes, value_bytes + i * seq_input_bytes,
+      const size_t skip = size_t(plans[i].new_sinks) * token_bytes_;
+      quantize_head(layer, plans[i], head, key_bytes + i * seq_input_bytes + skip,
+                    value_bytes + i * seq_input_bytes + skip,
                     scratch.data() + worker * per_worker);
     };
   } catch (...) {
@@ -488,13 +532,19 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   for (uint32_t i = 0; i < n_seqs; ++i) {
     AppendPlan &plan = plans[i];
     Sequence &seq = *plan.seq;
+    const size_t skip = size_t(plan.new_sinks) * token_bytes_;
+    if (plan.new_sinks) {
+      seq.sink_keys.swap(plan.new_sink_keys);
+      seq.sink_values.swap(plan.new_sink_values);
+      seq.sink_tokens += plan.new_sinks;
+    }
     if (plan.rebuild_tail) {
       seq.tail_keys.swap(plan.new_tail_keys);
       seq.tail_values.swap(plan.new_tail_values);
     } else {  // fits the capacity: appending cannot reallocate
-      seq.tail_keys.insert(seq.tail_keys.end(), key_bytes + i * seq_input_bytes,
+      seq.tail_keys.insert(seq.tail_keys.end(), key_bytes + i * seq_input_bytes + skip,
                            key_bytes + (i + 1) * seq_input_bytes);
-      seq.tail_values.insert(seq.tail_values.end(), value_bytes + i * seq_input_bytes,
+      seq.tail_values.insert(seq.tail_values.end(), value_bytes + i * seq_input_bytes + skip,
                              value_bytes + (i + 1) * seq_input_bytes);
     }
     seq.length += tokens_per_seq;
@@ -550,7 +600,7 @@ void CpuCache::score_block(uint32_t layer, const uint8_t *block, const float *q,
 size_t CpuCache::attend_worker_floats(uint32_t layer, uint32_t rows) const {
   const LayerSpec &ls = spec().layers[layer];
   const size_t weights = size_t(rows) * padded_tokens(spec().cfg.block_tokens);
-  const size_t merged = padded_dim(spec().cfg.head_dim);
+  const size_t merged = 2 * size_t(padded_dim(spec().cfg.head_dim));  // exact part, rotated part
   return weights + std::max(kernel_scratch_floats(spec().cfg, ls.m, ls.m_out, ls.sketch_rows), merged) + 16;
 }
 
@@ -584,7 +634,7 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
     for (uint32_t b = task.first_block; b < task.first_block + task.blocks; ++b) {
       const uint8_t *block = blocks + size_t(b) * lk.values.layout->stride;
       score_block(layer, block, q, sq, rows, weights, Bp, kernel_scratch);
-      const uint64_t first = uint64_t(b) * B;
+      const uint64_t first = seq.sink_tokens + uint64_t(b) * B;
       if (first + B - 1 > first_query_position) mask_causal(B, [first](uint32_t t) { return first + t; });
       if (K.softmax_fold(state, weights, Bp, rows, B, call.scale, acc, d))
         K.values_accumulate(lk.values, block, weights, Bp, rows, acc, kernel_scratch);
@@ -605,7 +655,9 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
     }
   };
   const size_t head_offset_bytes = size_t(head) * d * io;
-  const uint64_t tail_start = uint64_t(seq.blocks) * B;
+  fold_exact(seq.sink_keys.data() + head_offset_bytes, seq.sink_values.data() + head_offset_bytes, token_elems_,
+             seq.sink_tokens, [](uint32_t t) { return uint64_t(t); });
+  const uint64_t tail_start = seq.sink_tokens + uint64_t(seq.blocks) * B;
   fold_exact(seq.tail_keys.data() + head_offset_bytes, seq.tail_values.data() + head_offset_bytes, token_elems_,
              seq.tail_tokens, [tail_start](uint32_t t) { return tail_start + t; });
   if (!seq.outliers.empty()) {
@@ -667,6 +719,8 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   std::atomic<uint64_t> overflow{~uint64_t(0)};
   pool_.parallel_for(heads, [&](size_t index, unsigned worker) {
     float *merged = worker_scratch + worker * worker_floats;
+    float *merged_rotated = merged + dp;  // rotated Lloyd-Max values: Σ p·v̂_rot, rotated back once
+    const bool rotated = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX;
     const uint32_t head = uint32_t(index % Hkv), first = attend_first_task_[index], end = attend_first_task_[index + 1];
     for (uint32_t r = 0; r < rows; ++r) {
       float top = kNegInf;
@@ -674,13 +728,19 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
         top = std::max(top, reinterpret_cast<const SoftmaxRow *>(partials + t * partial_floats + size_t(rows) * dp)[r].max);
       float sum = 0.0f;
       std::fill(merged, merged + d, 0.0f);
+      std::fill(merged_rotated, merged_rotated + d, 0.0f);
       for (uint32_t t = first; t < end; ++t) {
         const float *acc = partials + t * partial_floats;
         const SoftmaxRow &part = reinterpret_cast<const SoftmaxRow *>(acc + size_t(rows) * dp)[r];
         if (part.max == kNegInf) continue;
         const float factor = std::exp(part.max - top);
         sum += part.sum * factor;
-        for (uint32_t j = 0; j < d; ++j) merged[j] += factor * acc[size_t(r) * dp + j];
+        float *into = rotated && !attend_tasks_[t].exact ? merged_rotated : merged;
+        for (uint32_t j = 0; j < d; ++j) into[j] += factor * acc[size_t(r) * dp + j];
+      }
+      if (rotated) {
+        rotate_inverse(spec().layers[layer].value_signs.data(), d, merged_rotated, merged_rotated);
+        for (uint32_t j = 0; j < d; ++j) merged[j] += merged_rotated[j];
       }
       if (!std::isfinite(top) || !std::isfinite(sum)) {
         const uint64_t row_id = uint64_t(index) * rows + r;
@@ -719,13 +779,16 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
   for (uint32_t head = 0; head < cfg.num_kv_heads; ++head) {
     load_queries(layer, static_cast<const uint8_t *>(query), 1, head, q, q + size_t(G) * dp);
     float *head_out = out + size_t(head) * G * L;
+    kernels_->dense_scores(seq.sink_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
+                           seq.sink_tokens, d, q, G, head_out, L);
+    float *blocks_out = head_out + seq.sink_tokens;
     for (uint32_t b = 0; b < seq.blocks; ++b) {
       score_block(layer, seq.heads[head].data() + size_t(b) * spec().layers[layer].layout.stride, q,
                   q + size_t(G) * dp, G, weights, Bp, kernel_scratch);
-      for (uint32_t g = 0; g < G; ++g) std::copy_n(weights + size_t(g) * Bp, B, head_out + g * L + size_t(b) * B);
+      for (uint32_t g = 0; g < G; ++g) std::copy_n(weights + size_t(g) * Bp, B, blocks_out + g * L + size_t(b) * B);
     }
     kernels_->dense_scores(seq.tail_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
-                           seq.tail_tokens, d, q, G, head_out + size_t(seq.blocks) * B, L);
+                           seq.tail_tokens, d, q, G, blocks_out + size_t(seq.blocks) * B, L);
   }
 }
 
@@ -735,19 +798,25 @@ void CpuCache::reconstruct(uint32_t layer, uint32_t seq_id, uint64_t first, uint
   const LayerSpec &ls = spec().layers[layer];
   const uint32_t d = cfg.head_dim, B = cfg.block_tokens, Hkv = cfg.num_kv_heads;
   const Sequence &seq = find(layer, seq_id);
-  const uint64_t quantized = uint64_t(seq.blocks) * B;
+  const uint64_t sinks = seq.sink_tokens, quantized = sinks + uint64_t(seq.blocks) * B;
   for (uint64_t p = first; p < first + count; ++p) {
     for (uint32_t h = 0; h < Hkv; ++h) {
       float *k = keys_out ? keys_out + ((p - first) * Hkv + h) * d : nullptr;
       float *v = values_out ? values_out + ((p - first) * Hkv + h) * d : nullptr;
+      if (p < sinks) {
+        const size_t element = size_t(p) * token_elems_ + size_t(h) * d;
+        if (k) load_row(seq.sink_keys.data(), element, d, dtype_of(cfg), k);
+        if (v) load_row(seq.sink_values.data(), element, d, dtype_of(cfg), v);
+        continue;
+      }
       if (p >= quantized) {
         const size_t element = size_t(p - quantized) * token_elems_ + size_t(h) * d;
         if (k) load_row(seq.tail_keys.data(), element, d, dtype_of(cfg), k);
         if (v) load_row(seq.tail_values.data(), element, d, dtype_of(cfg), v);
         continue;
       }
-      const uint8_t *block = seq.heads[h].data() + size_t(p / B) * ls.layout.stride;
-      const uint32_t t = uint32_t(p % B);
+      const uint8_t *block = seq.heads[h].data() + size_t((p - sinks) / B) * ls.layout.stride;
+      const uint32_t t = uint32_t((p - sinks) % B);
       if (cfg.key_method == QJLKV_KEYS_OTT && (block[ls.layout.key_mask + t / 8] >> (t % 8) & 1u)) {
         // The token lives on, exact, in the pool or the spill area.
         const OutlierTokens &ott = seq.outliers[h];
@@ -771,7 +840,7 @@ void CpuCache::reconstruct(uint32_t layer, uint32_t seq_id, uint64_t first, uint
             break;
         }
       }
-      if (v) values_dequantize_token(cfg, spec().stored_dtype, ls.layout, block, t, v);
+      if (v) values_dequantize_token(cfg, spec().stored_dtype, ls.layout, ls.value_signs.data(), block, t, v);
     }
   }
 }
@@ -786,11 +855,12 @@ void CpuCache::stats(qjlkv_stats &out) const {
       tokens += seq.length;
       keys_q += uint64_t(seq.blocks) * Hkv * layout.key_bytes;
       values_q += uint64_t(seq.blocks) * Hkv * layout.value_bytes;
-      full += 2 * uint64_t(seq.tail_tokens) * token_bytes_;
+      full += 2 * (uint64_t(seq.tail_tokens) + seq.sink_tokens) * token_bytes_;
       padding += uint64_t(seq.blocks) * Hkv * (layout.stride - layout.key_bytes - layout.value_bytes);
       meta += sizeof(Sequence) + Hkv * sizeof(std::vector<uint8_t>);  // the record and its buffer headers
       for (const auto &h : seq.heads) allocated += h.capacity();
       allocated += seq.tail_keys.capacity() + seq.tail_values.capacity();
+      allocated += seq.sink_keys.capacity() + seq.sink_values.capacity();
       for (const OutlierTokens &ott : seq.outliers) {
         const uint64_t per_token = 2 * token_bytes_ / Hkv + sizeof(uint32_t);  // K, V and position
         full += uint64_t(ott.pool + ott.spilled) * per_token + uint64_t(ott.pool) * sizeof(float);

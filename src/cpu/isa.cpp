@@ -90,12 +90,13 @@ qjlkv_config reference_config(const CodesArgs &a) {
   cfg.key_bits = a.bits;
   cfg.value_bits = a.bits;
   cfg.value_group_size = a.group;
+  cfg.value_method = a.method;
   return cfg;
 }
 }  // namespace
 
 void values_quantize_block_reference(const CodesArgs &a, const float *values, uint8_t *block) {
-  values_quantize_block(reference_config(a), a.stored, *a.layout, values, block);
+  values_quantize_block(reference_config(a), a.stored, *a.layout, a.signs, values, block);
 }
 
 void kivi_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_t *block) {
@@ -112,7 +113,9 @@ size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out
   const size_t kivi = kivi_keys ? words(d * cfg.key_bits / 8) + 2 * (d + slack) + 4 * 16 * (d * cfg.key_bits / 4) +
                                       slack + 4 * Bp + slack
                                 : 0;
-  const size_t groups = cfg.value_bits == 16 ? 0 : d / cfg.value_group_size;
+  const size_t groups = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX ? 1
+                        : cfg.value_bits == 16                              ? 0
+                                                                            : d / cfg.value_group_size;
   const size_t values = 2 * (size_t(cfg.block_tokens) * groups + 16 + slack);
   return std::max({qjl, kivi, values});
 }

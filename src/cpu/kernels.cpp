@@ -188,9 +188,40 @@ void kivi_dequantize_token(const qjlkv_config &cfg, const BlockLayout &layout, c
     out[j] = dequant(unpack_code(codes, j, cfg.key_bits), half_to_float(scales[j]), half_to_float(mins[j]));
 }
 
+void lloyd_max_quantize_token(const float *signs, uint32_t d, uint32_t bits, const float *x, float *scratch,
+                              uint8_t *codes, uint16_t *scale) {
+  float *y = scratch;
+  rotate_forward(signs, d, x, y);
+  float norm2 = 0.0f;
+  for (uint32_t j = 0; j < d; ++j) norm2 += y[j] * y[j];
+  const float norm = std::sqrt(norm2);
+  if (norm == 0.0f) {  // codes 0, scale 0: decodes to zeros
+    *scale = 0;
+    return;
+  }
+  const float sqrt_d = std::sqrt(float(d));
+  float level_norm2 = 0.0f;
+  for (uint32_t j = 0; j < d; ++j) {
+    const uint32_t code = lloyd_max_code(y[j] / norm * sqrt_d, bits);
+    pack_code(codes, j, bits, code);
+    const float level = lloyd_max_level(bits, code);
+    level_norm2 += level * level;
+  }
+  *scale = float_to_half(norm / std::sqrt(level_norm2));  // ‖x̂‖ = ‖x‖ up to the fp16 rounding
+}
+
 void values_quantize_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
-                           const float *values, uint8_t *block) {
+                           const float *value_signs, const float *values, uint8_t *block) {
   const uint32_t B = cfg.block_tokens, d = cfg.head_dim, bits = cfg.value_bits;
+  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) {
+    std::memset(block + layout.value_codes, 0, B * layout.value_bytes_per_token_codes);
+    float y[256];
+    for (uint32_t t = 0; t < B; ++t)
+      lloyd_max_quantize_token(value_signs, d, bits, values + size_t(t) * d, y,
+                               block + layout.value_codes + t * layout.value_bytes_per_token_codes,
+                               at<uint16_t>(block, layout.value_scale) + t);
+    return;
+  }
   if (bits == 16) {
     uint16_t *dst = at<uint16_t>(block, layout.value_codes);
     for (size_t i = 0; i < size_t(B) * d; ++i) dst[i] = to_16bit(values[i], stored);
@@ -215,8 +246,20 @@ void values_quantize_block(const qjlkv_config &cfg, qjlkv_dtype stored, const Bl
 }
 
 void values_dequantize_token(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
-                             const uint8_t *block, uint32_t t, float *out) {
+                             const float *value_signs, const uint8_t *block, uint32_t t, float *out) {
+  values_decode_token(cfg, stored, layout, block, t, out);
+  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) rotate_inverse(value_signs, cfg.head_dim, out, out);
+}
+
+void values_decode_token(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
+                         const uint8_t *block, uint32_t t, float *out) {
   const uint32_t d = cfg.head_dim, bits = cfg.value_bits;
+  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) {
+    const float scale = half_to_float(at<uint16_t>(block, layout.value_scale)[t]);
+    const uint8_t *codes = block + layout.value_codes + t * layout.value_bytes_per_token_codes;
+    for (uint32_t j = 0; j < d; ++j) out[j] = lloyd_max_level(bits, unpack_code(codes, j, bits)) * scale;
+    return;
+  }
   if (bits == 16) {
     const uint16_t *v = at<uint16_t>(block, layout.value_codes) + size_t(t) * d;
     for (uint32_t j = 0; j < d; ++j) out[j] = from_16bit(v[j], stored);
@@ -238,7 +281,7 @@ void values_accumulate_block(const qjlkv_config &cfg, qjlkv_dtype stored, const 
     bool any = false;
     for (uint32_t r = 0; r < rows; ++r) any |= weights[size_t(r) * B + t] != 0.0f;
     if (!any) continue;
-    values_dequantize_token(cfg, stored, layout, block, t, v);
+    values_decode_token(cfg, stored, layout, block, t, v);
     for (uint32_t r = 0; r < rows; ++r) {
       const float w = weights[size_t(r) * B + t];
       if (w == 0.0f) continue;

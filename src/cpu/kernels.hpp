@@ -104,15 +104,25 @@ void kivi_dequantize_token(const qjlkv_config &cfg, const BlockLayout &layout, c
                            float *out);
 
 // ---- per-token values (SPEC §4) ---------------------------------------------------------------
+// value_signs: the layer's rotation signs for rotated Lloyd-Max values (LayerSpec::value_signs),
+// else unused (may be NULL).
 void values_quantize_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
-                           const float *values /*[B][d]*/, uint8_t *block);
-// acc[r][d] += Σ_t weights[r][t] · v̂_t over the block's tokens.
+                           const float *value_signs, const float *values /*[B][d]*/, uint8_t *block);
+// Rotated Lloyd-Max values of one token: codes into its row (zeroed) and its fp16 scale.
+// scratch: d floats.
+void lloyd_max_quantize_token(const float *signs, uint32_t d, uint32_t bits, const float *x, float *scratch,
+                              uint8_t *codes, uint16_t *scale);
+// acc[r][d] += Σ_t weights[r][t] · v̂_t over the block's tokens, with v̂_t as stored: rotated
+// Lloyd-Max values stay rotated (attention rotates the sum back once).
 void values_accumulate_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
                              const uint8_t *block, const float *weights /*[rows][B]*/, uint32_t rows,
                              float *acc /*[rows][d]*/);
-// The dequantized value of token t (tests and reconstruction paths).
+// The value of token t as stored (rotated for rotated Lloyd-Max values).
+void values_decode_token(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
+                         const uint8_t *block, uint32_t t, float *out);
+// The dequantized value of token t, rotated back (tests and reconstruction paths).
 void values_dequantize_token(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
-                             const uint8_t *block, uint32_t t, float *out);
+                             const float *value_signs, const uint8_t *block, uint32_t t, float *out);
 
 // ---- online softmax ----------------------------------------------------------------------------
 // State of one query row: running max, running sum and the unnormalized output.

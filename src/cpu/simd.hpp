@@ -23,8 +23,10 @@ struct QjlArgs {
 
 struct CodesArgs {  // KIVI/OTT keys or quantized values of one block
   const BlockLayout *layout = nullptr;
-  uint32_t block_tokens = 0, head_dim = 0, bits = 0, group = 0;  // group: values only
+  uint32_t block_tokens = 0, head_dim = 0, bits = 0, group = 0;  // group: uniform values only
   qjlkv_dtype stored = QJLKV_DTYPE_F16;                         // values with bits == 16
+  uint32_t method = QJLKV_VALUES_UNIFORM;                        // values: a qjlkv_value_method
+  const float *signs = nullptr;                                  // rotated Lloyd-Max: the rotation's s
 };
 
 // Query rows and accumulator rows are padded_dim(d) floats apart (queries zero-padded).
@@ -52,7 +54,8 @@ struct KernelTable {
                        const float *q, uint32_t rows, float *out, size_t out_stride);
   void (*dense_values)(const void *values, qjlkv_dtype dtype, size_t row_stride, uint32_t n, uint32_t d,
                        const float *w, size_t w_stride, uint32_t rows, float *acc);
-  // acc[r][d] += Σ_t w[r][t]·v̂_t over a block's quantized values (bits 2, 4, 8 or 16).
+  // acc[r][d] += Σ_t w[r][t]·v̂_t over a block's quantized values (bits 2, 3, 4, 8 or 16), v̂_t as
+  // stored: rotated Lloyd-Max values stay rotated, as in values_accumulate_block.
   void (*values_accumulate)(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride,
                             uint32_t rows, float *acc, float *scratch);
   // ---- appending: the reference quantizers' exact results, vectorized ----

@@ -65,6 +65,11 @@ struct V {
     x = _mm_or_si128(x, _mm_shuffle_epi32(x, 0xb1));
     return uint32_t(_mm_cvtsi128_si32(x));
   }
+  // Lane i's bit offset in the W codes' packed word (BITS = 2, 3 or 4: W codes fit 32 bits).
+  template <uint32_t BITS>
+  static I code_shifts() {
+    return _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int(BITS)));
+  }
   // W codes into the packed row at code index `first` (a multiple of W; the row starts zeroed).
   template <uint32_t BITS>
   static void pack_codes(I code, uint8_t *row, uint32_t first) {
@@ -73,8 +78,7 @@ struct V {
       _mm256_store_si256(reinterpret_cast<__m256i *>(lanes), code);
       for (uint32_t i = 0; i < W; ++i) row[first + i] = uint8_t(lanes[i]);
     } else {
-      const I shifts = BITS == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14) : _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-      const uint32_t word = or_lanes(_mm256_sllv_epi32(code, shifts));
+      const uint32_t word = or_lanes(_mm256_sllv_epi32(code, code_shifts<BITS>()));
       std::memcpy(row + first * BITS / 8, &word, W * BITS / 8);
     }
   }
@@ -145,8 +149,7 @@ struct V {
     } else {
       uint32_t word = 0;
       std::memcpy(&word, row + first * BITS / 8, W * BITS / 8);
-      const I shifts = BITS == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14) : _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-      const I fields = _mm256_srlv_epi32(_mm256_set1_epi32(int(word)), shifts);
+      const I fields = _mm256_srlv_epi32(_mm256_set1_epi32(int(word)), code_shifts<BITS>());
       return _mm256_cvtepi32_ps(_mm256_and_si256(fields, _mm256_set1_epi32((1 << BITS) - 1)));
     }
   }

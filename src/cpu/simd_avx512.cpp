@@ -61,6 +61,13 @@ struct V {
       const uint32_t words[2] = {uint32_t(_mm512_reduce_or_epi32(_mm512_maskz_mov_epi32(0x00ff, fields))),
                                  uint32_t(_mm512_reduce_or_epi32(_mm512_maskz_mov_epi32(0xff00, fields)))};
       std::memcpy(row + first / 2, words, 8);
+    } else if constexpr (BITS == 3) {
+      // 16 codes in 6 bytes: lanes 0-7 fill the low 24 bits, lanes 8-15 the next 24.
+      const I fields = _mm512_sllv_epi32(code, _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21));
+      const uint64_t low = uint32_t(_mm512_reduce_or_epi32(_mm512_maskz_mov_epi32(0x00ff, fields)));
+      const uint64_t high = uint32_t(_mm512_reduce_or_epi32(_mm512_maskz_mov_epi32(0xff00, fields)));
+      const uint64_t bytes = low | high << 24;
+      std::memcpy(row + first * 3 / 8, &bytes, 6);  // little-endian: the stream's first 48 bits
     } else {
       const I fields = _mm512_sllv_epi32(code, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
       const uint32_t word = uint32_t(_mm512_reduce_or_epi32(fields));
@@ -125,6 +132,15 @@ struct V {
                                                _mm512_castsi128_si512(_mm_cvtsi64_si128(int64_t(bytes))));
       const I fields = _mm512_srlv_epi32(words, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
       return _mm512_permutexvar_ps(fields, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    } else if constexpr (BITS == 3) {
+      // 16 codes in 6 bytes: 24-bit half 0 feeds lanes 0-7, half 1 lanes 8-15.
+      uint64_t bytes = 0;
+      std::memcpy(&bytes, row + first * 3 / 8, 6);
+      const I halves = _mm512_permutexvar_epi32(
+          _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+          _mm512_castsi128_si512(_mm_cvtsi64_si128(int64_t((bytes & 0xffffffu) | (bytes >> 24) << 32))));
+      const I fields = _mm512_srlv_epi32(halves, _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21));
+      return _mm512_cvtepi32_ps(_mm512_and_si512(fields, _mm512_set1_epi32(7)));
     } else {
       // 16 2-bit codes in one word; the low 4 bits of each shifted copy hold the code and its
       // neighbour, and table[e] = e & 3 keeps the code.

@@ -71,7 +71,7 @@ TEST(Presets, DocumentedDefaults) {
     for (uint32_t d : {8u, 16u, 24u, 32u, 40u, 48u, 64u, 96u, 128u, 192u, 256u}) {
       const uint32_t g = d % 32 == 0 ? 32 : d % 16 == 0 ? 16 : 8;  // the largest of 32, 16, 8 dividing d
       const uint32_t c = d >= 16 ? 4 : 0;
-      for (const char *name : {"qjl", "kivi", "ott", "exact"}) {
+      for (const char *name : {"q3", "q4", "qjl", "kivi", "ott", "exact"}) {
         SCOPED_TRACE(std::string(name) + " d=" + std::to_string(d) + " layers=" + std::to_string(layers));
         qjlkv_config cfg;
         std::memset(&cfg, 0xEE, sizeof cfg);
@@ -89,6 +89,10 @@ TEST(Presets, DocumentedDefaults) {
         EXPECT_EQ(cfg.seed, 0u);
         EXPECT_EQ(cfg.num_threads, 0u);
         EXPECT_EQ(cfg.sketch_flags, QJLKV_SKETCH_ORTHOGONAL);
+        const std::string preset = name;
+        const bool tier = preset == "q3" || preset == "q4";
+        EXPECT_EQ(cfg.value_method, uint32_t(tier ? QJLKV_VALUES_ROTATED_LLOYD_MAX : QJLKV_VALUES_UNIFORM));
+        EXPECT_EQ(cfg.sink_tokens, tier ? 4u : 0u);
         // The fields of every key method, in every preset.
         EXPECT_EQ(cfg.key_sketch_dim, 2 * d);
         EXPECT_EQ(cfg.outlier_channels, c);
@@ -96,13 +100,18 @@ TEST(Presets, DocumentedDefaults) {
         EXPECT_EQ(cfg.initial_layers, 0u);
         EXPECT_EQ(cfg.initial_key_sketch_dim, cfg.key_sketch_dim);
         EXPECT_EQ(cfg.initial_outlier_sketch_dim, cfg.outlier_sketch_dim);
-        EXPECT_EQ(cfg.key_bits, 2u);
+        EXPECT_EQ(cfg.key_bits, preset == "q3" ? 3u : preset == "q4" ? 4u : 2u);
         EXPECT_EQ(cfg.outlier_tokens, 3u);
         EXPECT_EQ(cfg.outlier_spill_tokens, 32u);
         EXPECT_EQ(cfg.outlier_skip_layers, std::min(2u, layers));
         QT_EXPECT_OK(qjlkv_config_validate(&cfg));
-        const std::string preset = name;
-        if (preset == "qjl") {
+        if (tier) {
+          EXPECT_EQ(cfg.key_method, uint32_t(QJLKV_KEYS_KIVI));
+          EXPECT_EQ(cfg.block_tokens, 128u);
+          EXPECT_EQ(cfg.residual_tokens, 32u);
+          EXPECT_EQ(cfg.value_bits, preset == "q3" ? 2u : 3u);
+          EXPECT_EQ(cfg.value_group_size, g);
+        } else if (preset == "qjl") {
           EXPECT_EQ(cfg.key_method, uint32_t(QJLKV_KEYS_QJL));
           EXPECT_EQ(cfg.block_tokens, 32u);
           EXPECT_EQ(cfg.residual_tokens, 32u);
@@ -155,23 +164,23 @@ void expect_same_config(const qjlkv_config &a, const qjlkv_config &b) {
   QT_SAME(num_threads);
   QT_SAME(unused_0_1);
   QT_SAME(backend);
+  QT_SAME(value_method);
+  QT_SAME(sink_tokens);
 #undef QT_SAME
 }
 
-TEST(Presets, NullAndEmptyNameMeanQjl) {
-  qjlkv_config qjl{}, null_name{}, empty_name{};
-  qjl.struct_size = sizeof qjl;
-  null_name.struct_size = sizeof null_name;
-  empty_name.struct_size = sizeof empty_name;
-  QT_ASSERT_OK(qjlkv_config_init(&qjl, "qjl", 2, 4, 4, 96));
+TEST(Presets, NullAndEmptyNameMeanQ3) {
+  qjlkv_config q3{}, null_name{}, empty_name{};
+  q3.struct_size = null_name.struct_size = empty_name.struct_size = sizeof(qjlkv_config);
+  QT_ASSERT_OK(qjlkv_config_init(&q3, "q3", 2, 4, 4, 96));
   QT_ASSERT_OK(qjlkv_config_init(&null_name, nullptr, 2, 4, 4, 96));
   QT_ASSERT_OK(qjlkv_config_init(&empty_name, "", 2, 4, 4, 96));
-  expect_same_config(qjl, null_name);
-  expect_same_config(qjl, empty_name);
+  expect_same_config(q3, null_name);
+  expect_same_config(q3, empty_name);
 }
 
 TEST(Presets, EveryPresetRunsEndToEnd) {
-  for (const char *name : {"qjl", "kivi", "ott", "exact"}) {
+  for (const char *name : {"q3", "q4", "qjl", "kivi", "ott", "exact"}) {
     SCOPED_TRACE(name);
     qjlkv_config cfg = qt::make_config(name, 3, 4, 2, 64);
     qt::Cache cache = qt::make_cache(cfg);
@@ -198,7 +207,7 @@ TEST(Presets, EveryPresetRunsEndToEnd) {
 
 TEST(Config, ValidateAcceptsWhatInitProduces) {
   for (uint32_t d : {8u, 16u, 80u, 96u, 136u, 256u}) {
-    for (const char *name : {"qjl", "kivi", "ott", "exact"}) {
+    for (const char *name : {"q3", "q4", "qjl", "kivi", "ott", "exact"}) {
       qjlkv_config cfg{};
       cfg.struct_size = sizeof cfg;
       QT_ASSERT_OK(qjlkv_config_init(&cfg, name, 1, 6, 3, d));
@@ -227,6 +236,7 @@ TEST(Config, CacheReturnsTheConfigItWasCreatedWith) {
   cfg.value_bits = 4;
   cfg.value_group_size = 20;
   cfg.num_threads = 3;
+  cfg.sink_tokens = 7;
   qt::Cache cache = qt::make_cache(cfg);
   ASSERT_TRUE(cache);
   qjlkv_config back;

@@ -127,14 +127,14 @@ TEST(Errors, ConfigValidateAndCacheCreateNameTheField) {
               c.initial_layers = 1;
               c.initial_outlier_sketch_dim = 0;
             }},
-           {"value_bits", [](qjlkv_config &c) { c.value_bits = 3; }},
+           {"value_bits", [](qjlkv_config &c) { c.value_bits = 5; }},
            {"value_bits", [](qjlkv_config &c) { c.value_bits = 0; }},
            {"value_bits", [](qjlkv_config &c) { c.value_bits = 32; }},
            {"value_group_size", [](qjlkv_config &c) { c.value_group_size = 0; }},
            {"value_group_size", [](qjlkv_config &c) { c.value_group_size = 24; }},
            {"value_group_size", [](qjlkv_config &c) { c.value_group_size = 128; }},
        }},
-      {"kivi", {{"key_bits", [](qjlkv_config &c) { c.key_bits = 3; }}}},
+      {"kivi", {{"key_bits", [](qjlkv_config &c) { c.key_bits = 5; }}}},
       {"ott",
        {
            {"key_bits", [](qjlkv_config &c) { c.key_bits = 16; }},

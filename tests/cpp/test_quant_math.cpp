@@ -35,19 +35,38 @@ TEST(QuantMath, PackedCodesAreLsbFirst) {
   EXPECT_EQ(eight[1], 0xC3);
 }
 
+TEST(QuantMath, ThreeBitCodesAreOneLsbFirstBitStream) {
+  // Codes 0..7 in order: stream bits 3j..3j+2 hold j, so the 24-bit little-endian word is
+  // Σ j << 3j = 0xFAC688 -> bytes 0x88, 0xC6, 0xFA; codes 2 and 5 cross a byte boundary.
+  uint8_t three[3] = {0, 0, 0};
+  for (uint32_t j = 0; j < 8; ++j) qjlkv::pack_code(three, j, 3, j);
+  EXPECT_EQ(three[0], 0x88);
+  EXPECT_EQ(three[1], 0xC6);
+  EXPECT_EQ(three[2], 0xFA);
+  for (uint32_t j = 0; j < 8; ++j) EXPECT_EQ(qjlkv::unpack_code(three, j, 3), j);
+  // A straddling code alone touches exactly its two bytes.
+  uint8_t lone[3] = {0, 0, 0};
+  qjlkv::pack_code(lone, 2, 3, 7);  // bits 6, 7, 8
+  EXPECT_EQ(lone[0], 0xC0);
+  EXPECT_EQ(lone[1], 0x01);
+  EXPECT_EQ(lone[2], 0x00);
+}
+
 TEST(QuantMath, PackUnpackRoundTrip) {
   std::mt19937 rng(3);
-  for (uint32_t bits : {2u, 4u, 8u}) {
+  for (uint32_t bits : {2u, 3u, 4u, 8u}) {
     const uint32_t n = 256;
     std::vector<uint32_t> codes(n);
     for (uint32_t &c : codes) c = rng() & ((1u << bits) - 1u);
     std::vector<uint8_t> packed(n * bits / 8, 0);
     for (uint32_t j = 0; j < n; ++j) qjlkv::pack_code(packed.data(), j, bits, codes[j]);
     for (uint32_t j = 0; j < n; ++j) ASSERT_EQ(qjlkv::unpack_code(packed.data(), j, bits), codes[j]) << bits;
-    // Independent layout check: code j occupies bits (j*b) % 8 .. of byte j*b/8.
+    // Independent layout check: bit i of code j is stream bit j*b + i, i.e. bit (j*b + i) % 8
+    // of byte (j*b + i) / 8.
     for (uint32_t j = 0; j < n; ++j) {
-      const uint32_t bit = j * bits;
-      ASSERT_EQ((packed[bit / 8] >> (bit % 8)) & ((1u << bits) - 1u), codes[j]);
+      uint32_t code = 0;
+      for (uint32_t i = 0; i < bits; ++i) code |= uint32_t(packed[(j * bits + i) / 8] >> ((j * bits + i) % 8) & 1u) << i;
+      ASSERT_EQ(code, codes[j]) << bits;
     }
   }
 }
@@ -85,7 +104,7 @@ TEST(QuantMath, GroupQuantDirectedRoundingInvariants) {
   std::uniform_real_distribution<float> unit(0.0f, 1.0f);
   std::uniform_real_distribution<float> log_scale(-10.0f, 10.0f);
   for (int trial = 0; trial < 20000; ++trial) {
-    const uint32_t bits = std::vector<uint32_t>{2, 4, 8}[trial % 3];
+    const uint32_t bits = std::vector<uint32_t>{2, 3, 4, 8}[trial % 4];
     const float spread = std::exp2(log_scale(rng));
     const float center = (unit(rng) - 0.5f) * 4.0f * spread * (trial % 5 == 0 ? 100.0f : 1.0f);
     float mn = center - spread * unit(rng), mx = center + spread * unit(rng);

@@ -584,3 +584,29 @@ TEST_F(Refusal, StreamThatEndsEarlyThroughTheCallback) {
 }
 
 }  // namespace
+
+// Stream format 1 has no sections for attention sinks or rotated values: the "q3"/"q4" tiers are
+// refused on both sides, naming the field, and nothing changes.
+TEST(Refusals, TiersWithSinksOrRotatedValuesAreNotInFormatOne) {
+  for (const char *preset : {"q3", "q4"}) {
+    SCOPED_TRACE(preset);
+    qjlkv_config cfg = qt::make_config(preset, 2, 4, 2, 32);
+    qt::Cache cache = qt::make_cache(cfg);
+    ASSERT_TRUE(cache);
+    qt::Rng rng(3);
+    const std::vector<float> k = rng.normals(size_t(40) * 2 * 32), v = rng.normals(size_t(40) * 2 * 32);
+    QT_ASSERT_OK(qjlkv_cache_append(cache.get(), 0, 1, 40, k.data(), v.data()));
+    uint64_t size = 0;
+    EXPECT_EQ(qjlkv_cache_export_size(cache.get(), 1, 0, 1, &size), QJLKV_ERROR_UNSUPPORTED);
+    EXPECT_NE(std::string(qjlkv_last_error_message()).find("config.sink_tokens"), std::string::npos)
+        << qjlkv_last_error_message();
+    cfg.sink_tokens = 0;  // rotated values alone are refused too
+    qt::Cache rotated = qt::make_cache(cfg);
+    ASSERT_TRUE(rotated);
+    std::vector<uint8_t> stream(64, 0);
+    EXPECT_EQ(qjlkv_cache_import(rotated.get(), 0, stream.data(), stream.size()), QJLKV_ERROR_UNSUPPORTED);
+    EXPECT_NE(std::string(qjlkv_last_error_message()).find("config.value_method"), std::string::npos)
+        << qjlkv_last_error_message();
+    EXPECT_EQ(qt::length_of(rotated.get(), 0, 0), 0u);
+  }
+}

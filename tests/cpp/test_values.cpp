@@ -99,6 +99,9 @@ TEST(Values, EightBitGroupsOf8) { check_quantized_values(8, 8, QJLKV_DTYPE_F32);
 TEST(Values, TwoBitWholeVectorGroup) { check_quantized_values(2, 64, QJLKV_DTYPE_F32); }
 TEST(Values, FourBitFp16Inputs) { check_quantized_values(4, 32, QJLKV_DTYPE_F16); }
 TEST(Values, TwoBitBf16Inputs) { check_quantized_values(2, 16, QJLKV_DTYPE_BF16); }
+TEST(Values, ThreeBitGroupsOf32) { check_quantized_values(3, 32, QJLKV_DTYPE_F32); }
+TEST(Values, ThreeBitGroupsOf8) { check_quantized_values(3, 8, QJLKV_DTYPE_F32); }
+TEST(Values, ThreeBitFp16Inputs) { check_quantized_values(3, 64, QJLKV_DTYPE_F16); }
 
 // value_bits = 16 keeps fp16 copies (bf16 for bf16 inputs): an fp32 input comes back rounded once.
 TEST(Values, SixteenBitValuesAreRoundedOnce) {
@@ -127,7 +130,7 @@ TEST(Values, SixteenBitValuesAreRoundedOnce) {
 // attend == softmax(scale · exact scores) · V_hat, with V_hat dequantized here: exact fp16 keys
 // isolate the values' contribution.
 TEST(Values, AttentionUsesDequantizedValues) {
-  for (uint32_t bits : {2u, 4u, 8u}) {
+  for (uint32_t bits : {2u, 3u, 4u, 8u}) {
     SCOPED_TRACE("bits=" + std::to_string(bits));
     const uint32_t d = 64, hq = 4, hkv = 2, tokens = 60;
     qjlkv_config cfg = qt::make_config("exact", 1, hq, hkv, d);

@@ -103,6 +103,7 @@ struct KernelCase {
   uint32_t key_sketch_dim, outlier_channels, outlier_sketch_dim;
   uint32_t key_bits, value_bits, value_group_size;
   uint32_t rows;
+  uint32_t value_method = QJLKV_VALUES_UNIFORM;
 };
 
 // Odd sizes on purpose: sketch rows not a multiple of 32, blocks not a multiple of 16, groups
@@ -117,6 +118,12 @@ const KernelCase kCases[] = {
     {"kivi2", "kivi", 128, 128, 256, 8, 64, 2, 2, 32, 4},
     {"kivi4_odd", "kivi", 24, 40, 48, 8, 24, 4, 4, 24, 6},
     {"kivi8", "kivi", 64, 32, 128, 8, 32, 8, 8, 16, 1},
+    {"kivi3", "kivi", 128, 64, 256, 8, 64, 3, 3, 32, 4},
+    {"kivi3_odd", "kivi", 40, 24, 80, 8, 40, 3, 3, 8, 5},
+    {"kivi3_values_wide", "ott", 256, 16, 512, 8, 128, 3, 3, 64, 9},
+    {"rotated3", "kivi", 128, 32, 256, 8, 64, 3, 3, 32, 4, QJLKV_VALUES_ROTATED_LLOYD_MAX},
+    {"rotated2_odd", "exact", 40, 24, 80, 8, 40, 2, 2, 8, 5, QJLKV_VALUES_ROTATED_LLOYD_MAX},
+    {"rotated4_blocks", "qjl", 96, 16, 192, 4, 96, 2, 4, 32, 3, QJLKV_VALUES_ROTATED_LLOYD_MAX},
     {"exact16", "exact", 128, 32, 256, 8, 64, 2, 16, 32, 4},
     {"exact_odd", "exact", 72, 8, 144, 8, 40, 2, 16, 8, 7},
 };
@@ -136,6 +143,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     cfg_.key_bits = k.key_bits;
     cfg_.value_bits = k.value_bits;
     cfg_.value_group_size = k.value_group_size;
+    cfg_.value_method = k.value_method;
     cfg_.dtype = QJLKV_DTYPE_F16;
     spec_ = make_cache_spec(cfg_);
     const LayerSpec &ls = spec_.layers[0];
@@ -170,7 +178,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
         break;
       default: kivi_quantize_block(cfg_, ls.layout, keys_.data(), block_.data()); break;
     }
-    values_quantize_block(cfg_, spec_.stored_dtype, ls.layout, values_.data(), block_.data());
+    values_quantize_block(cfg_, spec_.stored_dtype, ls.layout, ls.value_signs.data(), values_.data(), block_.data());
     queries_.resize(size_t(k.rows) * d);
     for (float &x : queries_) x = normal(rng);
     // Fast-path arguments, as the backend builds them.
@@ -183,7 +191,10 @@ class Kernels : public testing::TestWithParam<KernelCase> {
                      spec_.qjl_constant / float(ls.m), ls.m_out ? spec_.qjl_constant / float(ls.m_out) : 0.0f};
     }
     keys_args_ = CodesArgs{&ls.layout, B, d, cfg_.key_bits, 0, spec_.stored_dtype};
-    values_args_ = CodesArgs{&ls.layout, B, d, cfg_.value_bits, cfg_.value_group_size, spec_.stored_dtype};
+    values_args_ = CodesArgs{&ls.layout,         B,
+                             d,                  cfg_.value_bits,
+                             cfg_.value_group_size, spec_.stored_dtype,
+                             cfg_.value_method,  ls.value_signs.data()};
   }
 
   // Queries in the fast layout: rows of padded_dim(d), zero-padded.

@@ -122,10 +122,16 @@ class Harness {
     const auto it = streams_.find({layer, seq});
     return it == streams_.end() ? 0 : tokens_of(it->second);
   }
-  uint64_t quantized(uint64_t length) const {
-    const uint32_t B = cfg_.block_tokens, R = cfg_.residual_tokens;
-    return length < uint64_t(R) + B ? 0 : (length - R) / B * B;
+  // Positions held in quantized blocks: [S, S + quantized_count(length)), S = sink_tokens.
+  uint64_t quantized_count(uint64_t length) const {
+    const uint32_t B = cfg_.block_tokens, R = cfg_.residual_tokens, S = cfg_.sink_tokens;
+    const uint64_t after_sinks = length > S ? length - S : 0;
+    return after_sinks < uint64_t(R) + B ? 0 : (after_sinks - R) / B * B;
   }
+  bool quantized_at(uint64_t length, uint64_t t) const {
+    return t >= cfg_.sink_tokens && t - cfg_.sink_tokens < quantized_count(length);
+  }
+  bool rotated_values() const { return cfg_.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX; }
   // The top code of b-bit values (0 for 16-bit values).
   uint32_t value_levels() const { return cfg_.value_bits == 16 ? 0 : (1u << cfg_.value_bits) - 1; }
   float stored16(float x) const {
@@ -175,7 +181,7 @@ class Harness {
 };
 
 bool Harness::setup() {
-  static const char *const kPresets[] = {"qjl", "kivi", "ott", "exact"};
+  static const char *const kPresets[] = {"qjl", "kivi", "ott", "exact", "q3", "q4"};
   static const qjlkv_dtype kDtypes[] = {QJLKV_DTYPE_F32, QJLKV_DTYPE_F16, QJLKV_DTYPE_BF16};
   static const uint32_t kDims[] = {8, 16, 32};
   const char *preset = in_.pick(kPresets);
@@ -189,12 +195,18 @@ bool Harness::setup() {
   cfg_.num_threads = in_.byte() % 4 == 3 ? 2 : 1;
   cfg_.seed = in_.u16();
   if (cfg_.key_method != QJLKV_KEYS_EXACT) {
-    static const uint32_t kBits[] = {2, 4, 8};
-    static const uint32_t kValueBits[] = {2, 4, 8, 16};
+    static const uint32_t kBits[] = {2, 3, 4, 8};
+    static const uint32_t kValueBits[] = {2, 3, 4, 8, 16};
     cfg_.key_bits = in_.pick(kBits);
     cfg_.value_bits = in_.pick(kValueBits);
     cfg_.value_group_size = in_.flag() ? 8 : d;
+    cfg_.value_method = QJLKV_VALUES_UNIFORM;
+    if (in_.byte() % 4 == 3) {
+      cfg_.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
+      cfg_.value_bits = 2 + in_.byte() % 3;
+    }
   }
+  cfg_.sink_tokens = in_.byte() % 4 == 3 ? 1 + in_.byte() % 5 : 0;
   if (cfg_.key_method == QJLKV_KEYS_QJL) {
     static const uint32_t kSketch[] = {8, 16, 32, 64};
     cfg_.key_sketch_dim = in_.pick(kSketch);
@@ -230,7 +242,18 @@ void Harness::bad_data(const Tensor &k, const Tensor &v, std::vector<const char 
   const bool bf16 = cfg_.dtype == QJLKV_DTYPE_BF16;
   bool keys_bad = !k.finite || (k.max_abs > kHalfMax && !(cfg_.key_method == QJLKV_KEYS_EXACT && bf16));
   const float value_limit = cfg_.value_bits == 16 && bf16 ? 0x1p95f : kHalfMax;
-  const bool values_bad = !v.finite || v.max_abs > value_limit;
+  bool values_bad = !v.finite || v.max_abs > value_limit;
+  if (rotated_values() && !values_bad) {
+    // The fp16 scale ‖v‖/‖levels‖ must stay finite: ‖v‖ <= 65504·sqrt(d)·(smallest |level|).
+    const double smallest = cfg_.value_bits == 2 ? 0.4528 : cfg_.value_bits == 3 ? 0.2451 : 0.1284;
+    const double limit = double(kHalfMax) * std::sqrt(double(cfg_.head_dim)) *
+                         double(float(smallest));
+    for (size_t row = 0; row < v.values.size() / cfg_.head_dim; ++row) {
+      double norm2 = 0.0;
+      for (uint32_t j = 0; j < cfg_.head_dim; ++j) norm2 += double(v.values[row * cfg_.head_dim + j]) * v.values[row * cfg_.head_dim + j];
+      values_bad = values_bad || std::sqrt(norm2) > limit;
+    }
+  }
   if (cfg_.key_method == QJLKV_KEYS_QJL) {
     for (size_t row = 0; row < k.values.size() / cfg_.head_dim; ++row) {
       double norm2 = 0.0;
@@ -282,7 +305,7 @@ void Harness::check_state() {
                "length of (layer %u, seq %u) is %llu, the model has %llu", key.first, key.second,
                (unsigned long long)got, (unsigned long long)n);
     tokens += n;
-    full_precision += 2 * (n - quantized(n)) * token_elems_ * io_;
+    full_precision += 2 * (n - quantized_count(n)) * token_elems_ * io_;
   }
   qjlkv_stats st;
   std::memset(&st, 0, sizeof st);
@@ -450,7 +473,7 @@ void Harness::check_output(uint32_t layer, uint32_t seq, uint32_t n_queries, con
                            float scale, const uint8_t *out) {
   const Stream &stream = streams_.at({layer, seq});
   const uint32_t d = cfg_.head_dim, Hq = cfg_.num_q_heads, Hkv = cfg_.num_kv_heads, G = Hq / Hkv;
-  const uint64_t length = tokens_of(stream), q_len = quantized(length);
+  const uint64_t length = tokens_of(stream);
   const double used_scale = scale > 0.0f ? double(scale) : 1.0 / std::sqrt(double(d));
   const bool exact = cfg_.key_method == QJLKV_KEYS_EXACT;
   const uint32_t g = cfg_.value_group_size;
@@ -465,7 +488,7 @@ void Harness::check_output(uint32_t layer, uint32_t seq, uint32_t n_queries, con
         const float *k = &stream.keys[(t * Hkv + kv) * d];
         double dot = 0.0, abs_dot = 0.0;
         for (uint32_t j = 0; j < d; ++j) {
-          const double kj = t < q_len ? stored16(k[j]) : k[j];
+          const double kj = quantized_at(length, t) ? stored16(k[j]) : k[j];
           dot += double(q[j]) * kj;
           abs_dot += std::fabs(double(q[j]) * kj);
         }
@@ -480,15 +503,25 @@ void Harness::check_output(uint32_t layer, uint32_t seq, uint32_t n_queries, con
         const float got = decode_one(out + ((size_t(i) * Hq + h) * d + j) * io_, qjlkv_dtype(cfg_.dtype));
         FUZZ_CHECK(std::isfinite(got), "attend output (query %u, head %u, channel %u) is %g", i, h, j, double(got));
         // The values this output averages: each token's group range bounds its reconstruction.
+        // Rotated Lloyd-Max values keep each token's norm, not its channels' range: every
+        // coordinate of a reconstruction lies within ±‖v‖ (plus the fp16 scale's rounding).
         double lo = INFINITY, hi = -INFINITY, reference = 0.0;
         for (uint64_t t = 0; t <= position; ++t) {
           const float *v = &stream.values[(t * Hkv + kv) * d];
-          const uint32_t g0 = j / g * g;
-          for (uint32_t c = g0; c < g0 + g; ++c) {
-            lo = std::min(lo, double(v[c]));
-            hi = std::max(hi, double(v[c]));
+          if (rotated_values()) {
+            double norm2 = 0.0;
+            for (uint32_t c = 0; c < d; ++c) norm2 += double(v[c]) * v[c];
+            const double bound = std::sqrt(norm2) * (1.0 + 0x1p-10) + 4 * std::sqrt(double(d)) * 0x1p-24;
+            lo = std::min(lo, -bound);
+            hi = std::max(hi, bound);
+          } else {
+            const uint32_t g0 = j / g * g;
+            for (uint32_t c = g0; c < g0 + g; ++c) {
+              lo = std::min(lo, double(v[c]));
+              hi = std::max(hi, double(v[c]));
+            }
           }
-          reference += logits[t] / sum * (t < q_len ? stored16(v[j]) : v[j]);
+          reference += logits[t] / sum * (quantized_at(length, t) ? stored16(v[j]) : v[j]);
         }
         // Rounding of a 16-bit output: relative, plus fp16's subnormal spacing near zero.
         const double out_rounding = cfg_.dtype == QJLKV_DTYPE_F32 ? 0.0 : cfg_.dtype == QJLKV_DTYPE_F16 ? 0x1p-10 : 0x1p-7;
@@ -561,7 +594,6 @@ void Harness::do_scores() {
                qjlkv_status_string(s));
     return expect_failure(s, before, "scores", {"query"});
   }
-  const uint64_t q_len = quantized(length);
   for (uint32_t h = 0; h < cfg_.num_q_heads; ++h)
     for (uint64_t t = 0; t < length; ++t) {
       const float got = out[h * length + t];
@@ -572,7 +604,7 @@ void Harness::do_scores() {
       if (cfg_.key_method != QJLKV_KEYS_EXACT || !std::isfinite(got)) continue;  // +-inf: checked just above
       double dot = 0.0, abs_dot = 0.0;
       for (uint32_t j = 0; j < d; ++j) {
-        const double kj = t < q_len ? stored16(k[j]) : k[j];
+        const double kj = quantized_at(length, t) ? stored16(k[j]) : k[j];
         dot += double(q.values[size_t(h) * d + j]) * kj;
         abs_dot += std::fabs(double(q.values[size_t(h) * d + j]) * kj);
       }
@@ -619,17 +651,16 @@ void Harness::do_reconstruct() {
   FUZZ_CHECK(snapshot() == before, "reconstruct changed the cache");
   const Stream &stream = streams_.at({layer, seq});
   const uint32_t d = cfg_.head_dim, g = cfg_.value_group_size;
-  const uint64_t q_len = quantized(length);
   for (uint64_t t = first; t < first + count; ++t)
     for (size_t e = 0; e < token_elems_; ++e) {
       const size_t at = (t - first) * token_elems_ + e, in = t * token_elems_ + e;
-      const bool exact_here = cfg_.key_method == QJLKV_KEYS_EXACT || t >= q_len;
+      const bool exact_here = cfg_.key_method == QJLKV_KEYS_EXACT || !quantized_at(length, t);
       if (outputs & 1) {
         FUZZ_CHECK(std::isfinite(keys[at]), "reconstructed key (position %llu, element %zu) is %g",
                    (unsigned long long)t, e, double(keys[at]));
-        const float expected = t < q_len ? stored16(stream.keys[in]) : stream.keys[in];
+        const float expected = quantized_at(length, t) ? stored16(stream.keys[in]) : stream.keys[in];
         // OTT: a quantized position whose token moved to the pool reconstructs that token exactly.
-        if (exact_here && (cfg_.key_method != QJLKV_KEYS_OTT || t >= q_len))
+        if (exact_here && (cfg_.key_method != QJLKV_KEYS_OTT || !quantized_at(length, t)))
           FUZZ_CHECK(keys[at] == expected, "reconstructed key (position %llu, element %zu) = %g, stored %g",
                      (unsigned long long)t, e, double(keys[at]), double(expected));
       }
@@ -637,11 +668,27 @@ void Harness::do_reconstruct() {
         const float got = values[at];
         FUZZ_CHECK(std::isfinite(got), "reconstructed value (position %llu, element %zu) is %g",
                    (unsigned long long)t, e, double(got));
-        if (cfg_.value_bits == 16 || t >= q_len) {
-          const float expected = t < q_len ? stored16(stream.values[in]) : stream.values[in];
-          if (cfg_.key_method != QJLKV_KEYS_OTT || t >= q_len)
+        if (cfg_.value_bits == 16 || !quantized_at(length, t)) {
+          const float expected = quantized_at(length, t) ? stored16(stream.values[in]) : stream.values[in];
+          if (cfg_.key_method != QJLKV_KEYS_OTT || !quantized_at(length, t))
             FUZZ_CHECK(got == expected, "reconstructed value (position %llu, element %zu) = %g, stored %g",
                        (unsigned long long)t, e, double(got), double(expected));
+        } else if (rotated_values()) {
+          // Norm correction: ‖v̂‖ = ‖v‖ up to the fp16 scale's rounding (2^-11, or fp16's
+          // subnormal spacing times ‖levels‖ <= 2.8·sqrt(d)) and fp32 rotations.
+          if (e % d == 0) {
+            double n_got = 0.0, n_in = 0.0;
+            for (uint32_t c = 0; c < d; ++c) {
+              n_got += double(values[at + c]) * values[at + c];
+              n_in += double(stream.values[in + c]) * stream.values[in + c];
+            }
+            n_got = std::sqrt(n_got);
+            n_in = std::sqrt(n_in);
+            const double slack = (0x1p-11 + 1e-5) * n_in + 3 * std::sqrt(double(d)) * 0x1p-24;
+            FUZZ_CHECK(std::fabs(n_got - n_in) <= slack,
+                       "reconstructed rotated value (position %llu, kv head %zu) has norm %g, the input %g",
+                       (unsigned long long)t, e / d, n_got, n_in);
+          }
         } else {
           const size_t g0 = in / g * g;  // the group of this element (groups never cross heads: g | d)
           float lo = stream.values[g0], hi = lo, v_abs = 0.0f;
@@ -688,8 +735,9 @@ void Harness::do_reconstruct() {
       // terms' size (up to 3× the block's largest |k| per channel), not |k̂|, which cancels to
       // near 0 for a token at the middle of its channels' ranges.
       double terms2 = 0.0;
-      if (codes_keys && t < q_len) {
-        const uint64_t block_first = t / cfg_.block_tokens * cfg_.block_tokens;
+      if (codes_keys && quantized_at(length, t)) {
+        const uint64_t S = cfg_.sink_tokens;
+        const uint64_t block_first = S + (t - S) / cfg_.block_tokens * cfg_.block_tokens;
         for (uint32_t j = 0; j < d; ++j) {
           double channel_max = 0.0;
           for (uint64_t u = block_first; u < block_first + cfg_.block_tokens; ++u) {

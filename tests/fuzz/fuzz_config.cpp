@@ -43,20 +43,23 @@ bool asks_for_cuda(const qjlkv_config &c) {
   return c.struct_size == QJLKV_CONFIG_SIZE_0_1 ? legacy_device(c) >= 0 : c.backend == QJLKV_BACKEND_CUDA;
 }
 
-bool is_bits(uint32_t b) { return b == 2 || b == 4 || b == 8; }
+bool is_bits(uint32_t b) { return b == 2 || b == 3 || b == 4 || b == 8; }
 bool sketch_dim_ok(uint32_t v, bool allow_zero) { return v % 8 == 0 && v <= 65536 && (allow_zero || v > 0); }
 
 // The header's rules (include/qjlkv/qjlkv.h, struct qjlkv_config), plus the upper limits that
 // src/config.cpp adds for sizes (layers <= 65536, heads <= 4096, threads <= 1024). Returns the
 // fields that are wrong; empty = valid. Fields of other key methods are ignored.
-std::vector<std::string> wrong_fields(const qjlkv_config &c) {
+std::vector<std::string> wrong_fields(const qjlkv_config &caller) {
   std::vector<std::string> wrong;
   const auto rule = [&](bool ok, const char *field) {
     if (!ok) wrong.push_back(field);
   };
-  const bool size_ok = c.struct_size == sizeof(qjlkv_config) || c.struct_size == QJLKV_CONFIG_SIZE_0_1;
+  const bool size_ok = caller.struct_size == sizeof(qjlkv_config) || caller.struct_size == QJLKV_CONFIG_SIZE_0_1;
   rule(size_ok, "struct_size");
   if (!size_ok) return wrong;
+  // A 0.1-sized struct: the fields added in 0.2 are never read and take their defaults (0).
+  qjlkv_config c = caller;
+  if (c.struct_size == QJLKV_CONFIG_SIZE_0_1) c.value_method = c.sink_tokens = 0;
   rule(c.num_layers >= 1 && c.num_layers <= 65536, "num_layers");
   rule(c.num_kv_heads >= 1 && c.num_kv_heads <= 4096, "num_kv_heads");
   rule(c.num_q_heads >= 1 && c.num_q_heads <= 4096 && c.num_kv_heads != 0 && c.num_q_heads % c.num_kv_heads == 0,
@@ -100,8 +103,15 @@ std::vector<std::string> wrong_fields(const qjlkv_config &c) {
     default:
       wrong.push_back("key_method");
   }
-  rule(is_bits(c.value_bits) || c.value_bits == 16, "value_bits");
-  rule(c.value_group_size >= 1 && (!d_ok || c.head_dim % c.value_group_size == 0), "value_group_size");
+  if (c.value_method == QJLKV_VALUES_UNIFORM) {
+    rule(is_bits(c.value_bits) || c.value_bits == 16, "value_bits");
+    rule(c.value_group_size >= 1 && (!d_ok || c.head_dim % c.value_group_size == 0), "value_group_size");
+  } else if (c.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) {
+    rule(c.value_bits >= 2 && c.value_bits <= 4, "value_bits");  // value_group_size is ignored
+  } else {
+    wrong.push_back("value_method");
+  }
+  rule(c.sink_tokens <= 65536, "sink_tokens");
   rule(c.num_threads <= 1024, "num_threads");
   return wrong;
 }
@@ -114,7 +124,7 @@ bool small(const qjlkv_config &c) {
 }
 
 void fuzz_config_init(Input &in, qjlkv_config &cfg) {
-  static const char *const kPresets[] = {"qjl", "kivi", "ott", "exact", "", nullptr, "QJL", "qjl ", "exactly"};
+  static const char *const kPresets[] = {"qjl", "kivi", "ott", "exact", "", nullptr, "QJL", "qjl ", "exactly", "q3", "q4", "q5"};
   const char *preset = in.pick(kPresets);
   const uint32_t layers = fuzz_u32(in), hq = fuzz_u32(in), hkv = fuzz_u32(in), d = fuzz_u32(in);
   std::memset(&cfg, 0xA5, sizeof cfg);
@@ -124,7 +134,7 @@ void fuzz_config_init(Input &in, qjlkv_config &cfg) {
   const qjlkv_config before = cfg;
   const qjlkv_status s = qjlkv_config_init(&cfg, preset, layers, hq, hkv, d);
   const std::string p = preset ? preset : "";
-  const bool preset_ok = p.empty() || p == "qjl" || p == "kivi" || p == "ott" || p == "exact";
+  const bool preset_ok = p.empty() || p == "q3" || p == "q4" || p == "qjl" || p == "kivi" || p == "ott" || p == "exact";
   const bool shape_ok = layers >= 1 && layers <= 65536 && hkv >= 1 && hkv <= 4096 && hq >= 1 && hq <= 4096 &&
                         hq % hkv == 0 && d >= 8 && d <= 256 && d % 8 == 0;
   FUZZ_CHECK((s == QJLKV_OK) == (size_ok && preset_ok && shape_ok),
@@ -141,6 +151,9 @@ void fuzz_config_init(Input &in, qjlkv_config &cfg) {
   FUZZ_CHECK(cfg.struct_size == before.struct_size, "struct_size %u, was %u", cfg.struct_size, before.struct_size);
   if (cfg.struct_size == QJLKV_CONFIG_SIZE_0_1)
     FUZZ_CHECK(legacy_device(cfg) == -1, "0.1's device is %d, must default to -1 (CPU)", legacy_device(cfg));
+  if (cfg.struct_size == QJLKV_CONFIG_SIZE_0_1)
+    FUZZ_CHECK(cfg.value_method == 0xA5A5A5A5u && cfg.sink_tokens == 0xA5A5A5A5u,
+               "config_init must write nothing past a 0.1-sized struct");
   const qjlkv_status v = qjlkv_config_validate(&cfg);
   FUZZ_CHECK(v == QJLKV_OK, "config_init(\"%s\", %u, %u, %u, %u) filled a config that does not validate",
              p.c_str(), layers, hq, hkv, d);
@@ -154,7 +167,8 @@ void mutate(Input &in, qjlkv_config &cfg) {
                               &cfg.outlier_channels,  &cfg.outlier_sketch_dim,  &cfg.initial_layers,
                               &cfg.initial_key_sketch_dim, &cfg.initial_outlier_sketch_dim, &cfg.key_bits,
                               &cfg.outlier_tokens,    &cfg.outlier_spill_tokens, &cfg.outlier_skip_layers,
-                              &cfg.value_bits,        &cfg.value_group_size,    &cfg.num_threads};
+                              &cfg.value_bits,        &cfg.value_group_size,    &cfg.num_threads,
+                              &cfg.value_method,      &cfg.sink_tokens};
   constexpr size_t kFields = sizeof fields / sizeof fields[0];
   for (uint32_t n = in.byte() % 6; n > 0; --n) {
     const uint32_t which = in.byte() % (kFields + 6);
@@ -207,6 +221,10 @@ void exercise_cache(Input &in, qjlkv_cache *c, const qjlkv_config &cfg) {
   FUZZ_CHECK(s == QJLKV_OK, "attend: %s", qjlkv_status_string(s));
   // A zero query weighs every position equally: the output is the mean of the values, which lie
   // in [1/4, 1] (1 - 6/8 up to 1; quantization stays within the group's range up to rounding).
+  // Rotated Lloyd-Max values keep only each token's norm (<= sqrt(d)), not the channel ranges.
+  const bool rotated = cfg.struct_size == sizeof(qjlkv_config) && cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX;
+  const float lo = rotated ? -1.01f * std::sqrt(float(cfg.head_dim)) : 0.2f;
+  const float hi = rotated ? 1.01f * std::sqrt(float(cfg.head_dim)) : 1.05f;
   for (size_t i = 0; i < size_t(cfg.num_q_heads) * cfg.head_dim; ++i) {
     float x;
     if (io == 4) {
@@ -224,7 +242,7 @@ void exercise_cache(Input &in, qjlkv_cache *c, const qjlkv_config &cfg) {
         if ((h >> 10 & 0x1f) == 0 || (h >> 10 & 0x1f) == 0x1f) x = NAN;
       }
     }
-    FUZZ_CHECK(std::isfinite(x) && x >= 0.2f && x <= 1.05f, "attend output[%zu] = %g with a zero query", i,
+    FUZZ_CHECK(std::isfinite(x) && x >= lo && x <= hi, "attend output[%zu] = %g with a zero query", i,
                double(x));
   }
   qjlkv_stats st;

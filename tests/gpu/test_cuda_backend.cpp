@@ -511,6 +511,38 @@ TEST(CudaBackend, CreateWithoutDeviceFailsCleanly) {
   EXPECT_NE(message.find("cuda"), std::string::npos) << message;  // the CUDA error's name
 }
 
+// Options of the CPU backend that the CUDA kernels do not have yet are refused by name, with or
+// without a device.
+TEST(CudaBackend, CpuOnlyOptionsAreRefusedByName) {
+  struct Case {
+    const char *preset, *field;
+    void (*set)(qjlkv_config &);
+  };
+  const Case cases[] = {
+      {"kivi", "key_bits", [](qjlkv_config &c) { c.key_bits = 3; }},
+      {"ott", "key_bits", [](qjlkv_config &c) { c.key_bits = 3; }},
+      {"qjl", "value_bits", [](qjlkv_config &c) { c.value_bits = 3; }},
+      {"kivi", "value_method", [](qjlkv_config &c) { c.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX; }},
+      {"exact", "sink_tokens", [](qjlkv_config &c) { c.sink_tokens = 4; }},
+      {"q4", "value_method", [](qjlkv_config &) {}},  // the tier: 4-bit keys are fine, its values are not
+  };
+  for (const Case &k : cases) {
+    qjlkv_config cfg;
+    cfg.struct_size = sizeof cfg;
+    QJLKV_OK(qjlkv_config_init(&cfg, k.preset, 1, 4, 1, 64));
+    k.set(cfg);
+    cfg.backend = QJLKV_BACKEND_CUDA;
+    cfg.device_ordinal = 0;
+    qjlkv_cache *c = nullptr;
+    EXPECT_EQ(qjlkv_cache_create(&cfg, &c), QJLKV_ERROR_UNSUPPORTED) << k.preset << " " << k.field;
+    EXPECT_EQ(c, nullptr);
+    EXPECT_NE(std::string(qjlkv_last_error_message()).find(k.field), std::string::npos) << qjlkv_last_error_message();
+    cfg.backend = QJLKV_BACKEND_CPU;  // the same config is fine on the CPU
+    EXPECT_EQ(qjlkv_cache_create(&cfg, &c), QJLKV_OK) << qjlkv_last_error_message();
+    qjlkv_cache_destroy(c);
+  }
+}
+
 #if defined(QJLKV_CUDA_EMULATION)
 // On a device with less shared memory per block, the attention kernels take fewer query rows per
 // CTA; where not even one row fits, creation says which sizes are too large.

@@ -128,7 +128,7 @@ qjlkv_config make_config(const char *preset, uint32_t layers, uint32_t d) {
 // ---- KIVI ----------------------------------------------------------------------------------
 
 TEST(Kivi, ScoresEqualPerChannelFormula) {
-  for (int bits : {2, 4, 8}) {
+  for (int bits : {2, 3, 4, 8}) {
     const uint32_t d = 64, B = 32, R = 8, tokens = 3 * B + R + 5;
     qjlkv_config cfg = make_config("kivi", 1, d);
     cfg.block_tokens = B;
@@ -461,7 +461,7 @@ TEST(KiviOttConfig, RejectsBadFields) {
     void (*set)(qjlkv_config &);
   };
   const Case cases[] = {
-      {"kivi", "key_bits", [](qjlkv_config &c) { c.key_bits = 3; }},
+      {"kivi", "key_bits", [](qjlkv_config &c) { c.key_bits = 5; }},
       {"ott", "key_bits", [](qjlkv_config &c) { c.key_bits = 16; }},
       {"kivi", "block_tokens", [](qjlkv_config &c) { c.block_tokens = 12; }},
       {"ott", "block_tokens", [](qjlkv_config &c) { c.block_tokens = 0; }},

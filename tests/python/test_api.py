@@ -100,12 +100,36 @@ def test_config_presets_and_fields():
     for preset in qjlkv.PRESETS:
         cfg = qjlkv.Config(preset, num_layers=3, num_q_heads=8, num_kv_heads=2, head_dim=128)
         cfg.validate()
-        assert cfg.key_method == preset if preset != "ott" else cfg.key_method == "ott"
+        tier = preset in ("q3", "q4")
+        assert cfg.key_method == ("kivi" if tier else preset)
+        assert cfg.value_method == (qjlkv.ValueMethod.ROTATED_LLOYD_MAX if tier else qjlkv.ValueMethod.UNIFORM)
+        assert cfg.sink_tokens == (4 if tier else 0)
         assert (cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim) == (3, 8, 2, 128)
         assert cfg.dtype == "float32" and cfg.device == -1
-    qjl = qjlkv.Config(num_layers=1, num_q_heads=4, num_kv_heads=4, head_dim=64)
-    assert qjl.key_method == "qjl" and qjl.preset == "qjl"
-    assert set(qjl.to_dict()) == set(qjlkv.Config.FIELDS)
+    default = qjlkv.Config(num_layers=1, num_q_heads=4, num_kv_heads=4, head_dim=64)
+    assert default.preset == "q3" and default.to_dict() == qjlkv.Config(
+        "q3", num_layers=1, num_q_heads=4, num_kv_heads=4, head_dim=64).to_dict()
+    assert (default.key_method, default.key_bits, default.value_bits) == ("kivi", 3, 2)
+    assert set(default.to_dict()) == set(qjlkv.Config.FIELDS)
+
+
+def test_new_fields_pass_through(rng):
+    # value_method and sink_tokens reach the library: the sinks stay exact, the rotated values
+    # keep each token's norm.
+    cfg = qjlkv.Config("kivi", num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=64, block_tokens=16,
+                       residual_tokens=4, sink_tokens=3, value_method=qjlkv.ValueMethod.ROTATED_LLOYD_MAX,
+                       value_bits=3)
+    assert cfg.to_dict()["sink_tokens"] == 3 and cfg.to_dict()["value_method"] == 1
+    cache = qjlkv.Cache(cfg)
+    keys = rng.standard_normal((40, 1, 64)).astype(np.float32)
+    values = rng.standard_normal((40, 1, 64)).astype(np.float32)
+    cache.append(0, 0, keys, values)
+    k_hat, v_hat = cache.reconstruct(0, 0)
+    np.testing.assert_array_equal(k_hat[:3], keys[:3])
+    np.testing.assert_array_equal(v_hat[:3], values[:3])
+    assert not np.array_equal(v_hat[3:35], values[3:35])  # two quantized blocks of 16
+    np.testing.assert_allclose(np.linalg.norm(v_hat[3:35], axis=-1), np.linalg.norm(values[3:35], axis=-1),
+                               rtol=1e-3)
 
 
 @pytest.mark.parametrize("given,name", [

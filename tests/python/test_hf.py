@@ -211,8 +211,8 @@ def test_unsupported_uses_raise(model):
                            past_key_values=QJLCache(model.config))
     with pytest.raises(qjlkv.InvalidArgument, match="preset"):
         QJLCache(model.config, preset="nope")
-    with pytest.raises(qjlkv.InvalidArgument, match="config.value_bits is 3"):
-        QJLCache(model.config, value_bits=3)
+    with pytest.raises(qjlkv.InvalidArgument, match="config.value_bits is 5"):
+        QJLCache(model.config, value_bits=5)
 
 
 def test_padded_batch_works_with_sdpa_reconstruction(model):

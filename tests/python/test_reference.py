@@ -140,7 +140,7 @@ def test_qjl_distortion_within_lemma_3_5(rng):
 
 
 # --- §4 values, §5 KIVI keys, 16-bit storage ---------------------------------------------
-@pytest.mark.parametrize("bits,group", [(2, 32), (4, 16), (8, 64), (2, 8)])
+@pytest.mark.parametrize("bits,group", [(2, 32), (4, 16), (8, 64), (2, 8), (3, 32), (3, 8)])
 def test_values_quantization_equals_reference(rng, bits, group):
     cfg = small_config(value_bits=bits, value_group_size=group)
     cache = qjlkv.Cache(cfg)
@@ -160,7 +160,7 @@ def test_values_quantization_equals_reference(rng, bits, group):
     assert np.all(err <= half_step * 1.01 + 1e-6)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_kivi_keys_equal_reference(rng, bits):
     cfg = small_config("kivi", key_bits=bits, block_tokens=32)
     cache = qjlkv.Cache(cfg)

@@ -333,7 +333,7 @@ std::vector<FieldCase> bad_fields() {
          c.initial_outlier_sketch_dim = 0;
        },
        {"initial_outlier_sketch_dim"}},
-      {"key_bits 3", "kivi", [](qjlkv_config &c) { c.key_bits = 3; }, {"key_bits"}},
+      {"key_bits 5", "kivi", [](qjlkv_config &c) { c.key_bits = 5; }, {"key_bits"}},
       {"key_bits 16", "ott", [](qjlkv_config &c) { c.key_bits = 16; }, {"key_bits"}},
       {"outlier_tokens > block_tokens", "ott", [](qjlkv_config &c) { c.outlier_tokens = c.block_tokens + 1; },
        {"outlier_tokens"}},
@@ -342,7 +342,7 @@ std::vector<FieldCase> bad_fields() {
       {"outlier_skip_layers > num_layers", "ott", [](qjlkv_config &c) { c.outlier_skip_layers = c.num_layers + 1; },
        {"outlier_skip_layers"}},
       {"value_bits 0", "qjl", [](qjlkv_config &c) { c.value_bits = 0; }, {"value_bits"}},
-      {"value_bits 3", "exact", [](qjlkv_config &c) { c.value_bits = 3; }, {"value_bits"}},
+      {"value_bits 5", "exact", [](qjlkv_config &c) { c.value_bits = 5; }, {"value_bits"}},
       {"value_bits 32", "kivi", [](qjlkv_config &c) { c.value_bits = 32; }, {"value_bits"}},
       {"value_group_size 0", "qjl", [](qjlkv_config &c) { c.value_group_size = 0; }, {"value_group_size"}},
       {"value_group_size 3", "qjl", [](qjlkv_config &c) { c.value_group_size = 3; }, {"value_group_size"}},

@@ -359,12 +359,14 @@ const Field kConfigFields[] = {
     QJLKV_FIELD(value_bits, U32),
     QJLKV_FIELD(value_group_size, U32),
     QJLKV_FIELD(num_threads, U32),
+    QJLKV_FIELD(value_method, U32),
+    QJLKV_FIELD(sink_tokens, U32),
 };
 #undef QJLKV_FIELD
 // Fails to compile when the header grows qjlkv_config: the table above must list the new field.
 constexpr size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 static_assert(sizeof(qjlkv_config) ==
-                  round_up(offsetof(qjlkv_config, backend) + sizeof(uint32_t), alignof(qjlkv_config)),
+                  round_up(offsetof(qjlkv_config, sink_tokens) + sizeof(uint32_t), alignof(qjlkv_config)),
               "qjlkv_config has fields that kConfigFields does not list");
 
 py::dict config_to_dict(const qjlkv_config &cfg) {
@@ -899,6 +901,10 @@ PYBIND11_MODULE(_qjlkv, m) {
       .value("KIVI", QJLKV_KEYS_KIVI)
       .value("OTT", QJLKV_KEYS_OTT)
       .value("EXACT", QJLKV_KEYS_EXACT)
+      .finalize();
+  py::native_enum<qjlkv_value_method>(m, "ValueMethod", "enum.IntEnum", "qjlkv_value_method (config.value_method)")
+      .value("UNIFORM", QJLKV_VALUES_UNIFORM)
+      .value("ROTATED_LLOYD_MAX", QJLKV_VALUES_ROTATED_LLOYD_MAX)
       .finalize();
 
   py::register_exception_translator([](std::exception_ptr p) {

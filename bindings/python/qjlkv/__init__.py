@@ -40,6 +40,7 @@ from ._qjlkv import (
     OutOfMemory,
     Status,
     Unsupported,
+    ValueMethod,
 )
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "Sketch",
     "Status",
     "Unsupported",
+    "ValueMethod",
     "status_string",
     "last_error_message",
     "version_number",
@@ -78,7 +80,7 @@ status_string = _qjlkv.status_string
 last_error_message = _qjlkv.last_error_message
 
 #: Preset names accepted by :class:`Config` (``qjlkv_config_init``).
-PRESETS = ("qjl", "kivi", "ott", "exact")
+PRESETS = ("q3", "q4", "qjl", "kivi", "ott", "exact")
 
 _DTYPE_NAMES = {
     "float32": DType.F32, "fp32": DType.F32, "f32": DType.F32, "float": DType.F32,
@@ -151,11 +153,11 @@ class Config:
 
     FIELDS: tuple = _qjlkv.CONFIG_FIELDS
 
-    def __init__(self, preset: str | None = "qjl", *, num_layers: int, num_q_heads: int, num_kv_heads: int,
+    def __init__(self, preset: str | None = None, *, num_layers: int, num_q_heads: int, num_kv_heads: int,
                  head_dim: int, **fields: _Any) -> None:
         values = _qjlkv.config_init(preset, num_layers, num_q_heads, num_kv_heads, head_dim)
         object.__setattr__(self, "_values", values)
-        object.__setattr__(self, "preset", preset or "qjl")
+        object.__setattr__(self, "preset", preset or "q3")  # None or "": the library's default
         for name, value in fields.items():
             setattr(self, name, value)
 
@@ -358,20 +360,20 @@ class Cache:
         num_layers)``, default all) as the stream of docs/FORMAT.md."""
         return self._handle.export_bytes(seq, *self._layer_range(first_layer, num_layers))
 
-    def export_to(self, file: Any, seq: int, first_layer: int = 0, num_layers: int | None = None) -> int:
+    def export_to(self, file: _Any, seq: int, first_layer: int = 0, num_layers: int | None = None) -> int:
         """``qjlkv_cache_export_stream``: writes the stream to ``file`` (anything with
         ``write(bytes)``) in pieces of at most 64 KiB, never holding it whole; returns the bytes
         written. An exception raised by ``write`` propagates."""
         return self._handle.export_to(seq, *self._layer_range(first_layer, num_layers), file.write)
 
-    def import_bytes(self, seq: int, data: Any) -> None:
+    def import_bytes(self, seq: int, data: _Any) -> None:
         """``qjlkv_cache_import``: imports a stream held in ``data`` (bytes, bytearray,
         memoryview, mmap or any C-contiguous buffer; read in place) into sequence ``seq``, which
         must be empty in the stream's layers. Raises qjlkv.CorruptData for damaged streams,
         qjlkv.InvalidArgument for mismatched configs; the cache is then unchanged."""
         self._handle.import_bytes(seq, data)
 
-    def import_from(self, file: Any, seq: int) -> None:
+    def import_from(self, file: _Any, seq: int) -> None:
         """``qjlkv_cache_import_stream``: reads one stream from ``file`` (``readinto`` or
         ``read``), exactly its bytes, so streams written one after another are read one per
         call."""

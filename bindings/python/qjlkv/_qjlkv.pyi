@@ -29,6 +29,10 @@ class KeyMethod(enum.IntEnum):
     OTT = 2
     EXACT = 3
 
+class ValueMethod(enum.IntEnum):
+    UNIFORM = 0
+    ROTATED_LLOYD_MAX = 1
+
 class Error(Exception):
     status: Status
 

@@ -50,6 +50,9 @@ pub type qjlkv_key_method = ::std::os::raw::c_uint;
 pub const QJLKV_BACKEND_CPU: qjlkv_backend = 0;
 pub const QJLKV_BACKEND_CUDA: qjlkv_backend = 1;
 pub type qjlkv_backend = ::std::os::raw::c_uint;
+pub const QJLKV_VALUES_UNIFORM: qjlkv_value_method = 0;
+pub const QJLKV_VALUES_ROTATED_LLOYD_MAX: qjlkv_value_method = 1;
+pub type qjlkv_value_method = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct qjlkv_sketch {
@@ -103,12 +106,14 @@ pub struct qjlkv_config {
     pub num_threads: u32,
     pub unused_0_1: u32,
     pub backend: u32,
+    pub value_method: u32,
+    pub sink_tokens: u32,
 }
 #[test]
 fn bindgen_test_layout_qjlkv_config() {
     assert_eq!(
         ::std::mem::size_of::<qjlkv_config>(),
-        120usize,
+        128usize,
         concat!("Size of: ", stringify!(qjlkv_config))
     );
     assert_eq!(
@@ -560,6 +565,40 @@ fn bindgen_test_layout_qjlkv_config() {
         );
     }
     test_field_backend();
+    fn test_field_value_method() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<qjlkv_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).value_method) as usize - ptr as usize
+            },
+            116usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(qjlkv_config),
+                "::",
+                stringify!(value_method)
+            )
+        );
+    }
+    test_field_value_method();
+    fn test_field_sink_tokens() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<qjlkv_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).sink_tokens) as usize - ptr as usize
+            },
+            120usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(qjlkv_config),
+                "::",
+                stringify!(sink_tokens)
+            )
+        );
+    }
+    test_field_sink_tokens();
 }
 extern "C" {
     pub fn qjlkv_config_init(

@@ -133,7 +133,7 @@ macro_rules! u32_fields {
 }
 
 impl Config {
-    /// The named preset (`"qjl"`, `"kivi"`, `"ott"` or `"exact"`; see `qjlkv_config_init`)
+    /// The named preset (`"q3"`, `"q4"`, `"qjl"`, `"kivi"`, `"ott"` or `"exact"`; see `qjlkv_config_init`)
     /// for a model of the given shape. Errors name the argument: an unknown preset, zero
     /// sizes, `num_q_heads` not a multiple of `num_kv_heads`, `head_dim` not a multiple of 8
     /// in [8, 256].
@@ -276,7 +276,7 @@ impl Config {
         initial_key_sketch_dim;
         /// QJL m_out of the initial layers.
         initial_outlier_sketch_dim;
-        /// KIVI/OTT key bits: 2, 4 or 8.
+        /// KIVI/OTT key bits: 2, 3, 4 or 8.
         key_bits;
         /// OTT P: outlier-token pool size per (sequence, kv head), <= `block_tokens`.
         outlier_tokens;
@@ -284,11 +284,17 @@ impl Config {
         outlier_spill_tokens;
         /// OTT: layers `[0, n)` do no tracing.
         outlier_skip_layers;
-        /// Value bits: 2, 4, 8, or 16 = exact 16-bit values.
+        /// Value bits: 2, 3, 4, 8, or 16 = exact 16-bit values.
         value_bits;
         /// g: channels per value quantization group; divides `head_dim`.
         value_group_size;
         /// CPU worker threads; 0 = the cores available. Results do not depend on it.
         num_threads;
+        /// A `qjlkv_value_method`: 0 = uniform per-token codes in groups, 1 = rotated
+        /// Lloyd-Max codes (`value_bits` 2, 3 or 4; CPU only for now).
+        value_method;
+        /// S: the first S positions of every sequence stay exact (attention sinks), <= 65536;
+        /// CPU only for now.
+        sink_tokens;
     }
 }

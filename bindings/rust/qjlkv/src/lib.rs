@@ -2,7 +2,7 @@
 //! KIVI or OTT keys, 2/4/8-bit values) with decode attention computed directly on the
 //! compressed bytes.
 //!
-//! - [`Config`]: a preset (`"qjl"`, `"kivi"`, `"ott"`, `"exact"`) for a model shape, refined
+//! - [`Config`]: a preset (`"q3"`, `"q4"`, `"qjl"`, `"kivi"`, `"ott"`, `"exact"`) for a model shape, refined
 //!   with builder methods.
 //! - [`Cache`]: append keys/values per (layer, sequence), attend queries, read statistics.
 //! - [`Sketch`]: the QJL projection matrix, standalone or borrowed from a cache.

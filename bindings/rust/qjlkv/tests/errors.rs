@@ -39,13 +39,15 @@ fn bad_config_fields_fail_validate_and_create_with_the_same_message() {
     let base = Config::preset("qjl", 2, 4, 2, 32).unwrap();
     let cases = [
         (base.value_group_size(12), "value_group_size"),
-        (base.value_bits(3), "value_bits"),
+        (base.value_bits(5), "value_bits"),
         (base.block_tokens(12), "block_tokens"),
         (base.key_sketch_dim(100), "key_sketch_dim"),
         (base.outlier_channels(32), "outlier_channels"),
         (base.outlier_sketch_dim(0), "outlier_sketch_dim"),
         (base.initial_layers(3), "initial_layers"),
-        (base.key_method(KeyMethod::Kivi).key_bits(3), "key_bits"),
+        (base.key_method(KeyMethod::Kivi).key_bits(5), "key_bits"),
+        (base.value_method(7), "value_method"),
+        (base.sink_tokens(70000), "sink_tokens"),
         (base.key_method(KeyMethod::Ott).outlier_tokens(40), "outlier_tokens"),
         (base.num_threads(5000), "num_threads"),
         (base.device_ordinal(1), "device_ordinal"),
