@@ -23,6 +23,6 @@ def test_command_line_prints_both_texts_memory_and_kl():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for expected in ("== exact KV cache (float32) ==", '== libqjlkv "qjl" ==', "bits per number",
-                     "Next-token KL(exact || qjl)", "MiB"):
+    for expected in ("== exact KV cache (float32) ==", '== libqjlkv "q3" ==', "bits per number",
+                     "Next-token KL(exact || q3)", "MiB"):
         assert expected in out, expected
