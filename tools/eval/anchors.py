@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .model import grouped_attention
+from .caches import ExactCache
 
 BLOCK = 32
 BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}
@@ -87,7 +87,7 @@ def hadamard(n: int) -> np.ndarray:
 QUANTIZE = {"q8_0": quantize_q8_0, "q4_0": quantize_q4_0}
 
 
-class BlockQuantCache:
+class BlockQuantCache(ExactCache):
     """K and V of every token stored in a ggml block format (optionally Hadamard-rotated),
     attention in float32 on the dequantized numbers."""
 
@@ -96,14 +96,9 @@ class BlockQuantCache:
             raise ValueError(f"format {fmt!r}: expected one of {sorted(QUANTIZE)}")
         if shape.head_dim % BLOCK:
             raise ValueError(f"head_dim {shape.head_dim} is not a multiple of {BLOCK}")
+        super().__init__(shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
         self.name, self.fmt = name, fmt
-        self.num_kv_heads, self.head_dim = shape.num_kv_heads, shape.head_dim
         self.rotation = hadamard(shape.head_dim) if rotate else None
-        self.keys = [np.empty((0, shape.num_kv_heads, shape.head_dim), np.float32)
-                     for _ in range(shape.num_layers)]
-        self.values = [np.empty((0, shape.num_kv_heads, shape.head_dim), np.float32)
-                       for _ in range(shape.num_layers)]
-        self.lengths = [0] * shape.num_layers
 
     def _stored(self, x: np.ndarray) -> np.ndarray:
         """What attention reads back of x [n, Hkv, d]: rotated, quantized, dequantized."""
@@ -112,26 +107,12 @@ class BlockQuantCache:
             x = x @ self.rotation
         return dequantize(self.fmt, *QUANTIZE[self.fmt](x))
 
-    def append(self, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
-        n, length = len(keys), self.lengths[layer]
-        if length + n > len(self.keys[layer]):  # grow geometrically: appends stay O(1)
-            capacity = max(2 * len(self.keys[layer]), length + n, 64)
-            for store in (self.keys, self.values):
-                grown = np.empty((capacity, self.num_kv_heads, self.head_dim), np.float32)
-                grown[:length] = store[layer][:length]
-                store[layer] = grown
-        self.keys[layer][length:length + n] = self._stored(keys)
-        self.values[layer][length:length + n] = self._stored(values)
-        self.lengths[layer] = length + n
-
     def attend(self, layer: int, queries: np.ndarray) -> np.ndarray:
-        n, length = len(queries), self.lengths[layer]
-        query_pos = np.arange(length - n, length)[:, None]
-        mask = np.where(np.arange(length)[None, :] <= query_pos, np.float32(0), np.float32(-np.inf))
-        if self.rotation is not None:
-            queries = np.asarray(queries, np.float32) @ self.rotation
-        out = grouped_attention(queries, self.keys[layer][:length], self.values[layer][:length], mask)
-        return out @ self.rotation if self.rotation is not None else out
+        if self.rotation is None:
+            return super().attend(layer, queries)
+        # Scores of rotated keys with rotated queries equal the unrotated ones (H is orthogonal);
+        # the output, a sum of rotated values, is rotated back.
+        return super().attend(layer, np.asarray(queries, np.float32) @ self.rotation) @ self.rotation
 
     def stats(self) -> dict:
         numbers = sum(self.lengths) * self.num_kv_heads * self.head_dim * 2

@@ -40,9 +40,14 @@ class ExactCache:
                 grown = np.empty((capacity, self.num_kv_heads, self.head_dim), np.float32)
                 grown[:length] = store[layer][:length]
                 store[layer] = grown
-        self.keys[layer][length:length + n] = keys
-        self.values[layer][length:length + n] = values
+        self.keys[layer][length:length + n] = self._stored(keys)
+        self.values[layer][length:length + n] = self._stored(values)
         self.lengths[layer] = length + n
+
+    def _stored(self, x: np.ndarray) -> np.ndarray:
+        """What attention reads back of appended keys or values [n, Hkv, d]: here, x itself;
+        subclasses that emulate a storage format round-trip x through it."""
+        return x
 
     def attend(self, layer: int, queries: np.ndarray) -> np.ndarray:
         n, length = len(queries), self.lengths[layer]
