@@ -120,8 +120,8 @@ class CpuCache final : public qjlkv_cache {
   }
   PortableCounts portable_counts(uint32_t layer, uint32_t seq) const override;
   void read_block(uint32_t layer, uint32_t seq, uint32_t block, uint32_t head, uint8_t *out) const override;
-  void read_tail(uint32_t layer, uint32_t seq, uint32_t first, uint32_t count, bool values,
-                 uint8_t *out) const override;
+  void read_exact(uint32_t layer, uint32_t seq, ExactRows which, uint32_t first, uint32_t count, bool values,
+                  uint8_t *out) const override;
   void read_outliers(uint32_t layer, uint32_t seq, uint32_t head, PortableOutliers &out) const override;
   std::unique_ptr<PortableImport> begin_import(uint32_t seq) override;
 
@@ -882,7 +882,8 @@ void CpuCache::stats(qjlkv_stats &out) const {
 PortableCounts CpuCache::portable_counts(uint32_t layer, uint32_t seq_id) const {
   const auto it = layers_[layer].find(seq_id);
   if (it == layers_[layer].end()) return {};
-  return {it->second.length, it->second.blocks, it->second.tail_tokens};
+  const Sequence &seq = it->second;
+  return {seq.length, seq.blocks, seq.tail_tokens, seq.sink_tokens};
 }
 
 void CpuCache::read_block(uint32_t layer, uint32_t seq_id, uint32_t block, uint32_t head, uint8_t *out) const {
@@ -890,11 +891,17 @@ void CpuCache::read_block(uint32_t layer, uint32_t seq_id, uint32_t block, uint3
   std::memcpy(out, find(layer, seq_id).heads[head].data() + size_t(block) * stride, stride);
 }
 
-void CpuCache::read_tail(uint32_t layer, uint32_t seq_id, uint32_t first, uint32_t count, bool values,
-                         uint8_t *out) const {
-  const Sequence &seq = find(layer, seq_id);
-  const std::vector<uint8_t> &tail = values ? seq.tail_values : seq.tail_keys;
-  std::memcpy(out, tail.data() + size_t(first) * token_bytes_, size_t(count) * token_bytes_);
+// The buffer of one kind of exact rows of a sequence.
+template <class S>
+auto &exact_rows(S &seq, ExactRows which, bool values) {
+  if (which == ExactRows::sinks) return values ? seq.sink_values : seq.sink_keys;
+  return values ? seq.tail_values : seq.tail_keys;
+}
+
+void CpuCache::read_exact(uint32_t layer, uint32_t seq_id, ExactRows which, uint32_t first, uint32_t count,
+                          bool values, uint8_t *out) const {
+  const std::vector<uint8_t> &rows = exact_rows(find(layer, seq_id), which, values);
+  std::memcpy(out, rows.data() + size_t(first) * token_bytes_, size_t(count) * token_bytes_);
 }
 
 void CpuCache::read_outliers(uint32_t layer, uint32_t seq_id, uint32_t head, PortableOutliers &out) const {
@@ -925,6 +932,7 @@ class CpuImport final : public PortableImport {
     seq.length = counts.length;
     seq.blocks = counts.blocks;
     seq.tail_tokens = counts.tail_tokens;
+    seq.sink_tokens = counts.sink_tokens;
     cache_.create_heads(seq, layer);
     for (auto &bytes : seq.heads) bytes.resize(size_t(counts.blocks) * spec.layers[layer].layout.stride);
     // The capacity an append leaves, so that the next appends allocate as they would have.
@@ -935,6 +943,9 @@ class CpuImport final : public PortableImport {
       tail->reserve(capacity);
       tail->resize(tail_bytes);
     }
+    // Sinks are allocated exactly, as appends leave them.
+    seq.sink_keys.resize(size_t(counts.sink_tokens) * cache_.token_bytes_);
+    seq.sink_values.resize(seq.sink_keys.size());
     cache_.layers_[layer].reserve(cache_.layers_[layer].size() + 1);
     layers_.push_back({layer, holder.extract(seq_)});
   }
@@ -942,10 +953,9 @@ class CpuImport final : public PortableImport {
     const size_t stride = cache_.spec().layers[layers_.back().layer].layout.stride;
     std::memcpy(current().heads[head].data() + size_t(block) * stride, bytes, stride);
   }
-  void write_tail(uint32_t first, uint32_t count, bool values, const uint8_t *rows) override {
-    std::vector<uint8_t> &tail = values ? current().tail_values : current().tail_keys;
+  void write_exact(ExactRows which, uint32_t first, uint32_t count, bool values, const uint8_t *rows) override {
     const size_t token = cache_.token_bytes_;
-    std::memcpy(tail.data() + size_t(first) * token, rows, size_t(count) * token);
+    std::memcpy(exact_rows(current(), which, values).data() + size_t(first) * token, rows, size_t(count) * token);
   }
   void write_outliers(uint32_t head, const PortableOutliers &in) override {
     OutlierTokens &ott = current().outliers[head];
