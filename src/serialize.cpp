@@ -397,8 +397,8 @@ HeaderInfo read_header(Reader &in, const qjlkv_cache *c, uint32_t seq) {
   const uint64_t seed = get64(h + 40);
   if (seed != mine.seed)
     fail(QJLKV_ERROR_INVALID_ARGUMENT,
-         "the stream's config does not match this cache: config.seed (the sketch seed) is %llu in the stream, %llu "
-         "here",
+         "the stream's config does not match this cache: config.seed (of the sketch or the value rotation) is %llu "
+         "in the stream, %llu here",
          (unsigned long long)seed, (unsigned long long)mine.seed);
   const HeaderInfo info{header_bytes, get32(h + 24), get32(h + 28), get64(h + 32)};
   const uint32_t layers = c->spec().cfg.num_layers;
