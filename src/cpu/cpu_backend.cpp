@@ -655,11 +655,14 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
     }
   };
   const size_t head_offset_bytes = size_t(head) * d * io;
-  fold_exact(seq.sink_keys.data() + head_offset_bytes, seq.sink_values.data() + head_offset_bytes, token_elems_,
-             seq.sink_tokens, [](uint32_t t) { return uint64_t(t); });
+  // An empty sink store or tail may have no buffer: no offset from its null data().
+  if (seq.sink_tokens > 0)
+    fold_exact(seq.sink_keys.data() + head_offset_bytes, seq.sink_values.data() + head_offset_bytes, token_elems_,
+               seq.sink_tokens, [](uint32_t t) { return uint64_t(t); });
   const uint64_t tail_start = seq.sink_tokens + uint64_t(seq.blocks) * B;
-  fold_exact(seq.tail_keys.data() + head_offset_bytes, seq.tail_values.data() + head_offset_bytes, token_elems_,
-             seq.tail_tokens, [tail_start](uint32_t t) { return tail_start + t; });
+  if (seq.tail_tokens > 0)
+    fold_exact(seq.tail_keys.data() + head_offset_bytes, seq.tail_values.data() + head_offset_bytes, token_elems_,
+               seq.tail_tokens, [tail_start](uint32_t t) { return tail_start + t; });
   if (!seq.outliers.empty()) {
     // OTT: the pool (slots [0, pool)) and the spill area (slots [P, P + spilled)).
     const OutlierTokens &ott = seq.outliers[head];
@@ -779,16 +782,18 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
   for (uint32_t head = 0; head < cfg.num_kv_heads; ++head) {
     load_queries(layer, static_cast<const uint8_t *>(query), 1, head, q, q + size_t(G) * dp);
     float *head_out = out + size_t(head) * G * L;
-    kernels_->dense_scores(seq.sink_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
-                           seq.sink_tokens, d, q, G, head_out, L);
+    if (seq.sink_tokens > 0)
+      kernels_->dense_scores(seq.sink_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
+                             seq.sink_tokens, d, q, G, head_out, L);
     float *blocks_out = head_out + seq.sink_tokens;
     for (uint32_t b = 0; b < seq.blocks; ++b) {
       score_block(layer, seq.heads[head].data() + size_t(b) * spec().layers[layer].layout.stride, q,
                   q + size_t(G) * dp, G, weights, Bp, kernel_scratch);
       for (uint32_t g = 0; g < G; ++g) std::copy_n(weights + size_t(g) * Bp, B, blocks_out + g * L + size_t(b) * B);
     }
-    kernels_->dense_scores(seq.tail_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
-                           seq.tail_tokens, d, q, G, blocks_out + size_t(seq.blocks) * B, L);
+    if (seq.tail_tokens > 0)
+      kernels_->dense_scores(seq.tail_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
+                             seq.tail_tokens, d, q, G, blocks_out + size_t(seq.blocks) * B, L);
   }
 }
 
