@@ -6,8 +6,8 @@
  *
  * Prints, per preset: the bytes one more token adds to one layer (all its kv heads) once its
  * block is quantized (measured over 8 whole blocks), the same for fp16 K and V, and the
- * per-sequence, per-layer overhead at 8 blocks (section fields, the exact tail of R tokens,
- * OTT's pool and spill area). docs/SCALE.md multiplies these by a model's layers.
+ * per-sequence, per-layer overhead at 8 blocks (section fields, the exact sink tokens and tail
+ * of R tokens, OTT's pool and spill area). docs/SCALE.md multiplies these by a model's layers.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -57,19 +57,21 @@ int main(int argc, char **argv) {
   }
   const uint32_t hkv = (uint32_t)atoi(argv[1]), d = (uint32_t)atoi(argv[2]);
   const uint32_t hq = argc > 3 ? (uint32_t)atoi(argv[3]) : hkv;
-  const char *presets[] = {"qjl", "kivi", "ott", "exact"};
+  const char *presets[] = {"q3", "q4", "qjl", "kivi", "ott", "exact"};
+  const int num_presets = (int)(sizeof presets / sizeof presets[0]);
   printf("%-6s %14s %14s %8s %22s\n", "preset", "bytes/token", "fp16 K+V", "ratio", "per-layer overhead");
-  for (int p = 0; p < 4; ++p) {
+  for (int p = 0; p < num_presets; ++p) {
     qjlkv_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.struct_size = sizeof cfg;
     check(qjlkv_config_init(&cfg, presets[p], 1, hq, hkv, d), "config_init");
     cfg.dtype = QJLKV_DTYPE_BF16;
     cfg.outlier_skip_layers = 0; /* measure a traced OTT layer */
-    const uint32_t base = cfg.residual_tokens + 8 * cfg.block_tokens, more = 8 * cfg.block_tokens;
+    const uint32_t base = cfg.sink_tokens + cfg.residual_tokens + 8 * cfg.block_tokens, more = 8 * cfg.block_tokens;
     const uint64_t s1 = stream_after(&cfg, base), s2 = stream_after(&cfg, base + more);
     const double per_token = (double)(s2 - s1) / more, fp16 = 4.0 * hkv * d;
-    const double overhead = (double)s1 - 128 - 4 - per_token * (base - cfg.residual_tokens);
+    /* 136 header bytes and the 4-byte checksum (docs/FORMAT.md, format version 2) */
+    const double overhead = (double)s1 - 136 - 4 - per_token * (8.0 * cfg.block_tokens);
     printf("%-6s %14.3f %14.0f %7.2fx %22.0f\n", presets[p], per_token, fp16, fp16 / per_token, overhead);
   }
   return 0;

@@ -17,7 +17,11 @@ namespace qjlkv {
 struct PortableCounts {
   uint64_t length = 0;
   uint32_t blocks = 0, tail_tokens = 0;
+  uint32_t sink_tokens = 0;  // min(length, config.sink_tokens)
 };
+// The tokens a sequence keeps exact in the I/O dtype, keys (or values) [tokens][Hkv][d] each: the
+// attention sinks (positions [0, sink_tokens)) and the tail (after the blocks).
+enum class ExactRows { sinks, tail };
 // OTT's exact outlier tokens of one (sequence, kv head): the pool's tokens, then the spill
 // area's, in slot order; keys/values [pool + spilled][head_dim] in the I/O dtype.
 struct PortableOutliers {
@@ -37,8 +41,9 @@ class PortableImport {
   virtual void add_layer(uint32_t layer, const PortableCounts &counts) = 0;
   // Block b of kv head h of the layer added last: BlockLayout::stride bytes.
   virtual void write_block(uint32_t block, uint32_t head, const uint8_t *bytes) = 0;
-  // Tail tokens [first, first + count) of the layer added last: keys (or values) [count][Hkv][d].
-  virtual void write_tail(uint32_t first, uint32_t count, bool values, const uint8_t *rows) = 0;
+  // Sink or tail tokens [first, first + count) of the layer added last: keys (or values)
+  // [count][Hkv][d].
+  virtual void write_exact(ExactRows which, uint32_t first, uint32_t count, bool values, const uint8_t *rows) = 0;
   // OTT-traced layers: the outlier tokens of kv head h of the layer added last.
   virtual void write_outliers(uint32_t head, const PortableOutliers &outliers) = 0;
   // Makes every added layer of the sequence visible; the target layers must still be empty.
@@ -87,10 +92,11 @@ struct qjlkv_cache {
     (void)layer, (void)seq, (void)block, (void)head, (void)out;
     unsupported_serialization();
   }
-  // Tail tokens [first, first + count) of (layer, seq): keys (or values) [count][Hkv][d] into out.
-  virtual void read_tail(uint32_t layer, uint32_t seq, uint32_t first, uint32_t count, bool values,
-                         uint8_t *out) const {
-    (void)layer, (void)seq, (void)first, (void)count, (void)values, (void)out;
+  // Sink or tail tokens [first, first + count) of (layer, seq): keys (or values) [count][Hkv][d]
+  // into out.
+  virtual void read_exact(uint32_t layer, uint32_t seq, qjlkv::ExactRows which, uint32_t first, uint32_t count,
+                          bool values, uint8_t *out) const {
+    (void)layer, (void)seq, (void)which, (void)first, (void)count, (void)values, (void)out;
     unsupported_serialization();
   }
   // OTT-traced layers: the outlier tokens of kv head h of (layer, seq).

@@ -22,6 +22,7 @@
 #include "error.hpp"
 #include "half.hpp"
 #include "qjlkv/qjlkv.h"
+#include "quant_math.hpp"
 
 static_assert(std::endian::native == std::endian::little,
               "the stream is little-endian and copied as is: a big-endian port must swap its fields");
@@ -31,8 +32,9 @@ namespace {
 
 // ---- the format's constants (docs/FORMAT.md) ----------------------------------------------------
 constexpr char kMagic[8] = {'Q', 'J', 'L', 'K', 'V', 'S', 'E', 'Q'};
-constexpr uint32_t kFormatVersion = 1;
-constexpr uint32_t kHeaderBytes = 128;
+constexpr uint32_t kFormatVersion = 2;     // written; versions 1 and 2 are read
+constexpr uint32_t kHeaderBytes = 136;     // version 1: 128 (no value_method, sink_tokens)
+constexpr uint32_t kHeaderBytesV1 = 128;
 constexpr uint32_t kSectionHeaderBytes = 16;  // tag, reserved, body bytes
 constexpr uint32_t kLayerFieldBytes = 32;     // the fixed fields that open a layer section
 constexpr uint32_t kOutlierFieldBytes = 16;   // pool, spilled, tracing, reserved
@@ -40,29 +42,37 @@ constexpr uint32_t kTrailerBytes = 4;         // CRC-32C of everything before it
 constexpr uint32_t kLayerTag = 1;
 
 // The header's config fields (docs/FORMAT.md): what determines the stored bytes, in stream order.
+// Version 1 has the first kConfigFieldsV1; the later ones are implied there (kConfigFieldsV1Implied).
 constexpr const char *kConfigFieldNames[] = {
     "dtype",          "key_method",     "num_kv_heads",          "head_dim",
     "block_tokens",   "residual_tokens", "sketch_flags",         "key_sketch_dim",
     "outlier_channels", "outlier_sketch_dim", "initial_layers",  "initial_key_sketch_dim",
     "initial_outlier_sketch_dim", "key_bits", "outlier_tokens",  "outlier_spill_tokens",
-    "outlier_skip_layers", "value_bits", "value_group_size"};
+    "outlier_skip_layers", "value_bits", "value_group_size", "value_method", "sink_tokens"};
+constexpr size_t kConfigFieldsV1 = 19, kValueMethodField = 19;
+constexpr uint32_t kConfigFieldsV1Implied[] = {QJLKV_VALUES_UNIFORM, 0};  // value_method, sink_tokens
 struct StoredConfig {
   uint64_t seed;
   std::array<uint32_t, std::size(kConfigFieldNames)> fields;
 };
 
-// From a cache's spec().cfg, whose fields of other key methods are already zero; the sketch seed
-// and flags matter only to QJL.
+// From a cache's spec().cfg, whose fields of other key or value methods are already zero. The
+// seed matters to QJL (the sketch) and to rotated values (the rotation's signs), the sketch
+// flags only to QJL.
 StoredConfig stored_config(const qjlkv_config &cfg) {
   const bool qjl = cfg.key_method == QJLKV_KEYS_QJL;
-  return {qjl ? cfg.seed : 0,
+  const bool seeded = qjl || cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX;
+  return {seeded ? cfg.seed : 0,
           {uint32_t(cfg.dtype), uint32_t(cfg.key_method), cfg.num_kv_heads, cfg.head_dim, cfg.block_tokens,
            cfg.residual_tokens, qjl ? cfg.sketch_flags : 0, cfg.key_sketch_dim, cfg.outlier_channels,
            cfg.outlier_sketch_dim, cfg.initial_layers, cfg.initial_key_sketch_dim, cfg.initial_outlier_sketch_dim,
            cfg.key_bits, cfg.outlier_tokens, cfg.outlier_spill_tokens, cfg.outlier_skip_layers, cfg.value_bits,
-           cfg.value_group_size}};
+           cfg.value_group_size, cfg.value_method, cfg.sink_tokens}};
 }
-static_assert(48 + 4 * std::size(kConfigFieldNames) == 124, "the config fields end where the header CRC starts");
+static_assert(48 + 4 * kConfigFieldsV1 == kHeaderBytesV1 - 4 &&
+                  48 + 4 * std::size(kConfigFieldNames) == kHeaderBytes - 4 &&
+                  kConfigFieldsV1 + std::size(kConfigFieldsV1Implied) == std::size(kConfigFieldNames),
+              "the config fields end where the header CRC starts");
 
 // ---- little-endian fields ------------------------------------------------------------------------
 void put32(uint8_t *p, uint32_t v) { std::memcpy(p, &v, 4); }
@@ -94,11 +104,11 @@ uint64_t layer_body_bytes(const CacheSpec &spec, uint32_t layer, const LayerShap
   const qjlkv_config &cfg = spec.cfg;
   const uint64_t token = uint64_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
   const uint64_t row = uint64_t(cfg.head_dim) * spec.io_elem;
-  // blocks < 2^29 (B >= 8, length < 2^32), Hkv <= 2^12, a record < 2^23 bytes, the tail < 2^40
-  // bytes: the sum stays below 2^64.
+  // blocks < 2^29 (B >= 8, length < 2^32), Hkv <= 2^12, a record < 2^23 bytes, the sinks and the
+  // tail < 2^40 bytes: the sum stays below 2^64.
   uint64_t bytes = kLayerFieldBytes + uint64_t(shape.counts.blocks) * cfg.num_kv_heads *
                                           record_bytes(spec.layers[layer].layout);
-  bytes += 2 * uint64_t(shape.counts.tail_tokens) * token;
+  bytes += 2 * (uint64_t(shape.counts.sink_tokens) + shape.counts.tail_tokens) * token;
   for (size_t h = 0; h < shape.outlier_tokens.size(); ++h)
     bytes += kOutlierFieldBytes + uint64_t(shape.outlier_tokens[h]) * (4 + 2 * row) +
              4 * uint64_t(shape.pool_tokens[h]);
@@ -171,21 +181,7 @@ struct BufferSink {
   }
 };
 
-// Format version 1 predates attention sinks and rotated values (the "q3"/"q4" tiers): their
-// state is not in its sections, and their config fields are not in its header. Refused rather
-// than written incompletely; a later format version adds them (docs/FORMAT.md).
-void require_format_v1_config(const qjlkv_cache *c) {
-  const qjlkv_config &cfg = c->spec().cfg;
-  if (cfg.sink_tokens > 0)
-    fail(QJLKV_ERROR_UNSUPPORTED, "config.sink_tokens is %u: attention-sink tokens are not in stream format %u yet",
-         cfg.sink_tokens, kFormatVersion);
-  if (cfg.value_method != QJLKV_VALUES_UNIFORM)
-    fail(QJLKV_ERROR_UNSUPPORTED, "config.value_method is %u: rotated values are not in stream format %u yet",
-         cfg.value_method, kFormatVersion);
-}
-
 void check_range(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uint32_t num_layers) {
-  require_format_v1_config(c);
   const uint32_t layers = c->spec().cfg.num_layers;
   QJLKV_REQUIRE(num_layers >= 1, "num_layers is 0, must be >= 1");
   QJLKV_REQUIRE(first_layer < layers && num_layers <= layers - first_layer,
@@ -232,7 +228,7 @@ void write_header(Writer &out, const qjlkv_cache *c, uint32_t first_layer, uint3
   const StoredConfig sc = stored_config(c->spec().cfg);
   put64(h + 40, sc.seed);
   for (size_t i = 0; i < sc.fields.size(); ++i) put32(h + 48 + 4 * i, sc.fields[i]);
-  put32(h + 124, crc32c(h, 124));
+  put32(h + kHeaderBytes - 4, crc32c(h, kHeaderBytes - 4));
   out.bytes(h, kHeaderBytes);
 }
 
@@ -257,8 +253,23 @@ void export_stream(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uin
     put32(lf + 16, shape.counts.blocks);
     put32(lf + 20, shape.counts.tail_tokens);
     put32(lf + 24, uint32_t(record_bytes(layout)));
+    put32(lf + 28, shape.counts.sink_tokens);
     out.bytes(f, sizeof f);
     if (shape.counts.length == 0) continue;
+    const size_t token = size_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
+    const uint32_t chunk = uint32_t(std::max<size_t>(1, Writer::kPiece / token));
+    rows.resize(size_t(std::min(chunk, std::max(shape.counts.sink_tokens, shape.counts.tail_tokens))) * token);
+    // All keys, then all values of the sinks (or the tail), through a bounded buffer.
+    const auto write_exact = [&](ExactRows which, uint32_t tokens) {
+      for (const bool values : {false, true}) {
+        for (uint32_t t = 0; t < tokens; t += chunk) {
+          const uint32_t n = std::min(chunk, tokens - t);
+          c->read_exact(l, seq, which, t, n, values, rows.data());
+          out.bytes(rows.data(), size_t(n) * token);
+        }
+      }
+    };
+    write_exact(ExactRows::sinks, shape.counts.sink_tokens);
     block.resize(layout.stride);
     for (uint32_t b = 0; b < shape.counts.blocks; ++b) {
       for (uint32_t h = 0; h < cfg.num_kv_heads; ++h) {
@@ -267,17 +278,7 @@ void export_stream(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uin
         out.bytes(block.data() + value_offset(layout), layout.value_bytes);
       }
     }
-    const size_t token = size_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
-    const uint32_t chunk = uint32_t(std::max<size_t>(1, Writer::kPiece / token));
-    rows.resize(size_t(std::min(chunk, shape.counts.tail_tokens)) * token);
-    // All tail keys, then all tail values, through a bounded buffer.
-    for (const bool values : {false, true}) {
-      for (uint32_t t = 0; t < shape.counts.tail_tokens; t += chunk) {
-        const uint32_t n = std::min(chunk, shape.counts.tail_tokens - t);
-        c->read_tail(l, seq, t, n, values, rows.data());
-        out.bytes(rows.data(), size_t(n) * token);
-      }
-    }
+    write_exact(ExactRows::tail, shape.counts.tail_tokens);
     for (uint32_t h = 0; h < shape.outlier_tokens.size(); ++h) {
       c->read_outliers(l, seq, h, ott);
       uint8_t of[kOutlierFieldBytes] = {};
@@ -355,8 +356,10 @@ bool half_finite(uint16_t h, qjlkv_dtype stored) {
   return stored == QJLKV_DTYPE_BF16 ? (h & 0x7f80u) != 0x7f80u : (h & 0x7c00u) != 0x7c00u;
 }
 
-// Checks the header against this cache and call; returns (first_layer, num_layers, payload).
+// Checks the header against this cache and call; returns its size, the layer range and the
+// payload's size.
 struct HeaderInfo {
+  uint32_t header_bytes;
   uint32_t first_layer, num_layers;
   uint64_t payload;
 };
@@ -366,30 +369,38 @@ HeaderInfo read_header(Reader &in, const qjlkv_cache *c, uint32_t seq) {
   in.bytes(h, 12, "the header");
   if (std::memcmp(h, kMagic, 8) != 0) corrupt("the first 8 bytes are not the magic \"QJLKVSEQ\": not a qjlkv stream");
   const uint32_t version = get32(h + 8);
-  if (version != kFormatVersion)
-    fail(QJLKV_ERROR_INVALID_ARGUMENT, "the stream has format version %u; this library (%s) reads version %u only",
+  if (version != 1 && version != kFormatVersion)
+    fail(QJLKV_ERROR_INVALID_ARGUMENT, "the stream has format version %u; this library (%s) reads versions 1 to %u",
          version, qjlkv_version_string(), kFormatVersion);
-  in.bytes(h + 12, kHeaderBytes - 12, "the header");
-  if (get32(h + 124) != crc32c(h, 124))
-    corrupt("the header checksum is 0x%08x, the header's bytes give 0x%08x", get32(h + 124), crc32c(h, 124));
-  if (get32(h + 12) != kHeaderBytes)
-    corrupt("header_bytes is %u, format version 1 has %u", get32(h + 12), kHeaderBytes);
-  if (get32(h + 20) != 0) corrupt("flags is 0x%x, format version 1 defines none", get32(h + 20));
+  const uint32_t header_bytes = version == 1 ? kHeaderBytesV1 : kHeaderBytes;
+  in.bytes(h + 12, header_bytes - 12, "the header");
+  const uint32_t crc_at = header_bytes - 4;
+  if (get32(h + crc_at) != crc32c(h, crc_at))
+    corrupt("the header checksum is 0x%08x, the header's bytes give 0x%08x", get32(h + crc_at), crc32c(h, crc_at));
+  if (get32(h + 12) != header_bytes)
+    corrupt("header_bytes is %u, format version %u has %u", get32(h + 12), version, header_bytes);
+  if (get32(h + 20) != 0) corrupt("flags is 0x%x, format version %u defines none", get32(h + 20), version);
   const StoredConfig mine = stored_config(c->spec().cfg);
-  for (size_t i = 0; i < mine.fields.size(); ++i) {
-    const uint32_t theirs = get32(h + 48 + 4 * i);
+  const size_t stored_fields = version == 1 ? kConfigFieldsV1 : mine.fields.size();
+  const auto compare = [&](size_t i) {
+    const uint32_t theirs = i < stored_fields ? get32(h + 48 + 4 * i) : kConfigFieldsV1Implied[i - kConfigFieldsV1];
     if (theirs != mine.fields[i])
-      fail(QJLKV_ERROR_INVALID_ARGUMENT,
-           "the stream's config does not match this cache: config.%s is %u in the stream, %u here",
-           kConfigFieldNames[i], theirs, mine.fields[i]);
-  }
+      fail(QJLKV_ERROR_INVALID_ARGUMENT, "the stream's config does not match this cache: config.%s is %u in the %s, %u here",
+           kConfigFieldNames[i], theirs,
+           i < stored_fields ? "stream" : "stream (format version 1, which predates the field)", mine.fields[i]);
+  };
+  // value_method first: it decides what value_bits and value_group_size mean, so that a
+  // mismatch names the method rather than one of its consequences.
+  compare(kValueMethodField);
+  for (size_t i = 0; i < mine.fields.size(); ++i)
+    if (i != kValueMethodField) compare(i);
   const uint64_t seed = get64(h + 40);
   if (seed != mine.seed)
     fail(QJLKV_ERROR_INVALID_ARGUMENT,
-         "the stream's config does not match this cache: config.seed (the sketch seed) is %llu in the stream, %llu "
-         "here",
+         "the stream's config does not match this cache: config.seed (of the sketch or the value rotation) is %llu "
+         "in the stream, %llu here",
          (unsigned long long)seed, (unsigned long long)mine.seed);
-  const HeaderInfo info{get32(h + 24), get32(h + 28), get64(h + 32)};
+  const HeaderInfo info{header_bytes, get32(h + 24), get32(h + 28), get64(h + 32)};
   const uint32_t layers = c->spec().cfg.num_layers;
   if (info.num_layers == 0) corrupt("the header lists 0 layers");
   if (info.first_layer >= layers || info.num_layers > layers - info.first_layer)
@@ -449,7 +460,10 @@ void check_block(const CacheSpec &spec, uint32_t layer, const uint8_t *block, ui
       break;
     case QJLKV_KEYS_EXACT: halves(l.key_codes, size_t(B) * d, false, spec.stored_dtype, "the exact key"); break;
   }
-  if (cfg.value_bits == 16) {
+  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) {
+    // Any code is a level; the per-token scale is what the decoding multiplies by.
+    halves(l.value_scale, B, true, QJLKV_DTYPE_F16, "the rotated value scale");
+  } else if (cfg.value_bits == 16) {
     halves(l.value_codes, size_t(B) * d, false, spec.stored_dtype, "the exact value");
     if (spec.stored_dtype == QJLKV_DTYPE_BF16)
       for (size_t i = 0; i < size_t(B) * d; ++i)
@@ -469,6 +483,10 @@ void check_rows(const CacheSpec &spec, const uint8_t *data, size_t rows, bool va
   const uint32_t d = spec.cfg.head_dim;
   const float limit = values ? spec.value_limit : spec.key_limit;
   const char *what = values ? "value" : "key";
+  // Rotated Lloyd-Max values: the norm below which the fp16 per-token scale stays finite.
+  const bool rotated = values && spec.cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX;
+  const double norm_limit =
+      rotated ? double(kHalfMax) * lloyd_max_smallest_level(spec.cfg.value_bits) * std::sqrt(double(d)) : 0.0;
   for (size_t r = 0; r < rows; ++r) {
     double norm2 = 0.0;
     for (uint32_t j = 0; j < d; ++j) {
@@ -479,6 +497,9 @@ void check_rows(const CacheSpec &spec, const uint8_t *data, size_t rows, bool va
     }
     if (!values && spec.cfg.key_method == QJLKV_KEYS_QJL && std::sqrt(norm2) > kHalfMax)
       corrupt("layer %u: %s key row %zu has L2 norm %g > 65504", layer, where, r, std::sqrt(norm2));
+    if (rotated && std::sqrt(norm2) > norm_limit)
+      corrupt("layer %u: %s value row %zu has L2 norm %g > %g, more than rotated values of %u bits store", layer,
+              where, r, std::sqrt(norm2), norm_limit, spec.cfg.value_bits);
   }
 }
 
@@ -495,16 +516,21 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t expected_layer, Porta
   const uint64_t body = get64(f + 8);
   const uint8_t *lf = f + kSectionHeaderBytes;
   const uint32_t layer = get32(lf);
-  if (get32(f + 4) != 0 || get32(lf + 28) != 0) corrupt("layer %u: reserved fields are not 0", layer);
+  if (get32(f + 4) != 0) corrupt("layer %u: the reserved field is not 0", layer);
   if (layer != expected_layer) corrupt("the layer section for layer %u holds layer %u", expected_layer, layer);
   LayerShape shape;
-  shape.counts = {get64(lf + 8), get32(lf + 16), get32(lf + 20)};
+  // Version 1's reserved field at lf + 28 is 0, the sink count of the caches it is read into.
+  shape.counts = {get64(lf + 8), get32(lf + 16), get32(lf + 20), get32(lf + 28)};
   const uint32_t outlier_heads = get32(lf + 4);
   const BlockLayout &layout = spec.layers[layer].layout;
   const uint64_t length = shape.counts.length, R = cfg.residual_tokens, B = cfg.block_tokens;
-  const uint64_t blocks = length >= R + B ? (length - R) / B : 0;
   if (length > UINT32_MAX) corrupt("layer %u: length %llu exceeds 2^32 - 1", layer, (unsigned long long)length);
-  if (shape.counts.blocks != blocks || shape.counts.tail_tokens != length - blocks * B)
+  const uint64_t sinks = std::min<uint64_t>(length, cfg.sink_tokens), rest = length - sinks;
+  if (shape.counts.sink_tokens != sinks)
+    corrupt("layer %u: %u sink tokens, a sequence of %llu tokens holds %llu (config.sink_tokens %u)", layer,
+            shape.counts.sink_tokens, (unsigned long long)length, (unsigned long long)sinks, cfg.sink_tokens);
+  const uint64_t blocks = rest >= R + B ? (rest - R) / B : 0;
+  if (shape.counts.blocks != blocks || shape.counts.tail_tokens != rest - blocks * B)
     corrupt("layer %u: %u blocks and %u tail tokens are not how a sequence of %llu tokens is stored (%llu blocks)",
             layer, shape.counts.blocks, shape.counts.tail_tokens, (unsigned long long)length,
             (unsigned long long)blocks);
@@ -529,6 +555,24 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t expected_layer, Porta
   if (length == 0) return;
   staging.add_layer(layer, shape.counts);
 
+  const size_t token = size_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
+  const uint32_t chunk = uint32_t(std::max<size_t>(1, Writer::kPiece / token));
+  std::vector<uint8_t> rows(size_t(std::min(chunk, std::max(shape.counts.sink_tokens, shape.counts.tail_tokens))) *
+                            token);
+  // All keys, then all values of the sinks (or the tail), through a bounded buffer.
+  const auto read_exact = [&](ExactRows which, uint32_t tokens) {
+    const bool sink = which == ExactRows::sinks;
+    for (const bool values : {false, true}) {
+      for (uint32_t t = 0; t < tokens; t += chunk) {
+        const uint32_t n = std::min(chunk, tokens - t);
+        in.bytes(rows.data(), size_t(n) * token,
+                 sink ? (values ? "the sink values" : "the sink keys") : (values ? "the tail values" : "the tail keys"));
+        check_rows(spec, rows.data(), size_t(n) * cfg.num_kv_heads, values, layer, sink ? "sink" : "tail");
+        staging.write_exact(which, t, n, values, rows.data());
+      }
+    }
+  };
+  read_exact(ExactRows::sinks, shape.counts.sink_tokens);
   std::vector<uint8_t> block(layout.stride, 0);
   std::vector<std::vector<uint64_t>> moved(cfg.num_kv_heads);
   const uint64_t pool_limit = uint64_t(cfg.outlier_tokens) + cfg.outlier_spill_tokens;
@@ -536,25 +580,14 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t expected_layer, Porta
     for (uint32_t h = 0; h < cfg.num_kv_heads; ++h) {
       in.bytes(block.data(), layout.key_bytes, "a block record");
       in.bytes(block.data() + value_offset(layout), layout.value_bytes, "a block record");
-      check_block(spec, layer, block.data(), uint64_t(b) * B, moved[h], b, h);
+      check_block(spec, layer, block.data(), sinks + uint64_t(b) * B, moved[h], b, h);
       if (moved[h].size() > (traced ? pool_limit : 0))
         corrupt("layer %u, kv head %u: more tokens marked as moved than this layer's pool and spill area hold "
                 "(%llu)", layer, h, (unsigned long long)(traced ? pool_limit : 0));
       staging.write_block(b, h, block.data());
     }
   }
-  const size_t token = size_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
-  const uint32_t chunk = uint32_t(std::max<size_t>(1, Writer::kPiece / token));
-  const uint32_t tail = shape.counts.tail_tokens;
-  std::vector<uint8_t> rows(size_t(std::min(chunk, tail)) * token);
-  for (const bool values : {false, true}) {
-    for (uint32_t t = 0; t < tail; t += chunk) {
-      const uint32_t n = std::min(chunk, tail - t);
-      in.bytes(rows.data(), size_t(n) * token, values ? "the tail values" : "the tail keys");
-      check_rows(spec, rows.data(), size_t(n) * cfg.num_kv_heads, values, layer, "tail");
-      staging.write_tail(t, n, values, rows.data());
-    }
-  }
+  read_exact(ExactRows::tail, shape.counts.tail_tokens);
   PortableOutliers ott;
   const size_t row = size_t(cfg.head_dim) * spec.io_elem;
   for (uint32_t h = 0; h < outlier_heads; ++h) {
@@ -596,11 +629,11 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t expected_layer, Porta
 }
 
 void import_stream(qjlkv_cache *c, uint32_t seq, Reader &in) {
-  require_format_v1_config(c);
   const HeaderInfo info = read_header(in, c, seq);
-  if (in.known_size() != Reader::kUnknown && in.known_size() != kHeaderBytes + info.payload + kTrailerBytes)
+  const uint64_t total = info.header_bytes + info.payload + kTrailerBytes;
+  if (in.known_size() != Reader::kUnknown && in.known_size() != total)
     fail(QJLKV_ERROR_INVALID_ARGUMENT, "size is %llu, the stream's header announces %llu bytes",
-         (unsigned long long)in.known_size(), (unsigned long long)(kHeaderBytes + info.payload + kTrailerBytes));
+         (unsigned long long)in.known_size(), (unsigned long long)total);
   std::unique_ptr<PortableImport> staging = c->begin_import(seq);
   uint64_t payload_left = info.payload;
   for (uint32_t l = info.first_layer; l < info.first_layer + info.num_layers; ++l) {

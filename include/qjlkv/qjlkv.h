@@ -545,11 +545,14 @@ QJLKV_API qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out)
  * ======================================================================== */
 /* One sequence of a cache, in all its layers or a range of them, becomes a
  * self-describing byte stream: a versioned header (the config fields that
- * determine the stored bytes, the sketch seed), one section per layer (the
- * quantized blocks, the exact tail, OTT's outlier tokens), and a CRC-32C over
- * everything. Importing it into a cache whose config has the same such fields
- * restores exactly the stored bytes, so appends and attention continue as if
- * the sequence had never left (bit-identical outputs). The stream does not
+ * determine the stored bytes, the seed), one section per layer (the exact
+ * sink tokens, the quantized blocks, the exact tail, OTT's outlier tokens),
+ * and a CRC-32C over everything. Importing it into a cache whose config has
+ * the same such fields restores exactly the stored bytes, so appends and
+ * attention continue as if the sequence had never left (bit-identical
+ * outputs). Every key and value method is carried, sink_tokens and rotated
+ * values included; streams of format version 1 (written before either could
+ * be exported) still import into caches that use neither. The stream does not
  * depend on the backend, the thread count or the number of query heads.
  *
  * CUDA caches, in this release: export and import return UNSUPPORTED.
@@ -594,10 +597,10 @@ QJLKV_API qjlkv_status qjlkv_cache_export_stream(const qjlkv_cache *c, uint32_t 
  * stream does not name one) of the layers it covers.
  * Errors, each with nothing changed:
  *   INVALID_ARGUMENT: NULL c or buf; a format version this library does not
- *     read; a config field that determines the stored bytes (or the sketch
- *     seed) differs from this cache's (the message names it); the stream's
- *     layers exceed this cache's; seq already holds tokens in one of them;
- *     size larger than the stream.
+ *     read; a config field that determines the stored bytes (or the seed, used
+ *     by QJL's sketch and by rotated values) differs from this cache's (the
+ *     message names it); the stream's layers exceed this cache's; seq
+ *     already holds tokens in one of them; size larger than the stream.
  *   CORRUPT_DATA: not a stream (magic), a checksum mismatch, a truncated
  *     stream (size smaller than it), or counts and numbers that no cache
  *     stores (the message names the layer, block and field).

@@ -120,8 +120,8 @@ class CpuCache final : public qjlkv_cache {
   }
   PortableCounts portable_counts(uint32_t layer, uint32_t seq) const override;
   void read_block(uint32_t layer, uint32_t seq, uint32_t block, uint32_t head, uint8_t *out) const override;
-  void read_tail(uint32_t layer, uint32_t seq, uint32_t first, uint32_t count, bool values,
-                 uint8_t *out) const override;
+  void read_exact(uint32_t layer, uint32_t seq, ExactRows which, uint32_t first, uint32_t count, bool values,
+                  uint8_t *out) const override;
   void read_outliers(uint32_t layer, uint32_t seq, uint32_t head, PortableOutliers &out) const override;
   std::unique_ptr<PortableImport> begin_import(uint32_t seq) override;
 
@@ -655,11 +655,14 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
     }
   };
   const size_t head_offset_bytes = size_t(head) * d * io;
-  fold_exact(seq.sink_keys.data() + head_offset_bytes, seq.sink_values.data() + head_offset_bytes, token_elems_,
-             seq.sink_tokens, [](uint32_t t) { return uint64_t(t); });
+  // An empty sink store or tail may have no buffer: no offset from its null data().
+  if (seq.sink_tokens > 0)
+    fold_exact(seq.sink_keys.data() + head_offset_bytes, seq.sink_values.data() + head_offset_bytes, token_elems_,
+               seq.sink_tokens, [](uint32_t t) { return uint64_t(t); });
   const uint64_t tail_start = seq.sink_tokens + uint64_t(seq.blocks) * B;
-  fold_exact(seq.tail_keys.data() + head_offset_bytes, seq.tail_values.data() + head_offset_bytes, token_elems_,
-             seq.tail_tokens, [tail_start](uint32_t t) { return tail_start + t; });
+  if (seq.tail_tokens > 0)
+    fold_exact(seq.tail_keys.data() + head_offset_bytes, seq.tail_values.data() + head_offset_bytes, token_elems_,
+               seq.tail_tokens, [tail_start](uint32_t t) { return tail_start + t; });
   if (!seq.outliers.empty()) {
     // OTT: the pool (slots [0, pool)) and the spill area (slots [P, P + spilled)).
     const OutlierTokens &ott = seq.outliers[head];
@@ -779,16 +782,18 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
   for (uint32_t head = 0; head < cfg.num_kv_heads; ++head) {
     load_queries(layer, static_cast<const uint8_t *>(query), 1, head, q, q + size_t(G) * dp);
     float *head_out = out + size_t(head) * G * L;
-    kernels_->dense_scores(seq.sink_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
-                           seq.sink_tokens, d, q, G, head_out, L);
+    if (seq.sink_tokens > 0)
+      kernels_->dense_scores(seq.sink_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
+                             seq.sink_tokens, d, q, G, head_out, L);
     float *blocks_out = head_out + seq.sink_tokens;
     for (uint32_t b = 0; b < seq.blocks; ++b) {
       score_block(layer, seq.heads[head].data() + size_t(b) * spec().layers[layer].layout.stride, q,
                   q + size_t(G) * dp, G, weights, Bp, kernel_scratch);
       for (uint32_t g = 0; g < G; ++g) std::copy_n(weights + size_t(g) * Bp, B, blocks_out + g * L + size_t(b) * B);
     }
-    kernels_->dense_scores(seq.tail_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
-                           seq.tail_tokens, d, q, G, blocks_out + size_t(seq.blocks) * B, L);
+    if (seq.tail_tokens > 0)
+      kernels_->dense_scores(seq.tail_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
+                             seq.tail_tokens, d, q, G, blocks_out + size_t(seq.blocks) * B, L);
   }
 }
 
@@ -882,7 +887,8 @@ void CpuCache::stats(qjlkv_stats &out) const {
 PortableCounts CpuCache::portable_counts(uint32_t layer, uint32_t seq_id) const {
   const auto it = layers_[layer].find(seq_id);
   if (it == layers_[layer].end()) return {};
-  return {it->second.length, it->second.blocks, it->second.tail_tokens};
+  const Sequence &seq = it->second;
+  return {seq.length, seq.blocks, seq.tail_tokens, seq.sink_tokens};
 }
 
 void CpuCache::read_block(uint32_t layer, uint32_t seq_id, uint32_t block, uint32_t head, uint8_t *out) const {
@@ -890,11 +896,17 @@ void CpuCache::read_block(uint32_t layer, uint32_t seq_id, uint32_t block, uint3
   std::memcpy(out, find(layer, seq_id).heads[head].data() + size_t(block) * stride, stride);
 }
 
-void CpuCache::read_tail(uint32_t layer, uint32_t seq_id, uint32_t first, uint32_t count, bool values,
-                         uint8_t *out) const {
-  const Sequence &seq = find(layer, seq_id);
-  const std::vector<uint8_t> &tail = values ? seq.tail_values : seq.tail_keys;
-  std::memcpy(out, tail.data() + size_t(first) * token_bytes_, size_t(count) * token_bytes_);
+// The buffer of one kind of exact rows of a sequence.
+template <class S>
+auto &exact_rows(S &seq, ExactRows which, bool values) {
+  if (which == ExactRows::sinks) return values ? seq.sink_values : seq.sink_keys;
+  return values ? seq.tail_values : seq.tail_keys;
+}
+
+void CpuCache::read_exact(uint32_t layer, uint32_t seq_id, ExactRows which, uint32_t first, uint32_t count,
+                          bool values, uint8_t *out) const {
+  const std::vector<uint8_t> &rows = exact_rows(find(layer, seq_id), which, values);
+  std::memcpy(out, rows.data() + size_t(first) * token_bytes_, size_t(count) * token_bytes_);
 }
 
 void CpuCache::read_outliers(uint32_t layer, uint32_t seq_id, uint32_t head, PortableOutliers &out) const {
@@ -925,6 +937,7 @@ class CpuImport final : public PortableImport {
     seq.length = counts.length;
     seq.blocks = counts.blocks;
     seq.tail_tokens = counts.tail_tokens;
+    seq.sink_tokens = counts.sink_tokens;
     cache_.create_heads(seq, layer);
     for (auto &bytes : seq.heads) bytes.resize(size_t(counts.blocks) * spec.layers[layer].layout.stride);
     // The capacity an append leaves, so that the next appends allocate as they would have.
@@ -935,6 +948,9 @@ class CpuImport final : public PortableImport {
       tail->reserve(capacity);
       tail->resize(tail_bytes);
     }
+    // Sinks are allocated exactly, as appends leave them.
+    seq.sink_keys.resize(size_t(counts.sink_tokens) * cache_.token_bytes_);
+    seq.sink_values.resize(seq.sink_keys.size());
     cache_.layers_[layer].reserve(cache_.layers_[layer].size() + 1);
     layers_.push_back({layer, holder.extract(seq_)});
   }
@@ -942,10 +958,9 @@ class CpuImport final : public PortableImport {
     const size_t stride = cache_.spec().layers[layers_.back().layer].layout.stride;
     std::memcpy(current().heads[head].data() + size_t(block) * stride, bytes, stride);
   }
-  void write_tail(uint32_t first, uint32_t count, bool values, const uint8_t *rows) override {
-    std::vector<uint8_t> &tail = values ? current().tail_values : current().tail_keys;
+  void write_exact(ExactRows which, uint32_t first, uint32_t count, bool values, const uint8_t *rows) override {
     const size_t token = cache_.token_bytes_;
-    std::memcpy(tail.data() + size_t(first) * token, rows, size_t(count) * token);
+    std::memcpy(exact_rows(current(), which, values).data() + size_t(first) * token, rows, size_t(count) * token);
   }
   void write_outliers(uint32_t head, const PortableOutliers &in) override {
     OutlierTokens &ott = current().outliers[head];

@@ -1,12 +1,16 @@
 // Export and import (docs/FORMAT.md): the CRC-32C against the published vectors, round trips of
-// every key method, dtype and layer range followed by a continued decode that must stay
-// bit-identical to the cache that never left, the streaming variants, and every refusal (each
-// leaving the destination unchanged).
+// every key and value method (attention sinks, rotated values and 3-bit codes included), dtype
+// and layer range followed by a continued decode that must stay bit-identical to the cache that
+// never left, the streaming variants, format version 1 streams, and every refusal (each leaving
+// the destination unchanged).
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "../fuzz/import_configs.hpp"
 #include "crc32c.hpp"
 #include "testing.hpp"
 
@@ -134,9 +138,29 @@ void ott_exact_values(qjlkv_config &c) {
   c.value_bits = 16;
   c.key_bits = 8;
 }
+void sinks_alone(qjlkv_config &c) { c.sink_tokens = 3; }
+void rotated_alone(qjlkv_config &c) {
+  c.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
+  c.value_bits = c.dtype == QJLKV_DTYPE_F32 ? 2 : c.dtype == QJLKV_DTYPE_F16 ? 4 : 3;
+}
+void three_bit_codes(qjlkv_config &c) {
+  c.key_bits = 3;
+  c.value_bits = 3;
+}
+void ott_sinks(qjlkv_config &c) { c.sink_tokens = 5; }  // OTT's positions start after the sinks
+void qjl_sinks_rotated_4bit(qjlkv_config &c) {
+  c.sink_tokens = 2;
+  c.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
+  c.value_bits = 4;
+}
+void exact_keys_rotated_3bit_sinks(qjlkv_config &c) {
+  c.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
+  c.value_bits = 3;
+  c.sink_tokens = 1;
+}
 
 // Small shapes that reach every state in a few dozen tokens: B = 16, R = 8, OTT's first layer
-// untraced.
+// untraced (q3/q4 keep their 4 sink tokens).
 qjlkv_config variant_config(const Variant &v) {
   qjlkv_config cfg = qt::make_config(v.preset, 3, 4, 2, 32);
   cfg.dtype = v.dtype;
@@ -219,6 +243,33 @@ TEST_P(RoundTrip, LayerRangesImportSeparately) {
   ASSERT_NO_FATAL_FAILURE(continue_decode(source.get(), 3, dest.get(), 3, cfg));
 }
 
+// Lengths around the sinks and the first block: fewer tokens than sink_tokens, exactly S, the
+// longest tail without a block and the first block (S + R + B). Each round trip continues to
+// decode across the following block boundaries.
+TEST_P(RoundTrip, LengthsAroundTheSinksAndTheFirstBlock) {
+  const qjlkv_config cfg = variant_config(GetParam());
+  const uint32_t S = cfg.sink_tokens, R = cfg.residual_tokens, B = cfg.block_tokens;
+  std::vector<uint32_t> lengths = {1, S + R + B - 1, S + R + B};
+  if (S > 1) lengths.push_back(S - 1);
+  if (S > 0) lengths.push_back(S);
+  for (const uint32_t length : lengths) {
+    SCOPED_TRACE("length " + std::to_string(length));
+    Cache source = qt::make_cache(cfg);
+    for (uint32_t l = 0; l < cfg.num_layers; ++l) append(source.get(), cfg, l, 4, length, 60 + l);
+    const std::vector<uint8_t> stream = export_buffer(source.get(), 4, 0, cfg.num_layers);
+    // The first layer section's sink count (docs/FORMAT.md: header 136 bytes, then the section).
+    uint32_t sinks = 0;
+    std::memcpy(&sinks, stream.data() + 136 + 16 + 28, 4);
+    EXPECT_EQ(sinks, std::min(length, S));
+    Cache dest = qt::make_cache(cfg);
+    QT_ASSERT_OK(qjlkv_cache_import(dest.get(), 4, stream.data(), stream.size()));
+    expect_identical(source.get(), 4, dest.get(), 4, cfg, 5, "after import");
+    ASSERT_NO_FATAL_FAILURE(continue_decode(source.get(), 4, dest.get(), 4, cfg));
+    expect_identical(source.get(), 4, dest.get(), 4, cfg, 6, "after the continued decode");
+    EXPECT_EQ(export_buffer(dest.get(), 4, 0, cfg.num_layers), export_buffer(source.get(), 4, 0, cfg.num_layers));
+  }
+}
+
 TEST_P(RoundTrip, StreamingVariantsMatchTheBuffer) {
   const qjlkv_config cfg = variant_config(GetParam());
   Cache source = qt::make_cache(cfg);
@@ -272,6 +323,26 @@ const Variant kVariants[] = {
     {"exact_f32", "exact", QJLKV_DTYPE_F32, no_tweak},
     {"exact_f16", "exact", QJLKV_DTYPE_F16, no_tweak},
     {"exact_bf16", "exact", QJLKV_DTYPE_BF16, no_tweak},
+    // The tiers of issue 19: 3- or 4-bit KIVI keys, 4 sink tokens, rotated 2- or 3-bit values.
+    {"q3_f32", "q3", QJLKV_DTYPE_F32, no_tweak},
+    {"q3_f16", "q3", QJLKV_DTYPE_F16, no_tweak},
+    {"q3_bf16", "q3", QJLKV_DTYPE_BF16, no_tweak},
+    {"q4_f32", "q4", QJLKV_DTYPE_F32, no_tweak},
+    {"q4_f16", "q4", QJLKV_DTYPE_F16, no_tweak},
+    {"q4_bf16", "q4", QJLKV_DTYPE_BF16, no_tweak},
+    // ... and each of their pieces alone.
+    {"kivi_sinks_f32", "kivi", QJLKV_DTYPE_F32, sinks_alone},
+    {"kivi_sinks_f16", "kivi", QJLKV_DTYPE_F16, sinks_alone},
+    {"kivi_sinks_bf16", "kivi", QJLKV_DTYPE_BF16, sinks_alone},
+    {"kivi_rotated_2bit_f32", "kivi", QJLKV_DTYPE_F32, rotated_alone},
+    {"kivi_rotated_4bit_f16", "kivi", QJLKV_DTYPE_F16, rotated_alone},
+    {"kivi_rotated_3bit_bf16", "kivi", QJLKV_DTYPE_BF16, rotated_alone},
+    {"kivi_3bit_f32", "kivi", QJLKV_DTYPE_F32, three_bit_codes},
+    {"kivi_3bit_f16", "kivi", QJLKV_DTYPE_F16, three_bit_codes},
+    {"kivi_3bit_bf16", "kivi", QJLKV_DTYPE_BF16, three_bit_codes},
+    {"ott_sinks_bf16", "ott", QJLKV_DTYPE_BF16, ott_sinks},
+    {"qjl_sinks_rotated_4bit_f16", "qjl", QJLKV_DTYPE_F16, qjl_sinks_rotated_4bit},
+    {"exact_keys_rotated_3bit_sinks_f32", "exact", QJLKV_DTYPE_F32, exact_keys_rotated_3bit_sinks},
 };
 INSTANTIATE_TEST_SUITE_P(Methods, RoundTrip, ::testing::ValuesIn(kVariants),
                          [](const ::testing::TestParamInfo<Variant> &info) { return std::string(info.param.name); });
@@ -289,10 +360,12 @@ std::vector<OutlierState> outlier_states(const std::vector<uint8_t> &s, const qj
   };
   std::vector<OutlierState> states;
   const size_t io = qt::dtype_bytes(qt::dtype_of(cfg)), row = size_t(cfg.head_dim) * io;
-  size_t at = 128;
+  size_t at = 136;
   for (uint32_t l = 0; l < u32(28); ++l) {
     const uint32_t heads = u32(at + 20), blocks = u32(at + 32), tail = u32(at + 36), record = u32(at + 40);
-    size_t p = at + 48 + size_t(blocks) * cfg.num_kv_heads * record + 2 * size_t(tail) * cfg.num_kv_heads * row;
+    const uint32_t sinks = u32(at + 44);
+    size_t p = at + 48 + size_t(blocks) * cfg.num_kv_heads * record +
+               2 * (size_t(sinks) + tail) * cfg.num_kv_heads * row;
     for (uint32_t h = 0; h < heads; ++h) {
       const OutlierState st{u32(p), u32(p + 4), u32(p + 8)};
       states.push_back(st);
@@ -330,11 +403,37 @@ TEST(RoundTripCoverage, OttStreamsHoldPoolSpillAndStoppedTracing) {
   }
 }
 
+// The sink variants really store sinks: every layer section of fill_source's stream holds
+// sink_tokens of them (docs/FORMAT.md: the count at offset 28 of the section's fields).
+TEST(RoundTripCoverage, SinkVariantsStreamTheirSinks) {
+  int variants = 0;
+  for (const Variant &v : kVariants) {
+    const qjlkv_config cfg = variant_config(v);
+    if (cfg.sink_tokens == 0) continue;
+    SCOPED_TRACE(v.name);
+    ++variants;
+    Cache source = qt::make_cache(cfg);
+    fill_source(source.get(), cfg, 1);
+    const std::vector<uint8_t> s = export_buffer(source.get(), 1, 0, cfg.num_layers);
+    size_t at = 136;
+    for (uint32_t l = 0; l < cfg.num_layers; ++l) {
+      uint32_t sinks;
+      uint64_t body;
+      std::memcpy(&sinks, s.data() + at + 44, 4);
+      std::memcpy(&body, s.data() + at + 8, 8);
+      EXPECT_EQ(sinks, cfg.sink_tokens) << "layer " << l;
+      at += 16 + body;
+    }
+  }
+  EXPECT_EQ(variants, 12);
+}
+
 // ---- refusals ---------------------------------------------------------------------------------------
 class Refusal : public ::testing::Test {
  protected:
+  virtual qjlkv_config config() const { return variant_config({"qjl", "qjl", QJLKV_DTYPE_F32, no_tweak}); }
   void SetUp() override {
-    cfg_ = variant_config({"qjl", "qjl", QJLKV_DTYPE_F32, no_tweak});
+    cfg_ = config();
     source_ = qt::make_cache(cfg_);
     fill_source(source_.get(), cfg_, 5);
     stream_ = export_buffer(source_.get(), 5, 0, cfg_.num_layers);
@@ -357,8 +456,9 @@ class Refusal : public ::testing::Test {
     qt::expect_same_snapshot(before_, after, std::string("import refused for ") + name);
   }
   static void fix_checksums(std::vector<uint8_t> &s) {
-    const uint32_t header = qjlkv::crc32c(s.data(), 124);
-    std::memcpy(s.data() + 124, &header, 4);
+    const size_t header_bytes = u32_at(s, 12);
+    const uint32_t header = qjlkv::crc32c(s.data(), header_bytes - 4);
+    std::memcpy(s.data() + header_bytes - 4, &header, 4);
     const uint32_t all = qjlkv::crc32c(s.data(), s.size() - 4);
     std::memcpy(s.data() + s.size() - 4, &all, 4);
   }
@@ -368,6 +468,8 @@ class Refusal : public ::testing::Test {
     return v;
   }
   static void set_u32(std::vector<uint8_t> &s, size_t at, uint32_t v) { std::memcpy(s.data() + at, &v, 4); }
+  void check_every_truncation();
+  void check_every_flipped_bit();
 
   qjlkv_config cfg_;
   Cache source_, dest_;
@@ -375,8 +477,9 @@ class Refusal : public ::testing::Test {
   qt::Snapshot before_;
 };
 
-// Offsets of docs/FORMAT.md: header 128 bytes; the first layer section's header 16, its fields 32.
-constexpr size_t kFirstSection = 128, kFirstLayerFields = 144, kFirstBlock = 176;
+// Offsets of docs/FORMAT.md: header 136 bytes; the first layer section's header 16, its fields 32;
+// then the sinks (none in the QJL stream of the fixture) and the first block.
+constexpr size_t kFirstSection = 136, kFirstLayerFields = 152, kFirstBlock = 184;
 
 TEST_F(Refusal, ExportArguments) {
   uint64_t size = 0;
@@ -432,10 +535,12 @@ TEST_F(Refusal, TargetMustBeEmptyInTheStreamsLayers) {
 }
 
 TEST_F(Refusal, OtherFormatVersionAndNotAStream) {
-  std::vector<uint8_t> v2 = stream_;
-  set_u32(v2, 8, 2);
-  fix_checksums(v2);
-  expect_refused(v2, QJLKV_ERROR_INVALID_ARGUMENT, "version");
+  for (const uint32_t version : {0u, 3u, 0x80000001u}) {
+    std::vector<uint8_t> other = stream_;
+    set_u32(other, 8, version);
+    fix_checksums(other);
+    expect_refused(other, QJLKV_ERROR_INVALID_ARGUMENT, "version");
+  }
   std::vector<uint8_t> magic = stream_;
   magic[0] = 'X';
   expect_refused(magic, QJLKV_ERROR_CORRUPT_DATA, "magic");
@@ -459,6 +564,8 @@ TEST_F(Refusal, MismatchedConfigsNameTheField) {
       {"outlier_channels", [](qjlkv_config &c) { c.outlier_channels = 2; }},
       {"value_bits", [](qjlkv_config &c) { c.value_bits = 4; }},
       {"value_group_size", [](qjlkv_config &c) { c.value_group_size = 16; }},
+      {"value_method", [](qjlkv_config &c) { c.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX; }},
+      {"sink_tokens", [](qjlkv_config &c) { c.sink_tokens = 1; }},
   };
   for (const Case &k : cases) {
     SCOPED_TRACE(k.field);
@@ -488,7 +595,7 @@ TEST_F(Refusal, MismatchedConfigsNameTheField) {
                                QJLKV_ERROR_INVALID_ARGUMENT, stale, {"layers"}));
 }
 
-TEST_F(Refusal, EveryTruncationIsCorruptData) {
+void Refusal::check_every_truncation() {
   const std::string stale = qt::stale_error_message();
   EXPECT_TRUE(qt::fails_naming(qjlkv_cache_import(dest_.get(), 5, stream_.data(), 0), QJLKV_ERROR_CORRUPT_DATA, stale,
                                {"truncated"}));
@@ -500,7 +607,7 @@ TEST_F(Refusal, EveryTruncationIsCorruptData) {
   }
 }
 
-TEST_F(Refusal, EveryFlippedBitIsRefused) {
+void Refusal::check_every_flipped_bit() {
   // Each byte of the header and of the first layer section's start, and a sample of the rest.
   for (size_t at = 0; at < stream_.size(); at += (at < 400 ? 1 : 61)) {
     std::vector<uint8_t> flipped = stream_;
@@ -514,6 +621,9 @@ TEST_F(Refusal, EveryFlippedBitIsRefused) {
   ASSERT_NO_FATAL_FAILURE(snap(&after));
   qt::expect_same_snapshot(before_, after, "flipped bits");
 }
+
+TEST_F(Refusal, EveryTruncationIsCorruptData) { check_every_truncation(); }
+TEST_F(Refusal, EveryFlippedBitIsRefused) { check_every_flipped_bit(); }
 
 // Streams whose checksums are right but whose contents no cache holds (a buggy or hostile writer).
 TEST_F(Refusal, ConsistentChecksumsButImpossibleContents) {
@@ -583,30 +693,226 @@ TEST_F(Refusal, StreamThatEndsEarlyThroughTheCallback) {
   qt::expect_same_snapshot(before_, after, "short stream");
 }
 
-}  // namespace
+// ---- sinks and rotated values (format version 2) ----------------------------------------------------
+// The q3 tier, f32: 3-bit KIVI keys, 4 sink tokens, rotated 2-bit Lloyd-Max values.
+class TierRefusal : public Refusal {
+ protected:
+  qjlkv_config config() const override { return variant_config({"q3", "q3", QJLKV_DTYPE_F32, no_tweak}); }
+  // Layer 0 of fill_source: 61 tokens = 4 sinks, 3 blocks, a tail of 9. After the section's
+  // fields: sink keys and values [4][Hkv][d] f32, the block records, the tail's keys and values.
+  size_t sink_keys() const { return kFirstBlock; }
+  size_t sink_values() const { return sink_keys() + token_bytes() * cfg_.sink_tokens; }
+  size_t first_record() const { return sink_values() + token_bytes() * cfg_.sink_tokens; }
+  size_t tail_values() const {
+    const size_t records = size_t(u32_at(stream_, kFirstLayerFields + 16)) * cfg_.num_kv_heads;
+    return first_record() + records * u32_at(stream_, kFirstLayerFields + 24) +
+           token_bytes() * u32_at(stream_, kFirstLayerFields + 20);
+  }
+  size_t token_bytes() const { return size_t(cfg_.num_kv_heads) * cfg_.head_dim * 4; }
+  // The per-token value scales follow the 3-bit key arrays (scale, minimum, codes).
+  size_t first_value_scale() const {
+    const uint32_t d = cfg_.head_dim;
+    return first_record() + 2 * d + 2 * d + size_t(cfg_.block_tokens) * d * 3 / 8;
+  }
+  void set_f32(std::vector<uint8_t> &s, size_t at, float x, size_t count = 1) {
+    for (size_t i = 0; i < count; ++i) std::memcpy(s.data() + at + 4 * i, &x, 4);
+  }
+};
 
-// Stream format 1 has no sections for attention sinks or rotated values: the "q3"/"q4" tiers are
-// refused on both sides, naming the field, and nothing changes.
-TEST(Refusals, TiersWithSinksOrRotatedValuesAreNotInFormatOne) {
-  for (const char *preset : {"q3", "q4"}) {
-    SCOPED_TRACE(preset);
-    qjlkv_config cfg = qt::make_config(preset, 2, 4, 2, 32);
-    qt::Cache cache = qt::make_cache(cfg);
-    ASSERT_TRUE(cache);
-    qt::Rng rng(3);
-    const std::vector<float> k = rng.normals(size_t(40) * 2 * 32), v = rng.normals(size_t(40) * 2 * 32);
-    QT_ASSERT_OK(qjlkv_cache_append(cache.get(), 0, 1, 40, k.data(), v.data()));
-    uint64_t size = 0;
-    EXPECT_EQ(qjlkv_cache_export_size(cache.get(), 1, 0, 1, &size), QJLKV_ERROR_UNSUPPORTED);
-    EXPECT_NE(std::string(qjlkv_last_error_message()).find("config.sink_tokens"), std::string::npos)
-        << qjlkv_last_error_message();
-    cfg.sink_tokens = 0;  // rotated values alone are refused too
-    qt::Cache rotated = qt::make_cache(cfg);
-    ASSERT_TRUE(rotated);
-    std::vector<uint8_t> stream(64, 0);
-    EXPECT_EQ(qjlkv_cache_import(rotated.get(), 0, stream.data(), stream.size()), QJLKV_ERROR_UNSUPPORTED);
-    EXPECT_NE(std::string(qjlkv_last_error_message()).find("config.value_method"), std::string::npos)
-        << qjlkv_last_error_message();
-    EXPECT_EQ(qt::length_of(rotated.get(), 0, 0), 0u);
+TEST_F(TierRefusal, TheStreamHoldsTheLayoutTheTestsEdit) {
+  ASSERT_EQ(cfg_.sink_tokens, 4u);
+  ASSERT_EQ(u32_at(stream_, kFirstLayerFields + 28), 4u);                     // sinks
+  ASSERT_EQ(u32_at(stream_, kFirstLayerFields + 16), 3u);                     // blocks
+  ASSERT_EQ(u32_at(stream_, kFirstLayerFields + 20), 9u);                     // tail
+  ASSERT_EQ(u32_at(stream_, kFirstLayerFields + 24), 320u + 2 * 16 + 128u);  // keys, value scales, codes
+  // The sink keys are the first 4 tokens appended to layer 0 (fill_source's seed 10).
+  const std::vector<uint8_t> first = rows(cfg_, 4, 10);
+  EXPECT_TRUE(same_bits(stream_.data() + sink_keys(), first.data(), first.size()));
+  // Scale 0 would mean an all-zero value vector: these are normal samples.
+  uint16_t scale;
+  std::memcpy(&scale, stream_.data() + first_value_scale(), 2);
+  EXPECT_GT(scale, 0u);
+  EXPECT_LT(scale, 0x7c00u);
+}
+
+TEST_F(TierRefusal, CorruptSinksTailsAndScalesNameWhatIsWrong) {
+  {
+    std::vector<uint8_t> s = stream_;
+    set_f32(s, sink_keys() + 8, std::nanf(""));
+    fix_checksums(s);
+    expect_refused(s, QJLKV_ERROR_CORRUPT_DATA, "sink");
+  }
+  {
+    std::vector<uint8_t> s = stream_;
+    set_f32(s, sink_values() + token_bytes(), 1e6f);  // beyond fp16, which rotated values' scale is
+    fix_checksums(s);
+    expect_refused(s, QJLKV_ERROR_CORRUPT_DATA, "sink");
+  }
+  // A value vector whose norm the fp16 scale cannot hold once quantized (40000·√32 > 65504·0.4528·√32):
+  // append refuses it, so no stream holds it, in the sinks or in the tail.
+  for (const bool sink : {true, false}) {
+    std::vector<uint8_t> s = stream_;
+    set_f32(s, sink ? sink_values() : tail_values(), 40000.0f, cfg_.head_dim);
+    fix_checksums(s);
+    expect_refused(s, QJLKV_ERROR_CORRUPT_DATA, "norm");
+  }
+  for (const uint16_t bad : {uint16_t(0x7c00), uint16_t(0x7e00), uint16_t(0xbc00)}) {  // inf, NaN, -1
+    std::vector<uint8_t> s = stream_;
+    std::memcpy(s.data() + first_value_scale() + 2 * 5, &bad, 2);
+    fix_checksums(s);
+    expect_refused(s, QJLKV_ERROR_CORRUPT_DATA, "scale");
+  }
+  {
+    std::vector<uint8_t> s = stream_;  // 3 sinks where the length (61) implies 4
+    set_u32(s, kFirstLayerFields + 28, 3);
+    fix_checksums(s);
+    expect_refused(s, QJLKV_ERROR_CORRUPT_DATA, "sink");
+  }
+  {
+    std::vector<uint8_t> s = stream_;  // sink rows counted as tail rows: the pair is wrong
+    set_u32(s, kFirstLayerFields + 28, 0);
+    set_u32(s, kFirstLayerFields + 20, 13);
+    fix_checksums(s);
+    expect_refused(s, QJLKV_ERROR_CORRUPT_DATA, "sink");
   }
 }
+
+TEST_F(TierRefusal, MismatchedConfigsNameTheField) {
+  struct Case {
+    const char *field;
+    void (*change)(qjlkv_config &);
+  };
+  const Case cases[] = {
+      {"sink_tokens", [](qjlkv_config &c) { c.sink_tokens = 2; }},
+      {"sink_tokens", [](qjlkv_config &c) { c.sink_tokens = 0; }},
+      {"value_method", [](qjlkv_config &c) { c.value_method = QJLKV_VALUES_UNIFORM; }},
+      {"value_bits", [](qjlkv_config &c) { c.value_bits = 3; }},
+      {"key_bits", [](qjlkv_config &c) { c.key_bits = 4; }},
+      {"seed", [](qjlkv_config &c) { c.seed += 1; }},  // the rotation's signs, even with KIVI keys
+  };
+  for (const Case &k : cases) {
+    SCOPED_TRACE(k.field);
+    qjlkv_config other = cfg_;
+    k.change(other);
+    Cache target = qt::make_cache(other);
+    ASSERT_TRUE(target);
+    const std::string stale = qt::stale_error_message();
+    const qjlkv_status s = qjlkv_cache_import(target.get(), 5, stream_.data(), stream_.size());
+    EXPECT_TRUE(qt::fails_naming(s, QJLKV_ERROR_INVALID_ARGUMENT, stale, {k.field}));
+    EXPECT_EQ(qt::stats_of(target.get()).tokens, 0u);
+  }
+}
+
+TEST_F(TierRefusal, EveryTruncationIsCorruptData) { check_every_truncation(); }
+TEST_F(TierRefusal, EveryFlippedBitIsRefused) { check_every_flipped_bit(); }
+
+// ---- format version 1 ---------------------------------------------------------------------------------
+uint32_t u32_of(const std::vector<uint8_t> &s, size_t at) {
+  uint32_t v;
+  std::memcpy(&v, s.data() + at, 4);
+  return v;
+}
+
+// The version-1 form of a version-2 stream of a cache without sinks and with uniform values:
+// the header without value_method and sink_tokens (128 bytes), the same sections.
+std::vector<uint8_t> to_version1(const std::vector<uint8_t> &v2) {
+  uint32_t fields[4];
+  std::memcpy(fields, v2.data() + 8, 8);
+  std::memcpy(fields + 2, v2.data() + 124, 8);
+  EXPECT_EQ(fields[0], 2u);
+  EXPECT_EQ(fields[1], 136u);
+  EXPECT_EQ(fields[2], uint32_t(QJLKV_VALUES_UNIFORM)) << "value_method";
+  EXPECT_EQ(fields[3], 0u) << "sink_tokens";
+  std::vector<uint8_t> v1(v2.begin(), v2.begin() + 124);
+  const uint32_t version = 1, header_bytes = 128;
+  std::memcpy(v1.data() + 8, &version, 4);
+  std::memcpy(v1.data() + 12, &header_bytes, 4);
+  const uint32_t header_crc = qjlkv::crc32c(v1.data(), 124);
+  v1.resize(128);
+  std::memcpy(v1.data() + 124, &header_crc, 4);
+  v1.insert(v1.end(), v2.begin() + 136, v2.end());
+  const uint32_t crc = qjlkv::crc32c(v1.data(), v1.size() - 4);
+  std::memcpy(v1.data() + v1.size() - 4, &crc, 4);
+  return v1;
+}
+
+// Version-1 streams import into caches with uniform values and no sinks, as if they were version 2;
+// the imported sequence exports as version 2 with the same sections.
+TEST(FormatVersion1, StreamsImportAndContinueBitIdentically) {
+  for (const Variant &v : kVariants) {
+    const qjlkv_config cfg = variant_config(v);
+    if (cfg.sink_tokens > 0 || cfg.value_method != QJLKV_VALUES_UNIFORM) continue;
+    SCOPED_TRACE(v.name);
+    Cache source = qt::make_cache(cfg);
+    fill_source(source.get(), cfg, 2);
+    const std::vector<uint8_t> v2 = export_buffer(source.get(), 2, 0, cfg.num_layers);
+    const std::vector<uint8_t> v1 = to_version1(v2);
+    Cache dest = qt::make_cache(cfg);
+    QT_ASSERT_OK(qjlkv_cache_import(dest.get(), 6, v1.data(), v1.size()));
+    EXPECT_EQ(export_buffer(dest.get(), 6, 0, cfg.num_layers), v2);
+    ASSERT_NO_FATAL_FAILURE(continue_decode(source.get(), 2, dest.get(), 6, cfg));
+  }
+}
+
+// Streams that the version-1 writer (0.2 before format version 2) wrote: the v1_* seeds of the
+// import fuzz corpus, each with the harness's two control bytes (config index, repair flag).
+TEST(FormatVersion1, StreamsOfTheVersion1WriterImport) {
+  int imported = 0;
+  for (const char *name :
+       {"v1_seed_0_1", "v1_seed_1_1", "v1_seed_2_1", "v1_seed_3_1", "v1_seed_4_1", "v1_seed_2_2"}) {
+    SCOPED_TRACE(name);
+    const std::string path = std::string(QJLKV_IMPORT_CORPUS) + "/" + name;
+    FILE *f = std::fopen(path.c_str(), "rb");
+    ASSERT_NE(f, nullptr) << path;
+    std::vector<uint8_t> file(1 << 16);
+    file.resize(std::fread(file.data(), 1, file.size(), f));
+    std::fclose(f);
+    ASSERT_GT(file.size(), 2u + 132u);
+    const qjlkv_config cfg = qjlkv_fuzz::import_config(file[0]);
+    const std::vector<uint8_t> v1(file.begin() + 2, file.end());
+    ASSERT_EQ(u32_of(v1, 8), 1u);
+    Cache dest = qt::make_cache(cfg);
+    QT_ASSERT_OK(qjlkv_cache_import(dest.get(), 1, v1.data(), v1.size()));
+    ++imported;
+    const uint32_t first = u32_of(v1, 24), layers = u32_of(v1, 28);
+    std::vector<uint8_t> again = to_version1(export_buffer(dest.get(), 1, first, layers));
+    ASSERT_EQ(again.size(), v1.size());
+    for (size_t i = 0; i < v1.size() - 4; ++i) {
+      const bool library_version = i >= 16 && i < 20, header_crc = i >= 124 && i < 128;
+      if (library_version || header_crc) continue;
+      ASSERT_EQ(again[i], v1[i]) << "byte " << i;
+    }
+    // The sequence continues: one more token in each of its layers, then attention.
+    const size_t io = qt::dtype_bytes(qt::dtype_of(cfg));
+    const std::vector<uint8_t> token(size_t(cfg.num_kv_heads) * cfg.head_dim * io, 0);
+    std::vector<uint8_t> q(size_t(cfg.num_q_heads) * cfg.head_dim * io, 0), out(q.size());
+    for (uint32_t l = first; l < first + layers; ++l) {
+      QT_ASSERT_OK(qjlkv_cache_append(dest.get(), l, 1, 1, token.data(), token.data()));
+      QT_ASSERT_OK(qjlkv_cache_attend(dest.get(), l, 1, 1, q.data(), 0.0f, out.data()));
+    }
+  }
+  EXPECT_EQ(imported, 6);
+}
+
+// A version-1 stream implies value_method uniform and sink_tokens 0: a cache with either of the
+// newer fields refuses it, naming the field and the version.
+TEST(FormatVersion1, RefusedWhereTheNewerFieldsDiffer) {
+  const qjlkv_config cfg = variant_config({"kivi", "kivi", QJLKV_DTYPE_F16, no_tweak});
+  Cache source = qt::make_cache(cfg);
+  fill_source(source.get(), cfg, 2);
+  const std::vector<uint8_t> v1 = to_version1(export_buffer(source.get(), 2, 0, cfg.num_layers));
+  for (const bool sinks : {true, false}) {
+    qjlkv_config other = cfg;
+    if (sinks) other.sink_tokens = 4;
+    else other.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
+    Cache target = qt::make_cache(other);
+    const std::string stale = qt::stale_error_message();
+    EXPECT_TRUE(qt::fails_naming(qjlkv_cache_import(target.get(), 2, v1.data(), v1.size()),
+                                 QJLKV_ERROR_INVALID_ARGUMENT, stale, {sinks ? "sink_tokens" : "value_method"}));
+    EXPECT_NE(std::string(qjlkv_last_error_message()).find("version 1"), std::string::npos)
+        << qjlkv_last_error_message();
+    EXPECT_EQ(qt::stats_of(target.get()).tokens, 0u);
+  }
+}
+
+}  // namespace

@@ -9,7 +9,9 @@
 //   - import_stream (a reader handing out odd-sized pieces) accepts whatever import accepts and
 //     then holds the same sequence;
 //   - an accepted stream is canonical: exporting the imported sequence gives the input back,
-//     byte for byte, apart from the writer's library version and the two checksums over it;
+//     byte for byte, apart from the writer's library version and the two checksums over it (a
+//     format version 1 input comes back as version 2: the header grows by value_method and
+//     sink_tokens, both 0, and the sections are the same);
 //   - the imported sequence is usable: attention and scores give no NaN, and one more token
 //     (crossing into a new block where the tail is full) appends.
 #include <qjlkv/qjlkv.h>
@@ -104,9 +106,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   const qjlkv_config cfg = qjlkv_fuzz::import_config(in.byte());
   const bool repair = in.byte() & 1;
   std::vector<uint8_t> stream(data + std::min<size_t>(size, 2), data + size);
-  if (repair && stream.size() >= 132) {
-    const uint32_t header = qjlkv::crc32c(stream.data(), 124);
-    std::memcpy(stream.data() + 124, &header, 4);
+  // docs/FORMAT.md: the header is 128 bytes in version 1, 136 in version 2; its CRC ends it.
+  uint32_t version = 0;
+  if (stream.size() >= 12) std::memcpy(&version, stream.data() + 8, 4);
+  const size_t header_bytes = version == 1 ? 128 : 136;
+  if (repair && stream.size() >= header_bytes + 4) {
+    const uint32_t header = qjlkv::crc32c(stream.data(), header_bytes - 4);
+    std::memcpy(stream.data() + header_bytes - 4, &header, 4);
     const uint32_t all = qjlkv::crc32c(stream.data(), stream.size() - 4);
     std::memcpy(stream.data() + stream.size() - 4, &all, 4);
   }
@@ -134,17 +140,30 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     uint32_t first = 0, layers = 0;
     std::memcpy(&first, bytes + 24, 4);
     std::memcpy(&layers, bytes + 28, 4);
-    std::vector<uint8_t> again(stream.size() + 1);
+    std::vector<uint8_t> again;
     uint64_t again_size = 0;
     const qjlkv_status es = qjlkv_cache_export_size(c, kSeq, first, layers, &again_size);
     // A stream of empty layers is valid, but there is nothing to export then.
     if (es == QJLKV_OK) {
-      FUZZ_CHECK(again_size == stream.size(), "export size %llu, the stream had %zu", (unsigned long long)again_size,
-                 stream.size());
+      const size_t grown = 136 - header_bytes;  // the fields version 1 lacks
+      FUZZ_CHECK(again_size == stream.size() + grown, "export size %llu, the stream had %zu",
+                 (unsigned long long)again_size, stream.size());
+      again.resize(again_size);
       FUZZ_CHECK(qjlkv_cache_export(c, kSeq, first, layers, again.data(), again.size()) == QJLKV_OK, "export");
+      uint32_t again_version = 0, newer_fields[2] = {1, 1};
+      std::memcpy(&again_version, again.data() + 8, 4);
+      std::memcpy(newer_fields, again.data() + 124, 8);
+      FUZZ_CHECK(again_version == 2, "re-exported as version %u", again_version);
+      FUZZ_CHECK(grown == 0 || (newer_fields[0] == 0 && newer_fields[1] == 0),
+                 "a version 1 stream re-exported with value_method %u, sink_tokens %u", newer_fields[0],
+                 newer_fields[1]);
       for (size_t i = 0; i < stream.size() - 4; ++i) {
-        const bool library_version = i >= 16 && i < 20, header_crc = i >= 124 && i < 128;
-        FUZZ_CHECK(library_version || header_crc || again[i] == stream[i], "re-export differs at byte %zu", i);
+        // Bytes [8, 16) (version, header bytes) and the header CRC differ between versions.
+        const bool version_fields = grown && i >= 8 && i < 16;
+        const bool library_version = i >= 16 && i < 20, header_crc = i >= header_bytes - 4 && i < header_bytes;
+        const size_t j = i < header_bytes - 4 ? i : i + grown;
+        FUZZ_CHECK(version_fields || library_version || header_crc || again[j] == stream[i],
+                   "re-export differs at byte %zu", i);
       }
     }
     check_usable(c, cfg);

@@ -1,6 +1,8 @@
 // Writes the seed corpus of the import harness: for every config of import_configs.hpp, valid
-// streams of a few states (tail only; blocks and a tail; a layer range), each prefixed with the
-// harness's two control bytes (config index; 0 = keep the checksums as they are).
+// streams (format version 2) of a few states (sinks and a tail; sinks, blocks and a tail; a
+// layer range; fewer tokens than the sinks), each prefixed with the harness's two control bytes
+// (config index; 0 = keep the checksums as they are). The v1_* seeds beside them are streams of
+// the format-1 writer, kept as they were written.
 //   c++ -std=c++20 -Iinclude -Itests/fuzz tests/fuzz/make_import_seeds.cpp build/libqjlkv.a -lpthread \
 //     -o make_import_seeds && ./make_import_seeds tests/fuzz/corpus/import
 #include <cmath>
@@ -21,10 +23,11 @@ int main(int argc, char **argv) {
     qjlkv_cache *c = nullptr;
     if (qjlkv_cache_create(&cfg, &c) != QJLKV_OK) return 1;
     const size_t elem = cfg.dtype == QJLKV_DTYPE_F32 ? 4 : 2;
-    // Three sequences: 5 tokens (tail only), 29 tokens (3 blocks: OTT's pool and spill move),
-    // and 12 tokens in layer 1 only.
-    const uint32_t lengths[3][2] = {{5, 5}, {29, 21}, {0, 12}};
-    for (uint32_t seq = 0; seq < 3; ++seq) {
+    // Four sequences: 5 tokens (tail only, or 4 sinks and a tail of 1), 29 tokens (3 blocks, or
+    // 2 after 4 sinks: OTT's pool and spill move), 12 tokens in layer 1 only, and 2 and 3
+    // tokens (fewer than the sinks).
+    const uint32_t lengths[4][2] = {{5, 5}, {29, 21}, {0, 12}, {2, 3}};
+    for (uint32_t seq = 0; seq < 4; ++seq) {
       for (uint32_t layer = 0; layer < 2; ++layer) {
         const uint32_t n = lengths[seq][layer];
         if (n == 0) continue;

@@ -34,7 +34,7 @@ def _decode_outputs(cache: qjlkv.Cache, seq: int, steps: int, dtype) -> list[np.
     return outputs
 
 
-@pytest.mark.parametrize("preset", ["qjl", "kivi", "ott", "exact"])
+@pytest.mark.parametrize("preset", ["q3", "q4", "qjl", "kivi", "ott", "exact"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_bytes_round_trip_then_identical_decode(preset: str, dtype, rng: np.random.Generator) -> None:
     cfg = small_config(preset, dtype="float32" if dtype == np.float32 else "float16", block_tokens=16,

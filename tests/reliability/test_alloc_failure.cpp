@@ -216,13 +216,10 @@ Scenario import_call(std::string name, const qjlkv_config &cfg, const Setup &sou
 std::vector<Scenario> scenarios(const qjlkv_config &cfg) {
   const uint32_t B = cfg.block_tokens, R = cfg.residual_tokens;
   const Setup two_layers = fill(cfg, {{{0, 7}, R + 3 * B + 2}, {{1, 7}, R + B - 1}});
-  std::vector<Scenario> all;
-  // Stream format 1 refuses sinks and rotated values (the q3/q4 tiers) before allocating.
-  if (cfg.sink_tokens == 0 && cfg.value_method == QJLKV_VALUES_UNIFORM)
-    all = {export_call("export of blocks and tails", two_layers, cfg),
-           import_call("import of blocks and tails", cfg, two_layers, false),
-           import_call("import_stream of blocks and tails", cfg, two_layers, true)};
-  std::vector<Scenario> calls = {
+  std::vector<Scenario> all = {
+      export_call("export of blocks and tails", two_layers, cfg),
+      import_call("import of blocks and tails", cfg, two_layers, false),
+      import_call("import_stream of blocks and tails", cfg, two_layers, true),
       append_call("prefill of a new sequence, two blocks", nullptr, cfg, 0, 7, R + 2 * B + 3),
       append_call("prefill onto a tail", fill(cfg, {{{0, 7}, 3}}), cfg, 0, 7, R + 2 * B),
       append_call("prefill of a second layer", fill(cfg, {{{0, 7}, R + B}}), cfg, 1, 7, R + B + 1),
@@ -237,7 +234,6 @@ std::vector<Scenario> scenarios(const qjlkv_config &cfg) {
       scores_call("scores", fill(cfg, {{{1, 9}, R + 2 * B + 1}}), cfg, 1, 9, R + 2 * B + 1),
       reconstruct_call("reconstruct", fill(cfg, {{{0, 7}, R + 2 * B + 3}}), cfg, 0, 7, 1, R + 2 * B + 1),
   };
-  all.insert(all.end(), std::make_move_iterator(calls.begin()), std::make_move_iterator(calls.end()));
   return all;
 }
 

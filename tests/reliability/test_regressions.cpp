@@ -190,5 +190,28 @@ TEST_P(IgnoredFields, DoNotChangeResults) {
 
 INSTANTIATE_TEST_SUITE_P(Presets, IgnoredFields, ::testing::Values("qjl", "kivi", "ott", "exact"));
 
+// An empty sink store (no sink_tokens) or an empty tail (a sequence of sinks only) may own no
+// buffer; attend and scores offset its null data() by the kv head's row (clang's UBSan:
+// "applying non-zero offset 128 to null pointer" in src/cpu/cpu_backend.cpp, found by
+// tools/fuzz.sh on the committed fuzz_api corpus). Kv head 1 of each: sinks absent, tail empty.
+TEST(EmptyExactRows, AttendAndScoresOfEveryKvHead) {
+  for (const char *preset : {"kivi", "q3"}) {
+    SCOPED_TRACE(preset);
+    const qjlkv_config cfg = small_config(preset);
+    ASSERT_EQ(cfg.num_kv_heads, 2u);
+    qjlkv_cache *c = nullptr;
+    ASSERT_EQ(qjlkv_cache_create(&cfg, &c), QJLKV_OK);
+    Cache cache(c);
+    // kivi: 3 tokens in the tail, no sinks; q3: 3 of its 4 sinks, no tail.
+    QT_ASSERT_OK(append_tokens(c, cfg, 0, 1, 3, 5));
+    const std::vector<uint8_t> q = queries(cfg, 1, 6);
+    std::vector<float> out(size_t(cfg.num_q_heads) * cfg.head_dim), scores(size_t(cfg.num_q_heads) * 3);
+    QT_ASSERT_OK(qjlkv_cache_attend(c, 0, 1, 1, q.data(), 0.0f, out.data()));
+    QT_ASSERT_OK(qjlkv_cache_scores(c, 0, 1, q.data(), scores.data(), scores.size()));
+    for (float x : out) ASSERT_TRUE(std::isfinite(x));
+    for (float x : scores) ASSERT_TRUE(std::isfinite(x));
+  }
+}
+
 }  // namespace
 }  // namespace qjlkv_test
