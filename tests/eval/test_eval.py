@@ -4,12 +4,13 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from tools.eval.evaluate import (DEFAULT_TEXT, CacheConfig, evaluate, headline_configurations,
-                                 load_text_tokens, write_outputs)
+from tools.eval.evaluate import (DEFAULT_TEXT, CacheConfig, bits_at_length, evaluate,
+                                 headline_configurations, load_text_tokens, write_outputs)
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PREFIX, DECODE = 104, 24  # > residual + block of every preset: blocks get quantized
@@ -86,14 +87,15 @@ def test_outputs_table_json_and_plot(measured, tmp_path):
 
 
 def test_command_line_quick_run(tmp_path):
-    """The documented command, on a very short run of two presets."""
+    """The documented command, on a very short run of two presets picked by two --only."""
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "tools.eval", "--quick", "--prefix", "40", "--decode", "4",
-         "--only", "exact", "--out", str(out)],
+         "--only", "exact", "--only", "ott", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert "| exact preset |" in proc.stdout
+    rows = [line.split(" | ")[0] for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[2:] == ["| exact preset", "| ott preset"]  # after the header and the reference
     assert (out / "bits_vs_kl.png").exists() and (out / "accuracy.json").exists()
 
 
@@ -116,3 +118,18 @@ def test_headline_rows_count_bits_with_fp16_io(model):
     assert math.isclose(fp32.bits_per_number - fp16.bits_per_number, fp16.full_precision_bits,
                         rel_tol=1e-9)
     assert r["llama.cpp q4_0"].mean_kl > 0 and r["exact preset"].mean_kl < 1e-5
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_headline_tiers_fit_their_bit_budgets(head_dim):
+    """Issue 19's size goals for the q3/q4 headline rows: at most 3.0 and 4.0 bits per number
+    at 8,192 tokens with fp16 I/O (stored sizes depend on the token count only, so random
+    K/V of the two models' head sizes stand for theirs)."""
+    rows = {c.name: c for c in headline_configurations()}
+    shape = SimpleNamespace(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=head_dim)
+    rng = np.random.default_rng(0)
+    kv = [(rng.standard_normal((300, 1, head_dim), dtype=np.float32),
+           rng.standard_normal((300, 1, head_dim), dtype=np.float32))]
+    for name, budget in (("q3 preset", 3.0), ("q4 preset", 4.0)):
+        assert rows[name].fields == {"dtype": "float16"} and rows[name].preset == name[:2]
+        assert budget - 0.2 < bits_at_length(rows[name], shape, kv, 8192) <= budget, name

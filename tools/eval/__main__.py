@@ -31,7 +31,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="build-eval", help="output folder (default build-eval)")
     p.add_argument("--threads", type=int, default=1,
                    help="qjlkv worker threads per cache (default 1: the calls are tiny)")
-    p.add_argument("--only", help="run only the configurations whose name contains this")
+    p.add_argument("--only", action="append",
+                   help="run only the configurations whose name contains this (repeatable: "
+                        "those that contain any of them)")
     p.add_argument("--prototypes", action="store_true",
                    help="measure the numpy prototypes of QJL remedies (tools/eval/prototype.py) "
                         "next to library rows, instead of the library set")

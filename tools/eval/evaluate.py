@@ -59,7 +59,7 @@ FP16_IO = {"dtype": "float16"}
 def headline_configurations(quick: bool = False) -> list[CacheConfig]:
     """The rows users compare: the library's presets and 4-bit-key variants with fp16 model
     I/O (as an fp16 engine runs them), next to llama.cpp's q8_0, q4_0 and Hadamard-rotated
-    q4_0 caches. quick: the exact preset, q4_0 and the three presets."""
+    q4_0 caches. quick: the exact preset, q4_0 and the qjl, kivi and ott presets."""
     def library(name, preset, group, **fields):
         return CacheConfig(name, preset, {**FP16_IO, **fields}, group=group)
 
@@ -74,6 +74,8 @@ def headline_configurations(quick: bool = False) -> list[CacheConfig]:
             CacheConfig("llama.cpp q4_0, Hadamard", "q4_0", {"rotate": True}, group="llama.cpp",
                         anchor=True),
             *presets,
+            library("q3 preset", "q3", "3- and 4-bit tiers"),
+            library("q4 preset", "q4", "3- and 4-bit tiers"),
             library("kivi k4", "kivi", "4-bit keys", key_bits=4),
             library("ott k4", "ott", "4-bit keys", key_bits=4),
             library("kivi k4 v4", "kivi", "4-bit keys", key_bits=4, value_bits=4),
@@ -348,10 +350,11 @@ def write_outputs(out_dir: str, meta: dict, reference_ppl: float, results: list[
 
 
 def run(prefix: int, decode: int, quick: bool, out_dir: str, text: str = DEFAULT_TEXT,
-        num_threads: int = 1, only: str | None = None, prototypes: bool = False,
+        num_threads: int = 1, only: list[str] | None = None, prototypes: bool = False,
         model_name: str = DEFAULT_MODEL, sweep: bool = False):
     """prototypes: the QJL prototype rows; sweep: the 34-configuration sweep (float32 I/O)
-    of the recorded SmolLM2 run; otherwise the headline rows (fp16 I/O and llama.cpp's)."""
+    of the recorded SmolLM2 run; otherwise the headline rows (fp16 I/O and llama.cpp's).
+    only: keep the configurations whose name contains one of these strings."""
     started = time.time()
     model = load_model(model_name, progress=True)
     tokens = load_text_tokens(model, text, prefix + decode + 1)
@@ -360,7 +363,7 @@ def run(prefix: int, decode: int, quick: bool, out_dir: str, text: str = DEFAULT
     else:
         configs = configurations(quick) if sweep else headline_configurations(quick)
     if only:
-        configs = [c for c in configs if only in c.name]
+        configs = [c for c in configs if any(o in c.name for o in only)]
     reference_ppl, results = evaluate(model, tokens, prefix, configs, num_threads=num_threads,
                                       bits_length=BITS_LENGTH)
     meta = {"model": MODELS[model_name].title,

@@ -223,7 +223,9 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096],
                    help="haystack lengths in tokens (default 2048 4096)")
     p.add_argument("--depths", type=int, default=8, help="needle depths from 5%% to 95%% (default 8)")
-    p.add_argument("--only", help="run only the configurations whose name contains this")
+    p.add_argument("--only", action="append", default=[],
+                   help="run only the configurations whose name contains this (repeatable: "
+                        "those that contain any of them)")
     p.add_argument("--without", action="append", default=[],
                    help="leave out the configurations whose name contains this (repeatable)")
     p.add_argument("--quick", action="store_true", help="the 5 quick rows of tools.eval")
@@ -232,7 +234,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     configs = headline_configurations(a.quick)
     if a.only:
-        configs = [c for c in configs if a.only in c.name]
+        configs = [c for c in configs if any(o in c.name for o in a.only)]
     configs = [c for c in configs if not any(w in c.name for w in a.without)]
     paths = write(run(a.model, a.lengths, a.depths, configs, a.threads, out_dir=a.out), a.out)
     with open(paths["table"]) as f:
