@@ -29,7 +29,7 @@ JOBS=${QJLKV_JOBS:-$(nproc)}
 TSAN_EXCLUDE=${QJLKV_TSAN_EXCLUDE:-statistical|emulator}
 STEPS=${*:-asan asan-O0 tsan valgrind}
 ASAN_O0_LABELS="api|errors|badinput|fuzz_replay"
-ASAN_O0_TARGETS="qjlkv_test_api qjlkv_test_errors qjlkv_test_bad_input qjlkv_fuzz_replay_config qjlkv_fuzz_replay_api"
+ASAN_O0_TARGETS="qjlkv_test_api qjlkv_test_errors qjlkv_test_bad_input qjlkv_fuzz_replay_config qjlkv_fuzz_replay_api qjlkv_fuzz_replay_import"
 failed=()
 
 # configure_and_build DIR FLAGS [TARGETS]: the library, tests and examples (or only TARGETS), at
