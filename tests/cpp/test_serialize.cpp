@@ -429,6 +429,27 @@ TEST(RoundTripCoverage, SinkVariantsStreamTheirSinks) {
 }
 
 // ---- refusals ---------------------------------------------------------------------------------------
+// The stream imported into caches whose config differs from `base` in one field that determines
+// the stored bytes: each import is refused naming that field, and the target stays empty.
+struct ConfigChange {
+  const char *field;
+  void (*change)(qjlkv_config &);
+};
+void expect_mismatches_refused(const qjlkv_config &base, const std::vector<uint8_t> &stream,
+                               std::initializer_list<ConfigChange> changes) {
+  for (const ConfigChange &k : changes) {
+    SCOPED_TRACE(k.field);
+    qjlkv_config other = base;
+    k.change(other);
+    Cache target = qt::make_cache(other);
+    ASSERT_TRUE(target);
+    const std::string stale = qt::stale_error_message();
+    const qjlkv_status s = qjlkv_cache_import(target.get(), 5, stream.data(), stream.size());
+    EXPECT_TRUE(qt::fails_naming(s, QJLKV_ERROR_INVALID_ARGUMENT, stale, {k.field}));
+    EXPECT_EQ(qt::stats_of(target.get()).tokens, 0u);
+  }
+}
+
 class Refusal : public ::testing::Test {
  protected:
   virtual qjlkv_config config() const { return variant_config({"qjl", "qjl", QJLKV_DTYPE_F32, no_tweak}); }
@@ -548,11 +569,7 @@ TEST_F(Refusal, OtherFormatVersionAndNotAStream) {
 }
 
 TEST_F(Refusal, MismatchedConfigsNameTheField) {
-  struct Case {
-    const char *field;
-    void (*change)(qjlkv_config &);
-  };
-  const Case cases[] = {
+  expect_mismatches_refused(cfg_, stream_, {
       {"seed", [](qjlkv_config &c) { c.seed += 1; }},
       {"dtype", [](qjlkv_config &c) { c.dtype = QJLKV_DTYPE_F16; }},
       {"key_method", [](qjlkv_config &c) { c.key_method = QJLKV_KEYS_EXACT; }},
@@ -566,18 +583,7 @@ TEST_F(Refusal, MismatchedConfigsNameTheField) {
       {"value_group_size", [](qjlkv_config &c) { c.value_group_size = 16; }},
       {"value_method", [](qjlkv_config &c) { c.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX; }},
       {"sink_tokens", [](qjlkv_config &c) { c.sink_tokens = 1; }},
-  };
-  for (const Case &k : cases) {
-    SCOPED_TRACE(k.field);
-    qjlkv_config other = cfg_;
-    k.change(other);
-    Cache target = qt::make_cache(other);
-    ASSERT_TRUE(target);
-    const std::string stale = qt::stale_error_message();
-    const qjlkv_status s = qjlkv_cache_import(target.get(), 5, stream_.data(), stream_.size());
-    EXPECT_TRUE(qt::fails_naming(s, QJLKV_ERROR_INVALID_ARGUMENT, stale, {k.field}));
-    EXPECT_EQ(qt::stats_of(target.get()).tokens, 0u);
-  }
+  });
   // Fields that do not determine the stored bytes may differ: query heads, threads, layer count.
   qjlkv_config compatible = cfg_;
   compatible.num_q_heads = 2;
@@ -778,29 +784,14 @@ TEST_F(TierRefusal, CorruptSinksTailsAndScalesNameWhatIsWrong) {
 }
 
 TEST_F(TierRefusal, MismatchedConfigsNameTheField) {
-  struct Case {
-    const char *field;
-    void (*change)(qjlkv_config &);
-  };
-  const Case cases[] = {
+  expect_mismatches_refused(cfg_, stream_, {
       {"sink_tokens", [](qjlkv_config &c) { c.sink_tokens = 2; }},
       {"sink_tokens", [](qjlkv_config &c) { c.sink_tokens = 0; }},
       {"value_method", [](qjlkv_config &c) { c.value_method = QJLKV_VALUES_UNIFORM; }},
       {"value_bits", [](qjlkv_config &c) { c.value_bits = 3; }},
       {"key_bits", [](qjlkv_config &c) { c.key_bits = 4; }},
       {"seed", [](qjlkv_config &c) { c.seed += 1; }},  // the rotation's signs, even with KIVI keys
-  };
-  for (const Case &k : cases) {
-    SCOPED_TRACE(k.field);
-    qjlkv_config other = cfg_;
-    k.change(other);
-    Cache target = qt::make_cache(other);
-    ASSERT_TRUE(target);
-    const std::string stale = qt::stale_error_message();
-    const qjlkv_status s = qjlkv_cache_import(target.get(), 5, stream_.data(), stream_.size());
-    EXPECT_TRUE(qt::fails_naming(s, QJLKV_ERROR_INVALID_ARGUMENT, stale, {k.field}));
-    EXPECT_EQ(qt::stats_of(target.get()).tokens, 0u);
-  }
+  });
 }
 
 TEST_F(TierRefusal, EveryTruncationIsCorruptData) { check_every_truncation(); }
