@@ -112,8 +112,8 @@ struct qjlkv_cache {
  private:
   [[noreturn]] static void unsupported_serialization() {
     qjlkv::fail(QJLKV_ERROR_UNSUPPORTED,
-                "export and import of CUDA caches (config.device >= 0) are not implemented in this "
-                "release; CPU caches (config.device = -1) read and write the same streams");
+                "export and import of CUDA caches (config.backend QJLKV_BACKEND_CUDA) are not implemented "
+                "in this release; CPU caches read and write the same streams");
   }
   qjlkv::CacheSpec spec_;
 };
