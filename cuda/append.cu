@@ -1,11 +1,12 @@
-// Append kernels: data validation, block quantization (QJL / KIVI / EXACT keys, per-token values)
+// Append kernels: data validation, block quantization (QJL / KIVI / EXACT keys; values through
+// their policy types, values.cuh)
 // and the commit of block tables and tail tokens. Compiled with --fmad=false: the quantizers
 // reproduce the CPU backend's fp32 arithmetic operation by operation, so sign bits, norms,
 // outlier channels and codes come out bit-identical.
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 
-#include "device.cuh"
+#include "values.cuh"
 
 namespace qjlkv::cuda {
 namespace {
@@ -13,8 +14,8 @@ namespace {
 // ---- validation -------------------------------------------------------------------------------
 template <class IO>
 __global__ void validate_kernel(const typename IO::type *keys, const typename IO::type *values, size_t elements,
-                                float key_limit, float value_limit, bool check_key_norms, uint32_t d,
-                                unsigned long long *flags) {
+                                float key_limit, float value_limit, bool check_key_norms,
+                                double value_norm_limit, uint32_t d, unsigned long long *flags) {
   const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
   for (size_t i = first; i < elements; i += stride) {
@@ -22,19 +23,23 @@ __global__ void validate_kernel(const typename IO::type *keys, const typename IO
     if (!(fabsf(IO::load(keys, i)) <= key_limit)) atomicMin(&flags[0], (unsigned long long)i);
     if (values && !(fabsf(IO::load(values, i)) <= value_limit)) atomicMin(&flags[1], (unsigned long long)i);
   }
-  if (!check_key_norms) return;
-  // QJL stores ||k|| as fp16: one warp per key vector, in float64 like the CPU check.
+  // QJL stores ||k|| as fp16, rotated Lloyd-Max values ||v|| / ||levels||: one warp per vector, in
+  // float64 like the CPU checks.
   const uint32_t lane = threadIdx.x & 31u;
-  for (size_t v = first / 32; v < elements / d; v += stride / 32) {
-    double sum = 0.0;
-    for (uint32_t j = lane; j < d; j += 32) {
-      const double x = IO::load(keys, v * d + j);
-      sum += x * x;
-    }
+  const auto check_norms = [&](const typename IO::type *x, double limit, unsigned long long *flag) {
+    for (size_t v = first / 32; v < elements / d; v += stride / 32) {
+      double sum = 0.0;
+      for (uint32_t j = lane; j < d; j += 32) {
+        const double e = IO::load(x, v * d + j);
+        sum += e * e;
+      }
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (lane == 0 && sqrt(sum) > double(kHalfMax)) atomicMin(&flags[2], (unsigned long long)v);
-  }
+      for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+      if (lane == 0 && sqrt(sum) > limit) atomicMin(flag, (unsigned long long)v);
+    }
+  };
+  if (check_key_norms) check_norms(keys, double(kHalfMax), &flags[2]);
+  if (values && value_norm_limit > 0.0) check_norms(values, value_norm_limit, &flags[3]);
 }
 
 // ---- quantization -------------------------------------------------------------------------------
@@ -174,18 +179,18 @@ __device__ void quantize_kivi_keys(const KernelShape &s, const BlockSource<IO> &
     channel_min[tid] = q.min;
   }
   __syncthreads();
-  const uint32_t bytes = s.key_codes_bpt, per_byte = 8 / bits;
-  for (uint32_t i = tid; i < B * bytes; i += kThreads) {
-    const uint32_t t = i / bytes, byte = i % bytes;
-    uint32_t packed = 0;
-    for (uint32_t k = 0; k < per_byte; ++k) {
-      const uint32_t j = byte * per_byte + k;
+  const uint32_t eights = d / 8;
+  for (uint32_t i = tid; i < B * eights; i += kThreads) {
+    const uint32_t t = i / eights, g8 = i % eights;
+    uint64_t packed = 0;
+    for (uint32_t k = 0; k < 8; ++k) {
+      const uint32_t j = 8 * g8 + k;
       GroupQuant q{};
       q.scale = channel_scale[j];
       q.min = channel_min[j];
-      packed |= quant_code(src.key(t, j), q, bits) << (k * bits);
+      packed |= uint64_t(quant_code(src.key(t, j), q, bits)) << (k * bits);
     }
-    block[s.key_codes + size_t(t) * bytes + byte] = uint8_t(packed);
+    store_codes8(block + s.key_codes + size_t(t) * s.key_codes_bpt, g8, bits, packed);
   }
 }
 
@@ -196,44 +201,8 @@ __device__ void store_exact_keys(const KernelShape &s, const BlockSource<IO> &sr
     dst[i] = float_to_stored16<IO::stored_bf16>(src.key(i / s.d, i % s.d));
 }
 
-// Values (CPU: values_quantize_block): per token, groups of value_group channels.
-template <class IO>
-__device__ void quantize_values(const KernelShape &s, const BlockSource<IO> &src, uint8_t *block) {
-  const uint32_t tid = threadIdx.x, d = s.d, B = s.B, bits = s.value_bits;
-  if (bits == 16) {
-    auto *dst = reinterpret_cast<uint16_t *>(block + s.value_codes);
-    for (uint32_t i = tid; i < B * d; i += kThreads) dst[i] = float_to_stored16<IO::stored_bf16>(src.value(i / d, i % d));
-    return;
-  }
-  const uint32_t g = s.value_group, groups = d / g;
-  auto *scales = reinterpret_cast<uint16_t *>(block + s.value_scale);
-  auto *mins = reinterpret_cast<uint16_t *>(block + s.value_min);
-  for (uint32_t i = tid; i < B * groups; i += kThreads) {
-    const uint32_t t = i / groups, first = (i % groups) * g;
-    float lo = src.value(t, first), hi = lo;
-    for (uint32_t k = 1; k < g; ++k) group_minmax_step(src.value(t, first + k), lo, hi);
-    const GroupQuant q = group_quant(lo, hi, bits);
-    scales[i] = q.scale_bits;
-    mins[i] = q.min_bits;
-  }
-  __syncthreads();  // the scales and minima written above are read back below (plain loads)
-  const uint32_t bytes = s.value_codes_bpt, per_byte = 8 / bits;
-  for (uint32_t i = tid; i < B * bytes; i += kThreads) {
-    const uint32_t t = i / bytes, byte = i % bytes;
-    uint32_t packed = 0;
-    for (uint32_t k = 0; k < per_byte; ++k) {
-      const uint32_t j = byte * per_byte + k, group = t * groups + j / g;
-      GroupQuant q{};
-      q.scale = half_to_float(scales[group]);
-      q.min = half_to_float(mins[group]);
-      packed |= quant_code(src.value(t, j), q, bits) << (k * bits);
-    }
-    block[s.value_codes + size_t(t) * bytes + byte] = uint8_t(packed);
-  }
-}
-
 // grid (jobs, kv heads): one CTA quantizes one head of one block.
-template <class IO, KeyKind KIND>
+template <class IO, KeyKind KIND, class VALUES>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const KernelShape s, const QuantJob *jobs) {
   const QuantJob job = jobs[blockIdx.x];
   const BlockSource<IO> src{job, s, blockIdx.y};
@@ -246,7 +215,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const KernelShape s,
   if constexpr (KIND == KeyKind::kivi) quantize_kivi_keys<IO>(s, src, block);
   if constexpr (KIND == KeyKind::exact) store_exact_keys<IO>(s, src, block);
   __syncthreads();
-  quantize_values<IO>(s, src, block);
+  VALUES::template quantize<IO::stored_bf16>(s, src, block);
 }
 
 // ---- OTT: outlier-token tracing (CPU: CpuCache::trace_outliers), then KIVI ----------------------
@@ -270,7 +239,7 @@ __device__ void trace_block(const KernelShape &s, const BlockSource<IO> &src, ui
   uint8_t *moved = smem + L.moved;
   auto *mean_key = reinterpret_cast<float *>(smem + L.mean_key);
   auto *mean_value = reinterpret_cast<float *>(smem + L.mean_value);
-  const uint32_t pool = header[0], spilled = header[1], first_position = src.job.first_pos;
+  const uint32_t pool = header[0], spilled = header[1], first_position = s.sinks + src.job.first_pos;
   if (tid == 0) *entering_count = 0;
   // Key norms of the block's tokens, summed like the CPU's dot().
   for (uint32_t t = tid; t < B; t += kThreads) {
@@ -367,7 +336,7 @@ __device__ void trace_block(const KernelShape &s, const BlockSource<IO> &src, ui
 }
 
 // grid (jobs, kv heads).
-template <class IO>
+template <class IO, class VALUES>
 __global__ void __launch_bounds__(kThreads) ott_quantize_kernel(const KernelShape s, const OttJob *jobs) {
   QJLKV_DYNAMIC_SMEM(smem);
   __shared__ uint32_t entering_count;
@@ -405,12 +374,12 @@ __global__ void __launch_bounds__(kThreads) ott_quantize_kernel(const KernelShap
     src.mean_value = reinterpret_cast<const float *>(smem + L.mean_value);
     quantize_kivi_keys<IO>(s, src, block);
     __syncthreads();
-    quantize_values<IO>(s, src, block);
+    VALUES::template quantize<IO::stored_bf16>(s, src, block);
     __syncthreads();
   }
 }
 
-// grid (jobs, kCommitSpread): block table entries and tail tokens of one sequence.
+// grid (jobs, kCommitSpread): block table entries, sinks and tail tokens of one sequence.
 constexpr uint32_t kCommitSpread = 16;
 __global__ void __launch_bounds__(kThreads) commit_kernel(const KernelShape s, const CommitJob *jobs) {
   const CommitJob job = jobs[blockIdx.x];
@@ -419,6 +388,12 @@ __global__ void __launch_bounds__(kThreads) commit_kernel(const KernelShape s, c
     for (uint32_t i = first; i < job.n_old; i += stride) job.table[i] = job.old_table[i];
   for (uint32_t i = first; i < job.n_new; i += stride) job.table[job.n_old + i] = job.entries[i];
   const size_t words = size_t(s.Hkv) * s.d * (s.dtype == QJLKV_DTYPE_F32 ? 4 : 2) / 4;  // one token, all heads
+  const size_t sink_words = size_t(job.n_sinks) * words;
+  for (size_t i = first; i < sink_words; i += stride) {
+    const size_t to = size_t(job.first_sink) * words + i;
+    reinterpret_cast<uint32_t *>(job.sink_k)[to] = reinterpret_cast<const uint32_t *>(job.sink_in_k)[i];
+    reinterpret_cast<uint32_t *>(job.sink_v)[to] = reinterpret_cast<const uint32_t *>(job.sink_in_v)[i];
+  }
   const size_t total = size_t(job.n_tokens) * words;
   for (size_t i = first; i < total; i += stride) {
     const size_t k = i / words, w = i % words;
@@ -431,41 +406,44 @@ __global__ void __launch_bounds__(kThreads) commit_kernel(const KernelShape s, c
 
 template <class IO>
 cudaError_t launch_quantize_io(const KernelShape &s, const QuantJob *jobs, uint32_t n_jobs, cudaStream_t stream) {
-  auto kernel = s.kind == KeyKind::qjl    ? quantize_kernel<IO, KeyKind::qjl>
-                : s.kind == KeyKind::kivi ? quantize_kernel<IO, KeyKind::kivi>
-                                          : quantize_kernel<IO, KeyKind::exact>;
-  QJLKV_LAUNCH(kernel, dim3(n_jobs, s.Hkv), kThreads, 0, stream, s, jobs);
-  return cudaGetLastError();
+  return with_value_policy(s.value_kind, [&](auto values) {
+    using V = decltype(values);
+    auto kernel = s.kind == KeyKind::qjl    ? quantize_kernel<IO, KeyKind::qjl, V>
+                  : s.kind == KeyKind::kivi ? quantize_kernel<IO, KeyKind::kivi, V>
+                                            : quantize_kernel<IO, KeyKind::exact, V>;
+    QJLKV_LAUNCH(kernel, dim3(n_jobs, s.Hkv), kThreads, 0, stream, s, jobs);
+    return cudaGetLastError();
+  });
 }
 
 template <class IO>
 cudaError_t launch_validate_io(const KernelShape &s, const void *keys, const void *values, size_t elements,
-                               float key_limit, float value_limit, bool check_key_norms,
+                               float key_limit, float value_limit, bool check_key_norms, double value_norm_limit,
                                unsigned long long *flags, cudaStream_t stream) {
   using T = typename IO::type;
   const size_t wanted = (elements + kThreads - 1) / kThreads;
   const uint32_t blocks = uint32_t(wanted < 1 ? 1 : wanted > 2048 ? 2048 : wanted);
   auto kernel = validate_kernel<IO>;
   QJLKV_LAUNCH(kernel, blocks, kThreads, 0, stream, static_cast<const T *>(keys), static_cast<const T *>(values),
-               elements, key_limit, value_limit, check_key_norms, s.d, flags);
+               elements, key_limit, value_limit, check_key_norms, value_norm_limit, s.d, flags);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t launch_validate(const KernelShape &s, const void *keys, const void *values, size_t elements,
-                            float key_limit, float value_limit, bool check_key_norms, unsigned long long *flags,
-                            cudaStream_t stream) {
+                            float key_limit, float value_limit, bool check_key_norms, double value_norm_limit,
+                            unsigned long long *flags, cudaStream_t stream) {
   switch (s.dtype) {
     case QJLKV_DTYPE_F32:
-      return launch_validate_io<IoF32>(s, keys, values, elements, key_limit, value_limit, check_key_norms, flags,
-                                       stream);
+      return launch_validate_io<IoF32>(s, keys, values, elements, key_limit, value_limit, check_key_norms,
+                                       value_norm_limit, flags, stream);
     case QJLKV_DTYPE_F16:
-      return launch_validate_io<IoF16>(s, keys, values, elements, key_limit, value_limit, check_key_norms, flags,
-                                       stream);
+      return launch_validate_io<IoF16>(s, keys, values, elements, key_limit, value_limit, check_key_norms,
+                                       value_norm_limit, flags, stream);
     case QJLKV_DTYPE_BF16:
-      return launch_validate_io<IoBF16>(s, keys, values, elements, key_limit, value_limit, check_key_norms, flags,
-                                        stream);
+      return launch_validate_io<IoBF16>(s, keys, values, elements, key_limit, value_limit, check_key_norms,
+                                        value_norm_limit, flags, stream);
   }
   return cudaErrorInvalidValue;  // unreachable: the dtype was validated
 }
@@ -484,7 +462,11 @@ size_t ott_quantize_smem(const KernelShape &s) { return ott_smem(s.B, s.ott_pool
 
 cudaError_t configure_ott_quantize(size_t smem_optin, size_t *max_dynamic) {
   *max_dynamic = smem_optin;
-  for (auto kernel : {ott_quantize_kernel<IoF32>, ott_quantize_kernel<IoF16>, ott_quantize_kernel<IoBF16>}) {
+  for (auto kernel : {ott_quantize_kernel<IoF32, UniformValues>, ott_quantize_kernel<IoF16, UniformValues>,
+                      ott_quantize_kernel<IoBF16, UniformValues>, ott_quantize_kernel<IoF32, Stored16Values>,
+                      ott_quantize_kernel<IoF16, Stored16Values>, ott_quantize_kernel<IoBF16, Stored16Values>,
+                      ott_quantize_kernel<IoF32, LloydMaxValues>, ott_quantize_kernel<IoF16, LloydMaxValues>,
+                      ott_quantize_kernel<IoBF16, LloydMaxValues>}) {
     // Static and dynamic shared memory together must fit the device's limit.
     cudaFuncAttributes attributes;
     cudaError_t e = cudaFuncGetAttributes(&attributes, kernel);
@@ -499,11 +481,14 @@ cudaError_t configure_ott_quantize(size_t smem_optin, size_t *max_dynamic) {
 
 cudaError_t launch_ott_quantize(const KernelShape &s, const OttJob *jobs, uint32_t n_jobs, cudaStream_t stream) {
   if (n_jobs == 0) return cudaSuccess;
-  auto kernel = s.dtype == QJLKV_DTYPE_F32   ? ott_quantize_kernel<IoF32>
-                : s.dtype == QJLKV_DTYPE_F16 ? ott_quantize_kernel<IoF16>
-                                             : ott_quantize_kernel<IoBF16>;
-  QJLKV_LAUNCH(kernel, dim3(n_jobs, s.Hkv), kThreads, ott_quantize_smem(s), stream, s, jobs);
-  return cudaGetLastError();
+  return with_value_policy(s.value_kind, [&](auto values) {
+    using V = decltype(values);
+    auto kernel = s.dtype == QJLKV_DTYPE_F32   ? ott_quantize_kernel<IoF32, V>
+                  : s.dtype == QJLKV_DTYPE_F16 ? ott_quantize_kernel<IoF16, V>
+                                               : ott_quantize_kernel<IoBF16, V>;
+    QJLKV_LAUNCH(kernel, dim3(n_jobs, s.Hkv), kThreads, ott_quantize_smem(s), stream, s, jobs);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t launch_commit(const KernelShape &s, const CommitJob *jobs, uint32_t n_jobs, cudaStream_t stream) {

@@ -14,7 +14,7 @@
 #pragma once
 #include <cfloat>
 
-#include "device.cuh"
+#include "values.cuh"
 
 namespace qjlkv::cuda {
 
@@ -53,6 +53,28 @@ __device__ __forceinline__ void accumulate_codes(uint32_t word, const float *qs,
   }
 }
 
+// Σ_c qs_r[c]·code_c over the 32 3-bit codes of three words (96 bits), for every query row r.
+template <uint32_t ROWS>
+__device__ __forceinline__ void accumulate_codes3(uint32_t w0, uint32_t w1, uint32_t w2, const float *qs,
+                                                  uint32_t stride, float (&acc)[ROWS]) {
+  const uint64_t lo = uint64_t(w0) | uint64_t(w1) << 32;  // codes 0..20 and the low bit of code 21
+  const uint64_t hi = uint64_t(w1) | uint64_t(w2) << 32;  // from bit 32: codes 11 (partly) .. 31
+#pragma unroll
+  for (uint32_t c = 0; c < 32; c += 4) {
+    float f[4];
+#pragma unroll
+    for (uint32_t k = 0; k < 4; ++k) {
+      const uint32_t bit = 3 * (c + k);
+      f[k] = code_to_float(uint32_t(bit + 3 <= 64 ? lo >> bit : hi >> (bit - 32)) & 7u);
+    }
+#pragma unroll
+    for (uint32_t r = 0; r < ROWS; ++r) {
+      const float4 x = *reinterpret_cast<const float4 *>(qs + r * stride + c);
+      acc[r] = fmaf(x.x, f[0], fmaf(x.y, f[1], fmaf(x.z, f[2], fmaf(x.w, f[3], acc[r]))));
+    }
+  }
+}
+
 // Σ q_r[e]·x_e over the two 16-bit numbers (fp16, or bf16 when BF16) of one word, for every
 // query row r; q points at the word's first element of row 0.
 template <bool BF16, uint32_t ROWS>
@@ -78,19 +100,7 @@ __device__ __forceinline__ void copy_rows(uint32_t *dst, uint32_t dst_stride, ui
   }
 }
 
-// Eight consecutive 16-bit numbers (one 16-byte load) as floats.
-template <bool BF16>
-__device__ __forceinline__ void unpack8_16bit(const uint8_t *p, float (&v)[kSliceChannels]) {
-  const uint4 x = *reinterpret_cast<const uint4 *>(p);
-  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-  for (uint32_t k = 0; k < 4; ++k) {
-    v[2 * k] = stored16_to_float<BF16>(w[k] & 0xffffu);
-    v[2 * k + 1] = stored16_to_float<BF16>(w[k] >> 16);
-  }
-}
-
-template <class IO, KeyKind KIND, uint32_t ROWS>
+template <class IO, KeyKind KIND, class VALUES, uint32_t ROWS>
 __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs a) {
   using T = typename IO::type;
   constexpr bool kBf16 = IO::stored_bf16;
@@ -116,8 +126,10 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
   const uint8_t *ott_state = sd.ott ? sd.ott + size_t(kv_head) * s.ott.bytes : nullptr;
   const uint32_t outlier_pool = ott_state ? reinterpret_cast<const uint32_t *>(ott_state)[0] : 0;
   const uint32_t outlier_count = ott_state ? outlier_pool + reinterpret_cast<const uint32_t *>(ott_state)[1] : 0;
-  const uint32_t tail_end = attend_units(sd.length, sd.blocks, B);
-  const uint32_t units = tail_end + div_up(outlier_count, B);
+  // Units: the blocks and the tail (positions after the sinks), OTT's outlier tokens, the sinks.
+  const uint32_t tail_end = attend_units(sd.length - sd.sinks, sd.blocks, B);
+  const uint32_t outliers_end = tail_end + div_up(outlier_count, B);
+  const uint32_t units = outliers_end + div_up(sd.sinks, B);
   const uint32_t unit_begin = split * a.split.units_per_split;
   const uint32_t unit_end = min(unit_begin + a.split.units_per_split, units);
 
@@ -171,11 +183,9 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
   const uint32_t slice = tid % slices, value_lane = tid / slices;
   const bool value_active = value_lane < value_lanes;
   float vacc[ROWS][kSliceChannels] = {};
-  uint32_t channel_group[kSliceChannels];
-#pragma unroll
-  for (uint32_t c = 0; c < kSliceChannels; ++c) channel_group[c] = (slice * kSliceChannels + c) / s.value_group;
-  const uint32_t value_groups = d / s.value_group;
-  const bool one_group = channel_group[0] == channel_group[kSliceChannels - 1];
+  const typename VALUES::Decoder values(s, L, smem, slice);
+  values.init();
+  __syncthreads();
 
   // ---- the phases of one tile of n positions starting at position pos0 ----
   const auto write_partials = [&](const float (&acc_a)[ROWS], const float (&acc_b)[ROWS]) {
@@ -247,42 +257,32 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
     }
   };
 
-  // Quantized values of a block tile (staged) and 16-bit values.
   const auto decode_block_value = [&](uint32_t t, float (&v)[kSliceChannels]) {
-    if (s.value_bits == 16) {
-      unpack8_16bit<kBf16>(stage_v + (size_t(t) * d + slice * kSliceChannels) * 2, v);
-      return;
-    }
-    const uint32_t bits = s.value_bits;
-    const uint8_t *codes = stage_v + L.v_codes + t * s.value_codes_bpt + slice * bits;  // 8 codes = `bits` bytes
-    uint32_t lo_word, hi_word = 0;
-    if (bits == 2) {
-      lo_word = *reinterpret_cast<const uint16_t *>(codes);
-    } else if (bits == 4) {
-      lo_word = *reinterpret_cast<const uint32_t *>(codes);
-    } else {
-      const uint2 x = *reinterpret_cast<const uint2 *>(codes);
-      lo_word = x.x;
-      hi_word = x.y;
-    }
-    const auto *scale16 = reinterpret_cast<const uint16_t *>(stage_v + L.v_scale) + t * value_groups;
-    const auto *min16 = reinterpret_cast<const uint16_t *>(stage_v + L.v_min) + t * value_groups;
-    float scale = 0.0f, minimum = 0.0f;
-    if (one_group) {
-      scale = fp16_bits_to_float(scale16[channel_group[0]]);
-      minimum = fp16_bits_to_float(min16[channel_group[0]]);
-    }
-    const uint32_t mask = (1u << bits) - 1u;
+    values.template decode<kBf16>(stage_v, t, v);
+  };
+  // Rotated values (VALUES::kRotated): the blocks' weighted sum is rotated; this CTA rotates its
+  // sum back (a linear map, so before or after the rescaling and the merge of splits alike) once
+  // its blocks are done, before any exact token joins it.
+  bool rotated_sum = false;
+  const auto rotate_back = [&]() {
+    float *buf = reinterpret_cast<float *>(smem + L.final_buf);  // [value_lanes][ROWS][d], the stage
+    if (value_active)
 #pragma unroll
-    for (uint32_t c = 0; c < kSliceChannels; ++c) {
-      const uint32_t bit = c * bits;
-      const uint32_t code = (bit < 32 ? lo_word >> bit : hi_word >> (bit - 32)) & mask;
-      if (!one_group) {
-        scale = fp16_bits_to_float(scale16[channel_group[c]]);
-        minimum = fp16_bits_to_float(min16[channel_group[c]]);
-      }
-      v[c] = fmaf(code_to_float(code), scale, minimum);  // x̂ = code·scale + min
-    }
+      for (uint32_t r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (uint32_t c = 0; c < kSliceChannels; ++c)
+          buf[(value_lane * ROWS + r) * d + slice * kSliceChannels + c] = vacc[r][c];
+    __syncthreads();
+    for (uint32_t v = tid; v < value_lanes * ROWS; v += kThreads) rotate_inverse(s.value_signs, d, buf + v * d, buf + v * d);
+    __syncthreads();
+    if (value_active)
+#pragma unroll
+      for (uint32_t r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (uint32_t c = 0; c < kSliceChannels; ++c)
+          vacc[r][c] = buf[(value_lane * ROWS + r) * d + slice * kSliceChannels + c];
+    __syncthreads();
+    rotated_sum = false;
   };
   // Full-precision tail values (input dtype, staged rows of d elements).
   const auto decode_tail_value = [&](uint32_t t, float (&v)[kSliceChannels]) {
@@ -327,9 +327,12 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
     __syncthreads();
   };
 
-  // ---- the units of this split: blocks, tail pieces, then OTT's outlier tokens ----
+  // ---- the units of this split: blocks, tail pieces, OTT's outlier tokens, then the sinks ----
   for (uint32_t unit = unit_begin; unit < unit_end; ++unit) {
+    if constexpr (VALUES::kRotated)
+      if (rotated_sum && unit >= sd.blocks) rotate_back();
     if (unit < sd.blocks) {
+      if constexpr (VALUES::kRotated) rotated_sum = true;
       const uint8_t *block = reinterpret_cast<const uint8_t *>(sd.table[unit]) + size_t(kv_head) * s.head_stride;
 
       // Per-block setup of the query-side vectors.
@@ -398,15 +401,7 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
           copy_rows(reinterpret_cast<uint32_t *>(stage_k), padded_row_words(2 * d), d / 2, n,
                     [&](uint32_t t) { return block + s.key_codes + size_t(t0 + t) * 2 * d; });
         }
-        if (s.value_bits == 16) {
-          copy_words(stage_v, block + s.value_codes + size_t(t0) * 2 * d, n * 2 * d, kThreads);
-        } else {
-          const uint32_t group_bytes = n * value_groups * 2;
-          copy_words(stage_v + L.v_scale, block + s.value_scale + t0 * value_groups * 2, group_bytes, kThreads);
-          copy_words(stage_v + L.v_min, block + s.value_min + t0 * value_groups * 2, group_bytes, kThreads);
-          copy_words(stage_v + L.v_codes, block + s.value_codes + t0 * s.value_codes_bpt, n * s.value_codes_bpt,
-                     kThreads);
-        }
+        values.stage(stage_v, block, t0, n);
         __syncthreads();
 
         // score
@@ -429,6 +424,13 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
             const uint32_t bytes = s.key_codes_bpt, words = div_up(bytes, 4);
             const uint8_t *codes = stage_k + lane * bytes;
             const bool aligned = bytes % 4 == 0;
+            // 3-bit codes: groups of 32 codes in 12 bytes (the last group of a row whose head_dim is
+            // not a multiple of 32 reads into the next row or the stage's slack, times qs's zeros).
+            if (s.key_bits == 3)
+              for (uint32_t k = warp; k < div_up(d, 32); k += kParts)
+                accumulate_codes3<ROWS>(load_word(codes + 12 * k, aligned), load_word(codes + 12 * k + 4, aligned),
+                                        load_word(codes + 12 * k + 8, aligned), qs + 32 * k, d32, acc_a);
+            else
             for (uint32_t k = warp; k < words; k += kParts) {
               const uint32_t word = load_word(codes + 4 * k, aligned);
               if (s.key_bits == 2) {
@@ -449,7 +451,7 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
         __syncthreads();
 
         // combine; OTT: slots whose token moved to the outlier pool are masked out (-inf)
-        const uint32_t pos0 = unit * B + t0;
+        const uint32_t pos0 = sd.sinks + unit * B + t0;
         const auto block_position = [&](uint32_t t) { return pos0 + t; };
         const auto moved = [&](uint32_t t) {
           return s.has_mask && (block[s.key_mask + (t0 + t) / 8] >> ((t0 + t) % 8) & 1u);
@@ -478,15 +480,27 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
         __syncthreads();
       }
     } else if (unit < tail_end) {
-      // The full-precision tail: ring slot of position p is p % ring.
-      const uint32_t first = sd.blocks * B + (unit - sd.blocks) * B, last = min(first + B, sd.length);
+      // The full-precision tail: position sinks + p (p counted after the sinks) is in ring slot p % ring.
+      const uint32_t first = sd.blocks * B + (unit - sd.blocks) * B, last = min(first + B, sd.length - sd.sinks);
       for (uint32_t pos0 = first; pos0 < last; pos0 += kTile) {
         const auto ring_row = [&](const uint8_t *ring, uint32_t t) {
           return ring + ((size_t((pos0 + t) % s.ring) * s.Hkv + kv_head) * row_bytes);
         };
         process_exact(
             min(kTile, last - pos0), [&](uint32_t t) { return ring_row(sd.ring_k, t); },
-            [&](uint32_t t) { return ring_row(sd.ring_v, t); }, [&](uint32_t t) { return pos0 + t; }, true);
+            [&](uint32_t t) { return ring_row(sd.ring_v, t); }, [&](uint32_t t) { return sd.sinks + pos0 + t; },
+            true);
+      }
+    } else if (unit >= outliers_end) {
+      // The attention sinks, positions [0, sinks).
+      const uint32_t first = (unit - outliers_end) * B, last = min(first + B, sd.sinks);
+      for (uint32_t pos0 = first; pos0 < last; pos0 += kTile) {
+        const auto sink_row = [&](const uint8_t *sinks, uint32_t t) {
+          return sinks + (size_t(pos0 + t) * s.Hkv + kv_head) * row_bytes;
+        };
+        process_exact(
+            min(kTile, last - pos0), [&](uint32_t t) { return sink_row(sd.sink_k, t); },
+            [&](uint32_t t) { return sink_row(sd.sink_v, t); }, [&](uint32_t t) { return pos0 + t; }, true);
       }
     } else {
       // OTT's outlier tokens: the pool, then the spill area, each token at its own position.
@@ -501,6 +515,9 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
       }
     }
   }
+
+  if constexpr (VALUES::kRotated)
+    if (rotated_sum) rotate_back();
 
   // ---- partial results of this CTA: sum the value lanes, then (max, sum, output) per row ----
   float *final_buf = reinterpret_cast<float *>(smem + L.final_buf);  // [value_lanes][ROWS][d]
@@ -549,44 +566,47 @@ __global__ void __launch_bounds__(kAttendThreads) attend_reduce_kernel(const Att
 }
 
 // ---- dispatch (instantiated once per dtype in attend_<dtype>.cu) ----
-template <class IO, KeyKind KIND, uint32_t ROWS>
+template <class IO, KeyKind KIND, class VALUES, uint32_t ROWS>
 cudaError_t configure_one(size_t smem_optin) {
   // The kernel has no static shared memory; the limit covers static and dynamic together.
   cudaFuncAttributes attributes;
-  const cudaError_t e = cudaFuncGetAttributes(&attributes, attend_kernel<IO, KIND, ROWS>);
+  const cudaError_t e = cudaFuncGetAttributes(&attributes, attend_kernel<IO, KIND, VALUES, ROWS>);
   if (e != cudaSuccess) return e;
   if (attributes.sharedSizeBytes > 0) return cudaErrorInvalidValue;  // attend_smem() would not account for it
-  return cudaFuncSetAttribute(attend_kernel<IO, KIND, ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  return cudaFuncSetAttribute(attend_kernel<IO, KIND, VALUES, ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               int(smem_optin));
 }
 
 // A kernel's shared memory limit is process-wide (every layer and every cache launches the same
 // kernels), so it is raised to the device's maximum rather than to one layer's need.
-template <class IO, KeyKind KIND>
+template <class IO, KeyKind KIND, class VALUES>
 cudaError_t configure_kind(size_t smem_limit) {
-  cudaError_t e = configure_one<IO, KIND, 1>(smem_limit);
-  if (e == cudaSuccess) e = configure_one<IO, KIND, 2>(smem_limit);
-  if (e == cudaSuccess) e = configure_one<IO, KIND, 4>(smem_limit);
-  if (e == cudaSuccess) e = configure_one<IO, KIND, 8>(smem_limit);
+  cudaError_t e = configure_one<IO, KIND, VALUES, 1>(smem_limit);
+  if (e == cudaSuccess) e = configure_one<IO, KIND, VALUES, 2>(smem_limit);
+  if (e == cudaSuccess) e = configure_one<IO, KIND, VALUES, 4>(smem_limit);
+  if (e == cudaSuccess) e = configure_one<IO, KIND, VALUES, 8>(smem_limit);
   return e;
 }
 
 template <class IO>
 cudaError_t configure_io(const KernelShape &shape, size_t smem_limit) {
-  switch (shape.kind) {
-    case KeyKind::qjl: return configure_kind<IO, KeyKind::qjl>(smem_limit);
-    case KeyKind::kivi: return configure_kind<IO, KeyKind::kivi>(smem_limit);
-    case KeyKind::exact: return configure_kind<IO, KeyKind::exact>(smem_limit);
-  }
-  return cudaErrorInvalidValue;  // unreachable: every KeyKind is listed
+  return with_value_policy(shape.value_kind, [&](auto values) {
+    using V = decltype(values);
+    switch (shape.kind) {
+      case KeyKind::qjl: return configure_kind<IO, KeyKind::qjl, V>(smem_limit);
+      case KeyKind::kivi: return configure_kind<IO, KeyKind::kivi, V>(smem_limit);
+      case KeyKind::exact: return configure_kind<IO, KeyKind::exact, V>(smem_limit);
+    }
+    return cudaErrorInvalidValue;  // unreachable: every KeyKind is listed
+  });
 }
 
-template <class IO, KeyKind KIND>
+template <class IO, KeyKind KIND, class VALUES>
 cudaError_t launch_kind(const AttendArgs &a, uint32_t rows, uint32_t grid, cudaStream_t stream) {
-  auto kernel = rows == 1 ? attend_kernel<IO, KIND, 1>
-                : rows == 2 ? attend_kernel<IO, KIND, 2>
-                : rows == 4 ? attend_kernel<IO, KIND, 4>
-                            : attend_kernel<IO, KIND, 8>;
+  auto kernel = rows == 1 ? attend_kernel<IO, KIND, VALUES, 1>
+                : rows == 2 ? attend_kernel<IO, KIND, VALUES, 2>
+                : rows == 4 ? attend_kernel<IO, KIND, VALUES, 4>
+                            : attend_kernel<IO, KIND, VALUES, 8>;
   QJLKV_LAUNCH(kernel, grid, kAttendThreads, a.smem.total, stream, a);
   return cudaGetLastError();
 }
@@ -595,12 +615,15 @@ template <class IO>
 cudaError_t launch_io(const AttendArgs &a, uint32_t rows, cudaStream_t stream) {
   const uint64_t grid = uint64_t(a.n_seqs) * a.shape.Hkv * a.split.splits * a.row_tiles;
   if (grid == 0 || grid > 0x7fffffffu) return cudaErrorInvalidConfiguration;
-  switch (a.shape.kind) {
-    case KeyKind::qjl: return launch_kind<IO, KeyKind::qjl>(a, rows, uint32_t(grid), stream);
-    case KeyKind::kivi: return launch_kind<IO, KeyKind::kivi>(a, rows, uint32_t(grid), stream);
-    case KeyKind::exact: return launch_kind<IO, KeyKind::exact>(a, rows, uint32_t(grid), stream);
-  }
-  return cudaErrorInvalidValue;  // unreachable: every KeyKind is listed
+  return with_value_policy(a.shape.value_kind, [&](auto values) {
+    using V = decltype(values);
+    switch (a.shape.kind) {
+      case KeyKind::qjl: return launch_kind<IO, KeyKind::qjl, V>(a, rows, uint32_t(grid), stream);
+      case KeyKind::kivi: return launch_kind<IO, KeyKind::kivi, V>(a, rows, uint32_t(grid), stream);
+      case KeyKind::exact: return launch_kind<IO, KeyKind::exact, V>(a, rows, uint32_t(grid), stream);
+    }
+    return cudaErrorInvalidValue;  // unreachable: every KeyKind is listed
+  });
 }
 
 template <class IO>

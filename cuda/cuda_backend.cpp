@@ -53,6 +53,8 @@ size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 struct SeqState {
   uint32_t length = 0, blocks = 0;
+  uint32_t sinks = 0;           // min(length, config.sink_tokens): positions [0, sinks)
+  uint8_t *sink = nullptr;      // sinks: keys [S][Hkv][d], then values, in the input dtype
   std::vector<uint64_t> table;  // host copy of the block table: slot addresses
   DeviceBuffer table_dev;       // the block table the kernels read
   uint8_t *ring = nullptr;      // tail ring: keys [ring][Hkv][d], then values, in the input dtype
@@ -67,7 +69,8 @@ struct LayerState {
   KernelShape shape{};
   uint32_t max_rows = 1;  // query rows per attention CTA that fit the device's shared memory
   DeviceBuffer sketch_t;
-  std::unique_ptr<SlotPool> blocks, rings, otts;  // otts: traced layers only
+  DeviceBuffer value_signs;  // rotated Lloyd-Max values: the rotation's signs [d]
+  std::unique_ptr<SlotPool> blocks, rings, otts, sinks;  // otts: traced layers only; sinks: sink_tokens > 0
   std::unordered_map<uint32_t, SeqState> seqs;
   size_t key_bytes = 0, value_bytes = 0;  // BlockLayout sizes, for the statistics
 };
@@ -106,7 +109,16 @@ class CudaCache final : public qjlkv_cache {
   void init();
   void release_all() noexcept;
   void init_layer(uint32_t l, size_t smem_optin);
+  // Rotated Lloyd-Max values: the largest value vector norm whose fp16 scale stays finite (the CPU
+  // backend's limit); 0 (no check) for other value methods.
+  double value_norm_limit() const {
+    const qjlkv_config &cfg = spec().cfg;
+    if (cfg.value_method != QJLKV_VALUES_ROTATED_LLOYD_MAX) return 0.0;
+    return double(kHalfMax) * lloyd_max_smallest_level(cfg.value_bits) * std::sqrt(double(cfg.head_dim));
+  }
   unsigned long long *device_flags() const { return static_cast<unsigned long long *>(scratch_.data); }
+  // One sequence's sinks of keys (or values): config.sink_tokens tokens.
+  size_t sink_bytes() const { return size_t(spec().cfg.sink_tokens) * token_bytes_; }
   // The outlier state of side `side` of a sequence ([Hkv] heads).
   uint8_t *ott_state(const LayerState &layer, const SeqState &seq, uint32_t side) const {
     return seq.ott + size_t(side) * layer.shape.Hkv * layer.shape.ott.bytes;
@@ -200,7 +212,11 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   k.B = cfg.block_tokens;
   k.ring = cfg.residual_tokens + cfg.block_tokens;
   k.key_bits = cfg.key_bits;
+  k.value_kind = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX ? ValueKind::lloyd_max
+                 : cfg.value_bits == 16                                ? ValueKind::stored16
+                                                                       : ValueKind::uniform;
   k.value_bits = cfg.value_bits;
+  k.sinks = cfg.sink_tokens;
   k.value_group = cfg.value_group_size;
   k.m = ls.m;
   k.m_out = ls.m_out;
@@ -247,6 +263,7 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
 
   layer.blocks = std::make_unique<SlotPool>(size_t(k.head_stride) * k.Hkv, 16);
   layer.rings = std::make_unique<SlotPool>(align_up(ring_bytes_), 4);
+  if (cfg.sink_tokens) layer.sinks = std::make_unique<SlotPool>(align_up(2 * sink_bytes()), 4);
   if (k.traced) {
     size_t max_dynamic = 0;
     check_cuda(configure_ott_quantize(smem_optin, &max_dynamic), "cudaFuncSetAttribute");
@@ -272,6 +289,14 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
     check_cuda(cudaStreamSynchronize(stream_), "uploading the sketch");  // `transposed` dies here
     k.sketch_t = static_cast<const float *>(layer.sketch_t.data);
   }
+  if (k.value_kind == ValueKind::lloyd_max) {
+    const std::vector<float> &signs = ls.value_signs;
+    layer.value_signs.ensure(signs.size() * sizeof(float), *pool_, stream_);
+    check_cuda(cudaMemcpyAsync(layer.value_signs.data, signs.data(), signs.size() * sizeof(float),
+                               cudaMemcpyHostToDevice, stream_),
+               "uploading the value rotation");
+    k.value_signs = static_cast<const float *>(layer.value_signs.data);  // spec() keeps `signs` alive
+  }
 }
 
 void CudaCache::release_all() noexcept {
@@ -290,7 +315,9 @@ void CudaCache::release_all() noexcept {
     if (layer.blocks) layer.blocks->release_all(*pool_, stream_);
     if (layer.rings) layer.rings->release_all(*pool_, stream_);
     if (layer.otts) layer.otts->release_all(*pool_, stream_);
+    if (layer.sinks) layer.sinks->release_all(*pool_, stream_);
     layer.sketch_t.release(*pool_, stream_);
+    layer.value_signs.release(*pool_, stream_);
   }
   layers_.clear();
   scratch_.release(*pool_, stream_);
@@ -346,6 +373,8 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
     uint32_t id = 0;
     SeqState *seq = nullptr;
     bool created = false;
+    uint32_t new_sinks = 0;   // the first new_sinks input tokens become sinks ...
+    uint32_t n_after = 0;     // ... the other n_after follow the tail rule
     uint32_t new_blocks = 0;
     size_t first_slot = 0;     // into `slots`
     DeviceBuffer grown_table;  // replaces seq->table_dev when the table must grow
@@ -359,6 +388,7 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
       if (p.created) {
         if (p.seq->ring) layer.rings->give(p.seq->ring);
         if (p.seq->ott) layer.otts->give(p.seq->ott);
+        if (p.seq->sink) layer.sinks->give(p.seq->sink);
         layer.seqs.erase(p.id);
       }
   };
@@ -377,7 +407,9 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
       p.seq = &it->second;
       p.created = is_new;
       created += is_new;
-      const uint64_t total = uint64_t(p.seq->length - p.seq->blocks * B) + tokens_per_seq;
+      p.new_sinks = std::min(cfg.sink_tokens - p.seq->sinks, tokens_per_seq);
+      p.n_after = tokens_per_seq - p.new_sinks;
+      const uint64_t total = uint64_t(p.seq->length - p.seq->sinks - p.seq->blocks * B) + p.n_after;
       p.new_blocks = total >= uint64_t(R) + B ? uint32_t((total - R) / B) : 0;
       p.first_slot = quant_jobs;
       quant_jobs += p.new_blocks;
@@ -385,10 +417,12 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
     layer.blocks->reserve(quant_jobs, *pool_, stream_);
     layer.rings->reserve(created, *pool_, stream_);
     if (k.traced) layer.otts->reserve(created, *pool_, stream_);
+    if (layer.sinks) layer.sinks->reserve(created, *pool_, stream_);
     slots.reserve(quant_jobs);
     for (Plan &p : plans) {
       if (p.created) p.seq->ring = layer.rings->take();
       if (p.created && k.traced) p.seq->ott = layer.otts->take();
+      if (p.created && layer.sinks) p.seq->sink = layer.sinks->take();
       if (k.traced && p.new_blocks) ++ott_jobs;
       for (uint32_t b = 0; b < p.new_blocks; ++b) slots.push_back(layer.blocks->take());
       const size_t needed = p.seq->blocks + p.new_blocks;
@@ -422,7 +456,9 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
     if (k.traced && p.new_blocks)
       ott[ott_job++] = OttJob{quant_dev + p.first_slot, p.new_blocks, !seq.ott_ready,
                               ott_state(layer, seq, seq.ott_side), ott_state(layer, seq, 1 - seq.ott_side)};
-    const uint8_t *in_k = key_bytes + i * seq_input_bytes, *in_v = value_bytes + i * seq_input_bytes;
+    const size_t skip = size_t(p.new_sinks) * token_bytes_;
+    const uint8_t *in_k = key_bytes + i * seq_input_bytes + skip, *in_v = value_bytes + i * seq_input_bytes + skip;
+    const uint32_t old_length = seq.length - seq.sinks;  // positions after the sinks
     for (uint32_t b = 0; b < p.new_blocks; ++b) {
       QuantJob &job = quant[p.first_slot + b];
       job.slot = slots[p.first_slot + b];
@@ -431,12 +467,12 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
       job.in_k = in_k;
       job.in_v = in_v;
       job.first_pos = (seq.blocks + b) * B;
-      job.old_length = seq.length;
+      job.old_length = old_length;
       entries[p.first_slot + b] = reinterpret_cast<uint64_t>(job.slot);
     }
     // The new tail: positions from max(old length, end of the new blocks) come from the input.
-    const uint32_t end = seq.length + tokens_per_seq;
-    const uint32_t tail_start = std::max(seq.length, (seq.blocks + p.new_blocks) * B);
+    const uint32_t end = old_length + p.n_after;
+    const uint32_t tail_start = std::max(old_length, (seq.blocks + p.new_blocks) * B);
     CommitJob &job = commit[i];
     job.table = static_cast<uint64_t *>(p.grown_table.data ? p.grown_table.data : seq.table_dev.data);
     job.old_table = p.grown_table.data ? static_cast<const uint64_t *>(seq.table_dev.data) : nullptr;
@@ -447,19 +483,25 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
     job.ring_v = seq.ring + ring_half;
     job.in_k = in_k;
     job.in_v = in_v;
-    job.first_token = tail_start - seq.length;
+    job.first_token = tail_start - old_length;
     job.n_tokens = end - tail_start;
     job.first_pos = tail_start;
+    job.sink_k = seq.sink;
+    job.sink_v = seq.sink ? seq.sink + sink_bytes() : nullptr;
+    job.sink_in_k = key_bytes + i * seq_input_bytes;
+    job.sink_in_v = value_bytes + i * seq_input_bytes;
+    job.first_sink = seq.sinks;
+    job.n_sinks = p.new_sinks;
   }
 
   // 2. Validate and quantize into the reserved slots, then read the verdict: the host sync.
   unsigned long long *flags = device_flags();
   try {
-    check_cuda(cudaMemsetAsync(flags, 0xff, 3 * sizeof(unsigned long long), stream_), "cudaMemsetAsync");
+    check_cuda(cudaMemsetAsync(flags, 0xff, 4 * sizeof(unsigned long long), stream_), "cudaMemsetAsync");
     check_cuda(cudaMemcpyAsync(blob_dev, blob_host, blob_bytes, cudaMemcpyHostToDevice, stream_),
                "uploading the append jobs");
-    check_cuda(launch_validate(k, keys, values, elements, spec().key_limit, spec().value_limit, k.kind == KeyKind::qjl, flags,
-                               stream_),
+    check_cuda(launch_validate(k, keys, values, elements, spec().key_limit, spec().value_limit, k.kind == KeyKind::qjl,
+                               value_norm_limit(), flags, stream_),
                "the validation kernel");
     if (k.traced)
       check_cuda(launch_ott_quantize(k, reinterpret_cast<const OttJob *>(blob_dev + ott_offset), uint32_t(ott_jobs),
@@ -467,7 +509,7 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
                  "the OTT quantization kernel");
     else
       check_cuda(launch_quantize(k, quant_dev, uint32_t(quant_jobs), stream_), "the quantization kernel");
-    check_cuda(cudaMemcpyAsync(flags_host_, flags, 3 * sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream_),
+    check_cuda(cudaMemcpyAsync(flags_host_, flags, 4 * sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream_),
                "reading the validation result");
     check_cuda(cudaStreamSynchronize(stream_), "append (validation and quantization)");
     constexpr unsigned long long kNone = ~0ull;
@@ -484,6 +526,18 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
            "keys: the key vector of token %zu, kv head %zu has L2 norm %g > 65504, which QJL cannot store (norms "
            "are fp16)",
            vector / cfg.num_kv_heads, vector % cfg.num_kv_heads, std::sqrt(norm2));
+    }
+    if (flags_host_[3] != kNone) {
+      const size_t vector = size_t(flags_host_[3]);
+      double norm2 = 0.0;
+      for (uint32_t j = 0; j < cfg.head_dim; ++j) {
+        const double x = read_element(values, vector * cfg.head_dim + j);
+        norm2 += x * x;
+      }
+      fail(QJLKV_ERROR_INVALID_ARGUMENT,
+           "values: the value vector of token %zu, kv head %zu has L2 norm %g > %g, which rotated Lloyd-Max values "
+           "of %u bits cannot store (their per-token scale is fp16)",
+           vector / cfg.num_kv_heads, vector % cfg.num_kv_heads, std::sqrt(norm2), value_norm_limit(), cfg.value_bits);
     }
   } catch (...) {
     rollback();
@@ -507,6 +561,7 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
       seq.ott_ready = true;
     }
     seq.length += tokens_per_seq;
+    seq.sinks += p.new_sinks;
     seq.blocks += p.new_blocks;
   }
 }
@@ -521,7 +576,7 @@ void CudaCache::run_attention(uint32_t layer_index, const uint32_t *seqs, uint32
     const SeqState &seq = find(layer_index, seqs[i]);
     QJLKV_REQUIRE(queries_per_seq <= seq.length, "n_queries is %u, but seq %u holds only %llu tokens",
                   queries_per_seq, seqs[i], (unsigned long long)seq.length);
-    max_units = std::max(max_units, attend_units(seq.length, seq.blocks, k.B));
+    max_units = std::max(max_units, attend_units(seq.length - seq.sinks, seq.blocks, k.B) + div_up(seq.sinks, k.B));
   }
   // OTT: at most P + S outlier tokens per head (the kernel reads the actual counts).
   if (k.traced) max_units += div_up(k.ott_pool + k.ott_spill, k.B);
@@ -548,8 +603,15 @@ void CudaCache::run_attention(uint32_t layer_index, const uint32_t *seqs, uint32
   const size_t ring_half = ring_bytes_ / 2;
   for (uint32_t i = 0; i < n_seqs; ++i) {
     const SeqState &seq = layer.seqs.find(seqs[i])->second;
-    desc_host[i] = AttendSeq{static_cast<const uint64_t *>(seq.table_dev.data), seq.ring, seq.ring + ring_half,
-                             seq.ott_ready ? ott_state(layer, seq, seq.ott_side) : nullptr, seq.length, seq.blocks};
+    desc_host[i] = AttendSeq{static_cast<const uint64_t *>(seq.table_dev.data),
+                             seq.ring,
+                             seq.ring + ring_half,
+                             seq.ott_ready ? ott_state(layer, seq, seq.ott_side) : nullptr,
+                             seq.sink,
+                             seq.sink ? seq.sink + sink_bytes() : nullptr,
+                             seq.length,
+                             seq.blocks,
+                             seq.sinks};
   }
   check_cuda(cudaMemcpyAsync(base, desc_host, n_seqs * sizeof(AttendSeq), cudaMemcpyHostToDevice, stream_),
              "uploading the attention descriptors");
@@ -583,7 +645,7 @@ void CudaCache::scores(uint32_t layer, uint32_t seq, const void *query, float *o
   unsigned long long *flags = device_flags();
   check_cuda(cudaMemsetAsync(flags, 0xff, 3 * sizeof(unsigned long long), stream_), "cudaMemsetAsync");
   check_cuda(launch_validate(layers_[layer].shape, query, nullptr, size_t(cfg.num_q_heads) * cfg.head_dim, FLT_MAX,
-                             FLT_MAX, false, flags, stream_),
+                             FLT_MAX, false, 0.0, flags, stream_),
              "the validation kernel");
   check_cuda(cudaMemcpyAsync(flags_host_, flags, sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream_),
              "reading the validation result");
@@ -611,9 +673,9 @@ void CudaCache::reconstruct(uint32_t layer_index, uint32_t seq_id, uint64_t firs
   const LayerState &layer = layers_[layer_index];
   const SeqState &seq = find(layer_index, seq_id);
   const uint32_t d = cfg.head_dim, B = cfg.block_tokens, Hkv = cfg.num_kv_heads;
-  const uint64_t quantized = uint64_t(seq.blocks) * B;
+  const uint64_t sinks = seq.sinks, quantized = sinks + uint64_t(seq.blocks) * B;
   const size_t head_stride = layer.shape.head_stride;
-  std::vector<uint8_t> slot(head_stride * Hkv), ring;
+  std::vector<uint8_t> slot(head_stride * Hkv), ring, sink;
   uint64_t slot_block = ~0ull;
   const std::vector<uint8_t> ott = download_ott(layer, seq);
   const OttLayout &ol = layer.shape.ott;
@@ -621,22 +683,32 @@ void CudaCache::reconstruct(uint32_t layer_index, uint32_t seq_id, uint64_t firs
     ring.resize(ring_bytes_);
     download(ring.data(), seq.ring, ring_bytes_);
   }
+  if (first < sinks) {
+    sink.resize(2 * sink_bytes());
+    download(sink.data(), seq.sink, sink.size());
+  }
   for (uint64_t p = first; p < first + count; ++p) {
-    if (p < quantized && p / B != slot_block) {
-      slot_block = p / B;
+    if (p >= sinks && p < quantized && (p - sinks) / B != slot_block) {
+      slot_block = (p - sinks) / B;
       download(slot.data(), reinterpret_cast<const void *>(seq.table[slot_block]), slot.size());
     }
     for (uint32_t h = 0; h < Hkv; ++h) {
       float *k = keys_out ? keys_out + ((p - first) * Hkv + h) * d : nullptr;
       float *v = values_out ? values_out + ((p - first) * Hkv + h) * d : nullptr;
-      if (p >= quantized) {  // ring slot p % ring: keys, then values half a ring later
-        const size_t element = size_t(p % layer.shape.ring) * Hkv * d + size_t(h) * d;
+      if (p < sinks) {  // sinks: keys [S][Hkv][d], then values
+        const size_t element = size_t(p) * Hkv * d + size_t(h) * d;
+        if (k) cpu::load_row(sink.data(), element, d, dtype_of(cfg), k);
+        if (v) cpu::load_row(sink.data() + sink_bytes(), element, d, dtype_of(cfg), v);
+        continue;
+      }
+      if (p >= quantized) {  // ring slot (p - sinks) % ring: keys, then values half a ring later
+        const size_t element = size_t((p - sinks) % layer.shape.ring) * Hkv * d + size_t(h) * d;
         if (k) cpu::load_row(ring.data(), element, d, dtype_of(cfg), k);
         if (v) cpu::load_row(ring.data() + ring_bytes_ / 2, element, d, dtype_of(cfg), v);
         continue;
       }
       const uint8_t *block = slot.data() + h * head_stride;
-      const uint32_t t = uint32_t(p % B);
+      const uint32_t t = uint32_t((p - sinks) % B);
       if (layer.shape.has_mask && (block[ls.layout.key_mask + t / 8] >> (t % 8) & 1u)) {
         // OTT: the token lives on, exact, in the pool or the spill area.
         const uint8_t *state = ott.data() + size_t(h) * ol.bytes;
@@ -662,7 +734,7 @@ void CudaCache::reconstruct(uint32_t layer_index, uint32_t seq_id, uint64_t firs
           case QJLKV_KEYS_OTT: cpu::kivi_dequantize_token(cfg, ls.layout, block, t, k); break;
         }
       }
-      if (v) cpu::values_dequantize_token(cfg, spec().stored_dtype, ls.layout, nullptr, block, t, v);
+      if (v) cpu::values_dequantize_token(cfg, spec().stored_dtype, ls.layout, ls.value_signs.data(), block, t, v);
     }
   }
 }
@@ -677,6 +749,7 @@ void CudaCache::clear(uint32_t seq_id) {
     for (uint64_t slot : seq.table) layer.blocks->give(reinterpret_cast<uint8_t *>(slot));
     if (seq.ring) layer.rings->give(seq.ring);
     if (seq.ott) layer.otts->give(seq.ott);
+    if (seq.sink) layer.sinks->give(seq.sink);
     seq.table_dev.release(*pool_, stream_);
     layer.seqs.erase(it);
   }
@@ -690,7 +763,7 @@ void CudaCache::stats(qjlkv_stats &out) const {
     const uint64_t head_stride = layer.shape.head_stride;
     allocated += layer.blocks->bytes_reserved() + layer.rings->bytes_reserved();
     for (const auto &[id, seq] : layer.seqs) {
-      const uint32_t tail = seq.length - seq.blocks * cfg.block_tokens;
+      const uint32_t tail = seq.length - seq.blocks * cfg.block_tokens;  // and the sinks: full precision
       tokens += seq.length;
       keys_q += uint64_t(seq.blocks) * Hkv * layer.key_bytes;
       values_q += uint64_t(seq.blocks) * Hkv * layer.value_bytes;
@@ -712,6 +785,7 @@ void CudaCache::stats(qjlkv_stats &out) const {
         full += uint64_t(headers[4 * h] + headers[4 * h + 1]) * per_token + uint64_t(headers[4 * h]) * sizeof(float);
     }
     if (layer.otts) allocated += layer.otts->bytes_reserved();
+    if (layer.sinks) allocated += layer.sinks->bytes_reserved();
   }
   out.tokens = tokens;
   out.bytes_keys_quantized = keys_q;
@@ -726,27 +800,7 @@ void CudaCache::stats(qjlkv_stats &out) const {
 
 namespace qjlkv {
 
-namespace {
-// Options the CPU backend has and the CUDA kernels do not yet: refused by name, before any device work.
-void refuse_cpu_only_options(const qjlkv_config &cfg) {
-  const bool kivi_keys = cfg.key_method == QJLKV_KEYS_KIVI || cfg.key_method == QJLKV_KEYS_OTT;
-  if (kivi_keys && cfg.key_bits == 3)
-    fail(QJLKV_ERROR_UNSUPPORTED, "config.key_bits is 3: 3-bit KIVI/OTT keys are not yet available on CUDA (use "
-         "the CPU backend, config.backend = QJLKV_BACKEND_CPU)");
-  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX)
-    fail(QJLKV_ERROR_UNSUPPORTED, "config.value_method is QJLKV_VALUES_ROTATED_LLOYD_MAX: rotated Lloyd-Max values "
-         "are not yet available on CUDA (use the CPU backend, config.backend = QJLKV_BACKEND_CPU)");
-  if (cfg.sink_tokens > 0)
-    fail(QJLKV_ERROR_UNSUPPORTED, "config.sink_tokens is %u: attention-sink tokens are not yet available on CUDA (use "
-         "the CPU backend, config.backend = QJLKV_BACKEND_CPU)", cfg.sink_tokens);
-  if (cfg.value_bits == 3)
-    fail(QJLKV_ERROR_UNSUPPORTED, "config.value_bits is 3: 3-bit values are not yet available on CUDA (use the CPU "
-         "backend, config.backend = QJLKV_BACKEND_CPU)");
-}
-}  // namespace
-
 std::unique_ptr<qjlkv_cache> make_cuda_cache(CacheSpec spec) {
-  refuse_cpu_only_options(spec.cfg);
   const uint32_t device = spec.cfg.device_ordinal;
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);

@@ -17,10 +17,13 @@ struct KernelShape {
   qjlkv_dtype dtype;        // input/output and tail dtype
   bool stored_bf16;         // 16-bit storage is bf16 (else fp16)
   KeyKind kind;
+  ValueKind value_kind;
   uint32_t d, Hkv, Hq, G;   // head_dim, kv heads, query heads, group size
   uint32_t B;               // block_tokens
   uint32_t ring;            // tail ring capacity in tokens (residual_tokens + block_tokens)
   uint32_t key_bits, value_bits, value_group;
+  const float *value_signs;  // rotated Lloyd-Max values: the layer's rotation signs s_j, [d]
+  uint32_t sinks;            // config.sink_tokens: the positions before the first block
   uint32_t m, m_out, sketch_rows, outlier_channels;  // QJL, for this layer
   float qjl_constant;
   const float *sketch_t;    // QJL: the layer sketch transposed, [d][sketch_rows]
@@ -40,10 +43,11 @@ struct KernelShape {
 // ---- append ---------------------------------------------------------------------------------
 // One block (all kv heads) to quantize. Its tokens are positions first_pos .. first_pos + B - 1;
 // positions below old_length come from the sequence's tail ring, the others from the input.
+// Positions here count from the end of the sequence's sinks (position S + p of the sequence).
 struct QuantJob {
   uint8_t *slot;
   const uint8_t *ring_k, *ring_v;
-  const uint8_t *in_k, *in_v;  // this sequence's input tokens ([n][Hkv][d])
+  const uint8_t *in_k, *in_v;  // this sequence's input tokens after its new sinks ([n][Hkv][d])
   uint32_t first_pos, old_length;
 };
 
@@ -55,15 +59,19 @@ struct CommitJob {
   uint32_t n_old, n_new;
   uint8_t *ring_k, *ring_v;
   const uint8_t *in_k, *in_v;
-  uint32_t first_token, n_tokens;  // input tokens stored in the ring ...
-  uint32_t first_pos;              // ... at positions first_pos, first_pos + 1, ...
+  uint32_t first_token, n_tokens;  // input tokens (after the new sinks) stored in the ring ...
+  uint32_t first_pos;              // ... at positions (after the sinks) first_pos, first_pos + 1, ...
+  uint8_t *sink_k, *sink_v;        // sinks ([S][Hkv][d] each): the first n_sinks input tokens go ...
+  const uint8_t *sink_in_k, *sink_in_v;  // (from here) ...
+  uint32_t first_sink, n_sinks;    // ... to sinks first_sink, first_sink + 1, ...
 };
 
-// flags[0], [1], [2] receive the first bad key element, value element and QJL key vector
-// (UINT64_MAX when none); values may be null (a query check).
+// flags[0], [1], [2], [3] receive the first bad key element, value element, QJL key vector and
+// value vector of L2 norm > value_norm_limit (UINT64_MAX when none; value_norm_limit 0: no such
+// check); values may be null (a query check).
 cudaError_t launch_validate(const KernelShape &shape, const void *keys, const void *values, size_t elements,
-                            float key_limit, float value_limit, bool check_key_norms, unsigned long long *flags,
-                            cudaStream_t stream);
+                            float key_limit, float value_limit, bool check_key_norms, double value_norm_limit,
+                            unsigned long long *flags, cudaStream_t stream);
 cudaError_t launch_quantize(const KernelShape &shape, const QuantJob *jobs, uint32_t n_jobs, cudaStream_t stream);
 
 // OTT-traced layers: the new blocks of one sequence, quantized in order by one CTA per kv head,
@@ -88,7 +96,8 @@ struct AttendSeq {
   const uint64_t *table;
   const uint8_t *ring_k, *ring_v;
   const uint8_t *ott;  // OTT-traced layers: the committed outlier state ([Hkv] heads), else null
-  uint32_t length, blocks;
+  const uint8_t *sink_k, *sink_v;  // the sinks ([sinks][Hkv][d] each), positions [0, sinks)
+  uint32_t length, blocks, sinks;  // blocks start at position `sinks`; the tail follows them
 };
 
 struct AttendArgs {
@@ -118,8 +127,9 @@ inline AttendShape attend_shape(const KernelShape &shape, uint32_t rows) {
   s.sketch_rows = shape.sketch_rows;
   s.outlier_channels = shape.outlier_channels;
   s.key_bits = shape.key_bits;
+  s.value_kind = shape.value_kind;
   s.value_bits = shape.value_bits;
-  s.value_groups = shape.d / shape.value_group;
+  s.value_groups = shape.value_kind == ValueKind::uniform ? shape.d / shape.value_group : 1;
   s.io_elem = shape.dtype == QJLKV_DTYPE_F32 ? 4 : 2;
   return s;
 }

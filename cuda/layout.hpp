@@ -20,6 +20,12 @@ inline constexpr uint32_t kQuantizeThreads = 256;  // one channel per thread: he
 inline constexpr uint32_t kQuantizeChunk = 8;      // tokens projected together by the QJL quantizer
 
 enum class KeyKind : int { qjl = 0, kivi = 1, exact = 2 };
+// How a block stores its values (one policy type each in values.cuh): per-token groups of
+// uniform codes with fp16 scale and minimum, 16-bit numbers, or rotated Lloyd-Max codes with one
+// fp16 scale per token.
+enum class ValueKind : int { uniform = 0, stored16 = 1, lloyd_max = 2 };
+// The number of Lloyd-Max levels of the largest supported code width (4 bits).
+inline constexpr uint32_t kMaxLevels = 16;
 
 QJLKV_HD uint32_t round_up(uint32_t x, uint32_t to) { return (x + to - 1) / to * to; }
 QJLKV_HD uint32_t div_up(uint32_t x, uint32_t by) { return (x + by - 1) / by; }
@@ -38,7 +44,8 @@ struct AttendShape {
   uint32_t d = 0;
   uint32_t m = 0, m_out = 0, sketch_rows = 0, outlier_channels = 0;  // QJL
   uint32_t key_bits = 0;                                              // KIVI
-  uint32_t value_bits = 0, value_groups = 0;                          // value_groups = d / g
+  ValueKind value_kind = ValueKind::uniform;
+  uint32_t value_bits = 0, value_groups = 0;                          // value_groups = d / g (uniform)
   uint32_t io_elem = 4;                                               // bytes of a tail element
 };
 
@@ -55,13 +62,14 @@ struct AttendSmem {
   uint32_t scores = 0;     // float [rows][kTile]: scores, then softmax weights
   uint32_t red = 0;        // float [2][kParts][rows][kTile]: partial dot products
   uint32_t state = 0;      // float [3][rows]: running max, running sum, rescale factor
+  uint32_t levels = 0;     // rotated Lloyd-Max values: float [kMaxLevels], code c's level
   uint32_t stage_k = 0;    // staged key bytes of a tile
   uint32_t stage_v = 0;    // staged value bytes of a tile
   uint32_t final_buf = 0;  // float [lanes][rows][d] at the end (aliases the stage); KIVI setup scratch
   uint32_t total = 0;
   // Inside stage_k, for QJL blocks: norms and bit arrays of the tile's tokens.
   uint32_t k_norm_in = 0, k_norm_out = 0, k_bits_in = 0, k_bits_out = 0;
-  // Inside stage_v, for quantized values: scales, minima, codes.
+  // Inside stage_v, for quantized values: scales, minima (uniform only), codes.
   uint32_t v_scale = 0, v_min = 0, v_codes = 0;
 };
 
@@ -88,6 +96,7 @@ QJLKV_HD AttendSmem attend_smem(const AttendShape &s) {
   o.scores = take(4 * s.rows * kTile);
   o.red = take(4 * 2 * kParts * s.rows * kTile);
   o.state = take(4 * 3 * s.rows);
+  if (s.value_kind == ValueKind::lloyd_max) o.levels = take(4 * kMaxLevels);
 
   // Key stage: the largest of the block layout (per kind) and the full-precision tail rows.
   uint32_t key_stage = 0;
@@ -97,7 +106,7 @@ QJLKV_HD AttendSmem attend_smem(const AttendShape &s) {
     o.k_bits_in = o.k_norm_out + round_up(2 * kTile + 16, 16);
     o.k_bits_out = o.k_bits_in + round_up(kTile * s.m / 8 + 16, 16);
     key_stage = o.k_bits_out + round_up(kTile * s.m_out / 8 + 16, 16);
-  } else if (s.kind == KeyKind::kivi) {
+  } else if (s.kind == KeyKind::kivi) {  // + 16: 3-bit rows are read in whole 12-byte groups
     key_stage = round_up(kTile * s.d * s.key_bits / 8 + 16, 16);
   } else {
     key_stage = 4 * kTile * padded_row_words(2 * s.d);
@@ -106,8 +115,12 @@ QJLKV_HD AttendSmem attend_smem(const AttendShape &s) {
   if (tail_key_stage > key_stage) key_stage = tail_key_stage;
 
   uint32_t value_stage = 0;
-  if (s.value_bits == 16) {
+  if (s.value_kind == ValueKind::stored16) {
     value_stage = kTile * 2 * s.d;
+  } else if (s.value_kind == ValueKind::lloyd_max) {
+    o.v_scale = 0;
+    o.v_codes = round_up(kTile * 2 + 16, 16);
+    value_stage = o.v_codes + round_up(kTile * s.d * s.value_bits / 8 + 16, 16);
   } else {
     o.v_scale = 0;
     o.v_min = round_up(kTile * s.value_groups * 2 + 16, 16);

@@ -1,8 +1,10 @@
 // The CUDA backend against the CPU backend on the same inputs: stored bytes (through their
 // reconstructions, which decode the bytes with the same CPU code on both backends), scores and
-// attention outputs, for every key method (QJL, KIVI, OTT, exact), every dtype, head dims
-// 64/128/256 and GQA ratios 1/4/7; batching, causal multi-query attention, sequence reuse, data
-// validation, streams, long contexts and large batches.
+// attention outputs, for every key method (QJL, KIVI, OTT, exact; 2/3/4/8-bit codes), every value
+// method (uniform 2/3/4/8-bit, 16-bit, rotated Lloyd-Max 2/3/4-bit), attention sinks, the tiers q3
+// and q4, every dtype, head dims 64/128/256 and GQA ratios 1/4/7; batching, causal multi-query
+// attention, sequence reuse, data validation, streams, long contexts, large batches, and export /
+// import between the backends.
 //
 // Built twice (see gpu_test_util.hpp): on a GPU (skipping with the CUDA error without one) and on
 // the CPU emulator, where the large cases shrink to what a CPU can emulate in seconds.
@@ -38,7 +40,7 @@ std::string case_name(const testing::TestParamInfo<Case> &info) {
 
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
-  for (const char *preset : {"qjl", "kivi", "ott", "exact"})
+  for (const char *preset : {"q3", "q4", "qjl", "kivi", "ott", "exact"})
     for (qjlkv_dtype dtype : {QJLKV_DTYPE_F32, QJLKV_DTYPE_F16, QJLKV_DTYPE_BF16})
       for (uint32_t d : {64u, 128u, 256u})
         for (uint32_t g : {1u, 4u, 7u}) {
@@ -58,7 +60,8 @@ qjlkv_config make_config(const Case &c, uint32_t kv_heads = 2, uint32_t layers =
   EXPECT_EQ(qjlkv_config_init(&cfg, c.preset, layers, kv_heads * c.group, kv_heads, c.head_dim), QJLKV_OK);
   cfg.dtype = c.dtype;
   cfg.seed = 1234;
-  if (std::string(c.preset) == "kivi" || std::string(c.preset) == "ott") cfg.block_tokens = 32;  // more blocks
+  const std::string preset = c.preset;
+  if (preset == "kivi" || preset == "ott" || preset == "q3" || preset == "q4") cfg.block_tokens = 32;  // more blocks
   if (std::string(c.preset) == "ott") cfg.outlier_skip_layers = std::min(1u, layers - 1);  // layer 1 traced
   if (std::string(c.preset) == "exact") cfg.residual_tokens = 16;
   return cfg;
@@ -244,6 +247,50 @@ const Corner kCorners[] = {
        c.outlier_spill_tokens = 0;
        c.key_bits = 4;
        c.outlier_skip_layers = 1;
+     }},
+    // 3-bit codes (8 codes in 3 bytes), rotated Lloyd-Max values, attention sinks.
+    // The tiers with their 128-token blocks (a residual of 8 so that 161 tokens fill a block).
+    {"q3_preset_b128_r8", "q3", QJLKV_DTYPE_BF16, 8, 2, 128, [](qjlkv_config &c) { c.residual_tokens = 8; }},
+    {"q4_preset_b128_r8", "q4", QJLKV_DTYPE_F16, 8, 2, 128, [](qjlkv_config &c) { c.residual_tokens = 8; }},
+    {"kivi_kbits3_vbits3_d96_g32_b40", "kivi", QJLKV_DTYPE_F16, 4, 2, 96,
+     [](qjlkv_config &c) {
+       c.key_bits = 3;
+       c.value_bits = 3;
+       c.block_tokens = 40;
+     }},
+    {"kivi_kbits3_d40_vbits3_g5_b16", "kivi", QJLKV_DTYPE_F32, 2, 1, 40,
+     [](qjlkv_config &c) {
+       c.key_bits = 3;
+       c.value_bits = 3;
+       c.value_group_size = 5;
+       c.block_tokens = 16;
+     }},
+    {"ott_kbits3_sinks2_b24", "ott", QJLKV_DTYPE_BF16, 6, 3, 64,
+     [](qjlkv_config &c) {
+       c.key_bits = 3;
+       c.sink_tokens = 2;
+       c.block_tokens = 24;
+       c.outlier_skip_layers = 0;
+     }},
+    {"qjl_sinks5_lloyd4_d96", "qjl", QJLKV_DTYPE_F32, 4, 2, 96,
+     [](qjlkv_config &c) {
+       c.sink_tokens = 5;
+       c.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
+       c.value_bits = 4;
+     }},
+    {"exact_lloyd3_d40_b8_r0_sinks3", "exact", QJLKV_DTYPE_F16, 4, 1, 40,
+     [](qjlkv_config &c) {
+       c.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
+       c.value_bits = 3;
+       c.block_tokens = 8;
+       c.residual_tokens = 0;
+       c.sink_tokens = 3;
+     }},
+    {"q4_d72_sinks20_b8_r3", "q4", QJLKV_DTYPE_F32, 6, 2, 72,
+     [](qjlkv_config &c) {
+       c.block_tokens = 8;
+       c.residual_tokens = 3;
+       c.sink_tokens = 20;  // more sinks than a block
      }},
 };
 
@@ -509,38 +556,6 @@ TEST(CudaBackend, CreateWithoutDeviceFailsCleanly) {
   const std::string message = qjlkv_last_error_message();
   EXPECT_NE(message.find("config.device_ordinal"), std::string::npos) << message;
   EXPECT_NE(message.find("cuda"), std::string::npos) << message;  // the CUDA error's name
-}
-
-// Options of the CPU backend that the CUDA kernels do not have yet are refused by name, with or
-// without a device.
-TEST(CudaBackend, CpuOnlyOptionsAreRefusedByName) {
-  struct Case {
-    const char *preset, *field;
-    void (*set)(qjlkv_config &);
-  };
-  const Case cases[] = {
-      {"kivi", "key_bits", [](qjlkv_config &c) { c.key_bits = 3; }},
-      {"ott", "key_bits", [](qjlkv_config &c) { c.key_bits = 3; }},
-      {"qjl", "value_bits", [](qjlkv_config &c) { c.value_bits = 3; }},
-      {"kivi", "value_method", [](qjlkv_config &c) { c.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX; }},
-      {"exact", "sink_tokens", [](qjlkv_config &c) { c.sink_tokens = 4; }},
-      {"q4", "value_method", [](qjlkv_config &) {}},  // the tier: 4-bit keys are fine, its values are not
-  };
-  for (const Case &k : cases) {
-    qjlkv_config cfg;
-    cfg.struct_size = sizeof cfg;
-    QJLKV_OK(qjlkv_config_init(&cfg, k.preset, 1, 4, 1, 64));
-    k.set(cfg);
-    cfg.backend = QJLKV_BACKEND_CUDA;
-    cfg.device_ordinal = 0;
-    qjlkv_cache *c = nullptr;
-    EXPECT_EQ(qjlkv_cache_create(&cfg, &c), QJLKV_ERROR_UNSUPPORTED) << k.preset << " " << k.field;
-    EXPECT_EQ(c, nullptr);
-    EXPECT_NE(std::string(qjlkv_last_error_message()).find(k.field), std::string::npos) << qjlkv_last_error_message();
-    cfg.backend = QJLKV_BACKEND_CPU;  // the same config is fine on the CPU
-    EXPECT_EQ(qjlkv_cache_create(&cfg, &c), QJLKV_OK) << qjlkv_last_error_message();
-    qjlkv_cache_destroy(c);
-  }
 }
 
 #if defined(QJLKV_CUDA_EMULATION)

@@ -1,0 +1,218 @@
+// Value policies: one type per way a block stores its values (ValueKind), consumed by the append
+// kernels (quantize) and the attention kernel (stage, decode). The kernels are templates over the
+// policy, so neither branches on the value method.
+//
+// quantize(s, src, block)   all threads of a quantize CTA: the values of the block's B tokens of one
+//                           kv head into its zeroed block (src.value(t, j) reads them as floats),
+//                           bit-identical to the CPU backend (values_quantize_block).
+// Decoder(s, L, smem, slice) one per thread of an attention CTA, which owns the 8 channels of
+//                           `slice`; init() runs once per CTA before the first block (all threads,
+//                           followed by a barrier), stage() copies a tile of n tokens from t0 of a
+//                           block to shared memory (all threads), decode() reads token t's 8
+//                           channels back as floats.
+// kRotated                  the decoded values are rotated (Lloyd-Max): the kernel rotates its
+//                           weighted sum back (rotate_inverse) before exact tokens join it.
+#pragma once
+#include "device.cuh"
+#include "lloyd_max.hpp"
+
+namespace qjlkv::cuda {
+
+// Eight consecutive 16-bit numbers (one 16-byte load) as floats.
+template <bool BF16>
+__device__ __forceinline__ void unpack8_16bit(const uint8_t *p, float (&v)[kSliceChannels]) {
+  const uint4 x = *reinterpret_cast<const uint4 *>(p);
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (uint32_t k = 0; k < 4; ++k) {
+    v[2 * k] = stored16_to_float<BF16>(w[k] & 0xffffu);
+    v[2 * k + 1] = stored16_to_float<BF16>(w[k] >> 16);
+  }
+}
+
+// The 8 codes of `bits` bits (2, 3, 4 or 8) that start at byte p (8 codes take `bits` bytes), as
+// one 64-bit stream: code c is bits [c·bits, (c + 1)·bits).
+__device__ __forceinline__ uint64_t load_codes8(const uint8_t *p, uint32_t bits) {
+  switch (bits) {
+    case 2: return *reinterpret_cast<const uint16_t *>(p);
+    case 4: return *reinterpret_cast<const uint32_t *>(p);
+    case 8: {
+      const uint2 x = *reinterpret_cast<const uint2 *>(p);
+      return uint64_t(x.x) | uint64_t(x.y) << 32;
+    }
+    default: return uint64_t(p[0]) | uint64_t(p[1]) << 8 | uint64_t(p[2]) << 16;  // 3 bits: not 4-aligned
+  }
+}
+
+// The codes of channels [8g, 8g + 8) of one row, packed (quant_math.hpp's pack_code, 8 at a time:
+// the bytes of one group of 8 codes belong to that group alone, so threads write whole bytes).
+__device__ __forceinline__ void store_codes8(uint8_t *row, uint32_t g, uint32_t bits, uint64_t packed) {
+  for (uint32_t b = 0; b < bits; ++b) row[g * bits + b] = uint8_t(packed >> (8 * b));
+}
+
+// Per-token groups of value_group channels: code = clamp(rint((x − min16)/scale16)), fp16 scale
+// and minimum per group; 2, 3, 4 or 8 bits.
+struct UniformValues {
+  static constexpr ValueKind kKind = ValueKind::uniform;
+  static constexpr bool kRotated = false;
+
+  template <bool BF16, class Source>
+  __device__ static void quantize(const KernelShape &s, const Source &src, uint8_t *block) {
+    const uint32_t tid = threadIdx.x, threads = blockDim.x, d = s.d, B = s.B, bits = s.value_bits;
+    const uint32_t g = s.value_group, groups = d / g;
+    auto *scales = reinterpret_cast<uint16_t *>(block + s.value_scale);
+    auto *mins = reinterpret_cast<uint16_t *>(block + s.value_min);
+    for (uint32_t i = tid; i < B * groups; i += threads) {
+      const uint32_t t = i / groups, first = (i % groups) * g;
+      float lo = src.value(t, first), hi = lo;
+      for (uint32_t k = 1; k < g; ++k) group_minmax_step(src.value(t, first + k), lo, hi);
+      const GroupQuant q = group_quant(lo, hi, bits);
+      scales[i] = q.scale_bits;
+      mins[i] = q.min_bits;
+    }
+    __syncthreads();  // the scales and minima written above are read back below (plain loads)
+    const uint32_t eights = d / 8;
+    for (uint32_t i = tid; i < B * eights; i += threads) {
+      const uint32_t t = i / eights, g8 = i % eights;
+      uint64_t packed = 0;
+      for (uint32_t k = 0; k < 8; ++k) {
+        const uint32_t j = 8 * g8 + k, group = t * groups + j / g;
+        GroupQuant q{};
+        q.scale = half_to_float(scales[group]);
+        q.min = half_to_float(mins[group]);
+        packed |= uint64_t(quant_code(src.value(t, j), q, bits)) << (k * bits);
+      }
+      store_codes8(block + s.value_codes + size_t(t) * s.value_codes_bpt, g8, bits, packed);
+    }
+  }
+
+  struct Decoder {
+    const KernelShape &s;
+    const AttendSmem &L;
+    uint32_t slice, groups;
+    uint32_t channel_group[kSliceChannels];
+    bool one_group;
+    __device__ Decoder(const KernelShape &shape, const AttendSmem &layout, uint8_t *, uint32_t slice_index)
+        : s(shape), L(layout), slice(slice_index), groups(shape.d / shape.value_group) {
+#pragma unroll
+      for (uint32_t c = 0; c < kSliceChannels; ++c) channel_group[c] = (slice * kSliceChannels + c) / s.value_group;
+      one_group = channel_group[0] == channel_group[kSliceChannels - 1];
+    }
+    __device__ void init() const {}
+    __device__ void stage(uint8_t *stage_v, const uint8_t *block, uint32_t t0, uint32_t n) const {
+      const uint32_t group_bytes = n * groups * 2;
+      copy_words(stage_v + L.v_scale, block + s.value_scale + t0 * groups * 2, group_bytes, kAttendThreads);
+      copy_words(stage_v + L.v_min, block + s.value_min + t0 * groups * 2, group_bytes, kAttendThreads);
+      copy_words(stage_v + L.v_codes, block + s.value_codes + t0 * s.value_codes_bpt, n * s.value_codes_bpt,
+                 kAttendThreads);
+    }
+    template <bool BF16>
+    __device__ void decode(const uint8_t *stage_v, uint32_t t, float (&v)[kSliceChannels]) const {
+      const uint32_t bits = s.value_bits, mask = (1u << bits) - 1u;
+      const uint64_t codes = load_codes8(stage_v + L.v_codes + t * s.value_codes_bpt + slice * bits, bits);
+      const auto *scale16 = reinterpret_cast<const uint16_t *>(stage_v + L.v_scale) + t * groups;
+      const auto *min16 = reinterpret_cast<const uint16_t *>(stage_v + L.v_min) + t * groups;
+      float scale = 0.0f, minimum = 0.0f;
+      if (one_group) {
+        scale = fp16_bits_to_float(scale16[channel_group[0]]);
+        minimum = fp16_bits_to_float(min16[channel_group[0]]);
+      }
+#pragma unroll
+      for (uint32_t c = 0; c < kSliceChannels; ++c) {
+        const uint32_t code = uint32_t(codes >> (c * bits)) & mask;
+        if (!one_group) {
+          scale = fp16_bits_to_float(scale16[channel_group[c]]);
+          minimum = fp16_bits_to_float(min16[channel_group[c]]);
+        }
+        v[c] = fmaf(code_to_float(code), scale, minimum);  // x̂ = code·scale + min
+      }
+    }
+  };
+};
+
+// value_bits = 16: fp16 (bf16 for bf16 inputs) numbers, [B][d].
+struct Stored16Values {
+  static constexpr ValueKind kKind = ValueKind::stored16;
+  static constexpr bool kRotated = false;
+
+  template <bool BF16, class Source>
+  __device__ static void quantize(const KernelShape &s, const Source &src, uint8_t *block) {
+    auto *dst = reinterpret_cast<uint16_t *>(block + s.value_codes);
+    for (uint32_t i = threadIdx.x; i < s.B * s.d; i += blockDim.x)
+      dst[i] = float_to_stored16<BF16>(src.value(i / s.d, i % s.d));
+  }
+
+  struct Decoder {
+    const KernelShape &s;
+    uint32_t slice;
+    __device__ Decoder(const KernelShape &shape, const AttendSmem &, uint8_t *, uint32_t slice_index)
+        : s(shape), slice(slice_index) {}
+    __device__ void init() const {}
+    __device__ void stage(uint8_t *stage_v, const uint8_t *block, uint32_t t0, uint32_t n) const {
+      copy_words(stage_v, block + s.value_codes + size_t(t0) * 2 * s.d, n * 2 * s.d, kAttendThreads);
+    }
+    template <bool BF16>
+    __device__ void decode(const uint8_t *stage_v, uint32_t t, float (&v)[kSliceChannels]) const {
+      unpack8_16bit<BF16>(stage_v + (size_t(t) * s.d + slice * kSliceChannels) * 2, v);
+    }
+  };
+};
+
+// Rotated Lloyd-Max values: per token, the codes of y = H·diag(s)·x (2, 3 or 4 bits) and one fp16
+// scale; decoded as level(code)·scale, still rotated.
+struct LloydMaxValues {
+  static constexpr ValueKind kKind = ValueKind::lloyd_max;
+  static constexpr bool kRotated = true;
+
+  // One thread per token, the CPU's per-token encoder (lloyd_max.hpp) as is.
+  template <bool BF16, class Source>
+  __device__ static void quantize(const KernelShape &s, const Source &src, uint8_t *block) {
+    const uint32_t d = s.d;
+    auto *scales = reinterpret_cast<uint16_t *>(block + s.value_scale);
+    for (uint32_t t = threadIdx.x; t < s.B; t += blockDim.x) {
+      float x[kQuantizeThreads], y[kQuantizeThreads];  // head_dim <= 256
+      for (uint32_t j = 0; j < d; ++j) x[j] = src.value(t, j);
+      lloyd_max_encode_token(s.value_signs, d, s.value_bits, x, y, block + s.value_codes + size_t(t) * s.value_codes_bpt,
+                             scales + t);
+    }
+  }
+
+  struct Decoder {
+    const KernelShape &s;
+    const AttendSmem &L;
+    float *levels;  // shared: [kMaxLevels]
+    uint32_t slice;
+    __device__ Decoder(const KernelShape &shape, const AttendSmem &layout, uint8_t *smem, uint32_t slice_index)
+        : s(shape), L(layout), levels(reinterpret_cast<float *>(smem + layout.levels)), slice(slice_index) {}
+    __device__ void init() const {
+      if (threadIdx.x < kMaxLevels) levels[threadIdx.x] = lloyd_max_level(s.value_bits, threadIdx.x);
+    }
+    __device__ void stage(uint8_t *stage_v, const uint8_t *block, uint32_t t0, uint32_t n) const {
+      // n is a multiple of 8: 2n scale bytes are whole words.
+      copy_words(stage_v + L.v_scale, block + s.value_scale + t0 * 2, n * 2, kAttendThreads);
+      copy_words(stage_v + L.v_codes, block + s.value_codes + t0 * s.value_codes_bpt, n * s.value_codes_bpt,
+                 kAttendThreads);
+    }
+    template <bool BF16>
+    __device__ void decode(const uint8_t *stage_v, uint32_t t, float (&v)[kSliceChannels]) const {
+      const uint32_t bits = s.value_bits, mask = (1u << bits) - 1u;
+      const uint64_t codes = load_codes8(stage_v + L.v_codes + t * s.value_codes_bpt + slice * bits, bits);
+      const float scale = fp16_bits_to_float(reinterpret_cast<const uint16_t *>(stage_v + L.v_scale)[t]);
+#pragma unroll
+      for (uint32_t c = 0; c < kSliceChannels; ++c) v[c] = levels[uint32_t(codes >> (c * bits)) & mask] * scale;
+    }
+  };
+};
+
+// Calls f(Policy{}) with the policy of this value kind (host dispatch of the launches).
+template <class F>
+auto with_value_policy(ValueKind kind, F &&f) {
+  switch (kind) {
+    case ValueKind::stored16: return f(Stored16Values{});
+    case ValueKind::lloyd_max: return f(LloydMaxValues{});
+    case ValueKind::uniform: break;
+  }
+  return f(UniformValues{});
+}
+
+}  // namespace qjlkv::cuda
