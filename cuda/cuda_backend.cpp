@@ -105,7 +105,17 @@ class CudaCache final : public qjlkv_cache {
   void stats(qjlkv_stats &out) const override;
   void set_stream(void *stream) override;
 
+  // Serialization (src/serialize.cpp writes and reads the stream): the stored bytes come to the
+  // host and go back as they are.
+  PortableCounts portable_counts(uint32_t layer, uint32_t seq) const override;
+  void read_block(uint32_t layer, uint32_t seq, uint32_t block, uint32_t head, uint8_t *out) const override;
+  void read_exact(uint32_t layer, uint32_t seq, ExactRows which, uint32_t first, uint32_t count, bool values,
+                  uint8_t *out) const override;
+  void read_outliers(uint32_t layer, uint32_t seq, uint32_t head, PortableOutliers &out) const override;
+  std::unique_ptr<PortableImport> begin_import(uint32_t seq) override;
+
  private:
+  friend class CudaImport;
   void init();
   void release_all() noexcept;
   void init_layer(uint32_t l, size_t smem_optin);
@@ -137,6 +147,22 @@ class CudaCache final : public qjlkv_cache {
     if (it == layers_[layer].seqs.end() || it->second.length == 0)
       fail(QJLKV_ERROR_INVALID_ARGUMENT, "seq %u holds no tokens in layer %u", seq, layer);
     return it->second;
+  }
+
+  // Tail tokens [first, first + count) after the blocks of seq: their keys (or values) are in
+  // ring slots (blocks·B + first + i) % ring; fn(device pointer, count, index of the first) per
+  // contiguous run of slots (at most two).
+  template <class Fn>
+  void for_tail_runs(const LayerState &layer, const SeqState &seq, uint32_t first, uint32_t count, bool values,
+                     Fn fn) const {
+    const uint32_t ring = layer.shape.ring;
+    uint8_t *base = seq.ring + (values ? ring_bytes_ / 2 : 0);
+    for (uint32_t done = 0; done < count;) {
+      const uint32_t slot = (seq.blocks * layer.shape.B + first + done) % ring;
+      const uint32_t run = std::min(count - done, ring - slot);
+      fn(base + size_t(slot) * token_bytes_, run, done);
+      done += run;
+    }
   }
 
   int device_ = 0;
@@ -754,6 +780,181 @@ void CudaCache::clear(uint32_t seq_id) {
     layer.seqs.erase(it);
   }
 }
+
+// ---- serialization (src/serialize.cpp) --------------------------------------------------------
+PortableCounts CudaCache::portable_counts(uint32_t layer_index, uint32_t seq_id) const {
+  const auto &map = layers_[layer_index].seqs;
+  const auto it = map.find(seq_id);
+  if (it == map.end()) return {};
+  const SeqState &seq = it->second;
+  return {seq.length, seq.blocks, seq.length - seq.sinks - seq.blocks * spec().cfg.block_tokens, seq.sinks};
+}
+
+void CudaCache::read_block(uint32_t layer_index, uint32_t seq_id, uint32_t block, uint32_t head, uint8_t *out) const {
+  DeviceGuard guard(device_);
+  const LayerState &layer = layers_[layer_index];
+  const SeqState &seq = find(layer_index, seq_id);
+  const auto *slot = reinterpret_cast<const uint8_t *>(seq.table[block]);
+  download(out, slot + size_t(head) * layer.shape.head_stride, spec().layers[layer_index].layout.stride);
+}
+
+void CudaCache::read_exact(uint32_t layer_index, uint32_t seq_id, ExactRows which, uint32_t first, uint32_t count,
+                           bool values, uint8_t *out) const {
+  DeviceGuard guard(device_);
+  const LayerState &layer = layers_[layer_index];
+  const SeqState &seq = find(layer_index, seq_id);
+  if (which == ExactRows::sinks) {
+    download(out, seq.sink + (values ? sink_bytes() : 0) + size_t(first) * token_bytes_, size_t(count) * token_bytes_);
+    return;
+  }
+  for_tail_runs(layer, seq, first, count, values, [&](const uint8_t *device, uint32_t run, uint32_t done) {
+    download(out + size_t(done) * token_bytes_, device, size_t(run) * token_bytes_);
+  });
+}
+
+void CudaCache::read_outliers(uint32_t layer_index, uint32_t seq_id, uint32_t head, PortableOutliers &out) const {
+  DeviceGuard guard(device_);
+  const LayerState &layer = layers_[layer_index];
+  const SeqState &seq = find(layer_index, seq_id);
+  out = PortableOutliers{};  // no traced block yet: an empty pool, tracing
+  if (!seq.ott_ready) return;
+  const OttLayout &o = layer.shape.ott;
+  std::vector<uint8_t> state(o.bytes);
+  download(state.data(), ott_state(layer, seq, seq.ott_side) + size_t(head) * o.bytes, o.bytes);
+  const auto *header = reinterpret_cast<const uint32_t *>(state.data());
+  const auto *positions = reinterpret_cast<const uint32_t *>(state.data() + o.positions);
+  const auto *norms = reinterpret_cast<const float *>(state.data() + o.norms);
+  const size_t row = size_t(spec().cfg.head_dim) * spec().io_elem, P = layer.shape.ott_pool;
+  out.pool = header[0];
+  out.spilled = header[1];
+  out.tracing = header[2] != 0;
+  out.norms.assign(norms, norms + out.pool);
+  out.positions.assign(positions, positions + out.pool);
+  out.positions.insert(out.positions.end(), positions + P, positions + P + out.spilled);
+  for (auto [dst, offset] : {std::pair{&out.keys, o.keys}, std::pair{&out.values, o.values}}) {
+    const uint8_t *rows = state.data() + offset;
+    dst->assign(rows, rows + out.pool * row);
+    dst->insert(dst->end(), rows + P * row, rows + (P + out.spilled) * row);
+  }
+}
+
+// The layers of one imported sequence, staged in slots of the cache's pools that no sequence
+// refers to, and in map nodes of their own: commit() links the nodes into maps whose buckets were
+// reserved beforehand, so it cannot fail. Until then the destructor gives everything back.
+class CudaImport final : public PortableImport {
+ public:
+  CudaImport(CudaCache &cache, uint32_t seq) : cache_(cache), seq_(seq) {}
+  ~CudaImport() override {
+    for (StagedLayer &staged : layers_) {
+      LayerState &layer = cache_.layers_[staged.layer];
+      SeqState &seq = staged.node.mapped();
+      for (uint64_t slot : seq.table) layer.blocks->give(reinterpret_cast<uint8_t *>(slot));
+      if (seq.ring) layer.rings->give(seq.ring);
+      if (seq.ott) layer.otts->give(seq.ott);
+      if (seq.sink) layer.sinks->give(seq.sink);
+      seq.table_dev.release(*cache_.pool_, cache_.stream_);
+    }
+  }
+  CudaImport(const CudaImport &) = delete;
+  CudaImport &operator=(const CudaImport &) = delete;
+
+  void add_layer(uint32_t layer_index, const PortableCounts &counts) override {
+    DeviceGuard guard(cache_.device_);
+    LayerState &layer = cache_.layers_[layer_index];
+    const KernelShape &k = layer.shape;
+    std::unordered_map<uint32_t, SeqState> holder;
+    holder.try_emplace(seq_);
+    layers_.push_back({layer_index, holder.extract(seq_)});  // from here on the destructor frees what it holds
+    SeqState &seq = current();
+    seq.length = uint32_t(counts.length);
+    seq.blocks = counts.blocks;
+    seq.sinks = counts.sink_tokens;
+    layer.blocks->reserve(counts.blocks, *cache_.pool_, cache_.stream_);
+    layer.rings->reserve(1, *cache_.pool_, cache_.stream_);
+    if (layer.otts) layer.otts->reserve(1, *cache_.pool_, cache_.stream_);
+    if (layer.sinks) layer.sinks->reserve(1, *cache_.pool_, cache_.stream_);
+    seq.table.reserve(counts.blocks);
+    seq.table_dev.ensure(std::max(size_t(counts.blocks), size_t(16)) * sizeof(uint64_t) * 2, *cache_.pool_,
+                         cache_.stream_);
+    cache_.layers_[layer_index].seqs.reserve(cache_.layers_[layer_index].seqs.size() + 1);
+    // Cannot fail from here (reserved).
+    seq.ring = layer.rings->take();
+    if (layer.otts) seq.ott = layer.otts->take();
+    if (layer.sinks) seq.sink = layer.sinks->take();
+    for (uint32_t b = 0; b < counts.blocks; ++b) seq.table.push_back(reinterpret_cast<uint64_t>(layer.blocks->take()));
+    // Blocks zeroed (padding included, as the quantizer leaves them), then the table.
+    for (uint64_t slot : seq.table)
+      check_cuda(cudaMemsetAsync(reinterpret_cast<void *>(slot), 0, size_t(k.head_stride) * k.Hkv, cache_.stream_),
+                 "cudaMemsetAsync");
+    upload(seq.table_dev.data, seq.table.data(), seq.table.size() * sizeof(uint64_t));
+  }
+  void write_block(uint32_t block, uint32_t head, const uint8_t *bytes) override {
+    DeviceGuard guard(cache_.device_);
+    const uint32_t l = layers_.back().layer;
+    auto *slot = reinterpret_cast<uint8_t *>(current().table[block]);
+    upload(slot + size_t(head) * cache_.layers_[l].shape.head_stride, bytes, cache_.spec().layers[l].layout.stride);
+  }
+  void write_exact(ExactRows which, uint32_t first, uint32_t count, bool values, const uint8_t *rows) override {
+    DeviceGuard guard(cache_.device_);
+    const SeqState &seq = current();
+    const size_t token = cache_.token_bytes_;
+    if (which == ExactRows::sinks) {
+      upload(seq.sink + (values ? cache_.sink_bytes() : 0) + size_t(first) * token, rows, size_t(count) * token);
+      return;
+    }
+    cache_.for_tail_runs(cache_.layers_[layers_.back().layer], seq, first, count, values,
+                         [&](uint8_t *device, uint32_t run, uint32_t done) {
+                           upload(device, rows + size_t(done) * token, size_t(run) * token);
+                         });
+  }
+  void write_outliers(uint32_t head, const PortableOutliers &in) override {
+    DeviceGuard guard(cache_.device_);
+    const KernelShape &k = cache_.layers_[layers_.back().layer].shape;
+    const OttLayout &o = k.ott;
+    const size_t row = size_t(k.d) * cache_.spec().io_elem, P = k.ott_pool;
+    std::vector<uint8_t> state(o.bytes);  // the device layout of layout.hpp's OttLayout
+    const uint32_t header[4] = {in.pool, in.spilled, in.tracing ? 1u : 0u, 0u};
+    std::memcpy(state.data(), header, sizeof header);
+    std::memcpy(state.data() + o.positions, in.positions.data(), size_t(in.pool) * 4);
+    std::memcpy(state.data() + o.positions + 4 * P, in.positions.data() + in.pool, size_t(in.spilled) * 4);
+    std::memcpy(state.data() + o.norms, in.norms.data(), size_t(in.pool) * 4);
+    for (auto [src, offset] : {std::pair{&in.keys, o.keys}, std::pair{&in.values, o.values}}) {
+      std::memcpy(state.data() + offset, src->data(), in.pool * row);
+      std::memcpy(state.data() + offset + P * row, src->data() + in.pool * row, in.spilled * row);
+    }
+    SeqState &seq = current();
+    seq.ott_side = 0;
+    seq.ott_ready = true;
+    upload(cache_.ott_state(cache_.layers_[layers_.back().layer], seq, 0) + size_t(head) * o.bytes, state.data(),
+           state.size());
+  }
+  void commit() noexcept override {
+    for (StagedLayer &staged : layers_) {
+      auto &map = cache_.layers_[staged.layer].seqs;
+      map.erase(seq_);  // the C layer checked that the layer holds no tokens: no record with slots
+      map.insert(std::move(staged.node));
+    }
+    layers_.clear();
+  }
+
+ private:
+  struct StagedLayer {
+    uint32_t layer;
+    std::unordered_map<uint32_t, SeqState>::node_type node;
+  };
+  SeqState &current() { return layers_.back().node.mapped(); }
+  // Host to device, complete when it returns (the caller's buffer may go away).
+  void upload(void *device, const void *host, size_t bytes) const {
+    check_cuda(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, cache_.stream_), "cudaMemcpyAsync");
+    check_cuda(cudaStreamSynchronize(cache_.stream_), "cudaStreamSynchronize (import)");
+  }
+
+  CudaCache &cache_;
+  uint32_t seq_;
+  std::vector<StagedLayer> layers_;
+};
+
+std::unique_ptr<PortableImport> CudaCache::begin_import(uint32_t seq) { return std::make_unique<CudaImport>(*this, seq); }
 
 void CudaCache::stats(qjlkv_stats &out) const {
   const qjlkv_config &cfg = spec().cfg;

@@ -82,39 +82,19 @@ struct qjlkv_cache {
   virtual void stats(qjlkv_stats &out) const = 0;
   virtual void set_stream(void *stream) = 0;
 
-  // Serialization (src/serialize.cpp). A backend without it refuses with UNSUPPORTED.
-  virtual qjlkv::PortableCounts portable_counts(uint32_t layer, uint32_t seq) const {
-    (void)layer, (void)seq;
-    unsupported_serialization();
-  }
+  // Serialization (src/serialize.cpp): the portable view of (layer, seq); both backends have it.
+  virtual qjlkv::PortableCounts portable_counts(uint32_t layer, uint32_t seq) const = 0;
   // Block b of kv head h of (layer, seq): BlockLayout::stride bytes into out.
-  virtual void read_block(uint32_t layer, uint32_t seq, uint32_t block, uint32_t head, uint8_t *out) const {
-    (void)layer, (void)seq, (void)block, (void)head, (void)out;
-    unsupported_serialization();
-  }
+  virtual void read_block(uint32_t layer, uint32_t seq, uint32_t block, uint32_t head, uint8_t *out) const = 0;
   // Sink or tail tokens [first, first + count) of (layer, seq): keys (or values) [count][Hkv][d]
   // into out.
   virtual void read_exact(uint32_t layer, uint32_t seq, qjlkv::ExactRows which, uint32_t first, uint32_t count,
-                          bool values, uint8_t *out) const {
-    (void)layer, (void)seq, (void)which, (void)first, (void)count, (void)values, (void)out;
-    unsupported_serialization();
-  }
+                          bool values, uint8_t *out) const = 0;
   // OTT-traced layers: the outlier tokens of kv head h of (layer, seq).
-  virtual void read_outliers(uint32_t layer, uint32_t seq, uint32_t head, qjlkv::PortableOutliers &out) const {
-    (void)layer, (void)seq, (void)head, (void)out;
-    unsupported_serialization();
-  }
-  virtual std::unique_ptr<qjlkv::PortableImport> begin_import(uint32_t seq) {
-    (void)seq;
-    unsupported_serialization();
-  }
+  virtual void read_outliers(uint32_t layer, uint32_t seq, uint32_t head, qjlkv::PortableOutliers &out) const = 0;
+  virtual std::unique_ptr<qjlkv::PortableImport> begin_import(uint32_t seq) = 0;
 
  private:
-  [[noreturn]] static void unsupported_serialization() {
-    qjlkv::fail(QJLKV_ERROR_UNSUPPORTED,
-                "export and import of CUDA caches (config.backend QJLKV_BACKEND_CUDA) are not implemented "
-                "in this release; CPU caches read and write the same streams");
-  }
   qjlkv::CacheSpec spec_;
 };
 

@@ -506,27 +506,183 @@ TEST(CudaBackend, AttendBatchIsCapturableWithConstantWork) {
 }
 #endif
 
-// Export and import are CPU-only in this release: a CUDA cache refuses both with UNSUPPORTED,
-// names the reason, and stays as it was; the CPU twin's stream still imports into a CPU cache.
-TEST(CudaBackend, ExportAndImportAreUnsupportedAndChangeNothing) {
-  REQUIRE_CUDA_DEVICE();
-  CachePair pair(make_config({"kivi", QJLKV_DTYPE_F32, 64, 4}, 2, 1));
-  ASSERT_TRUE(pair.ok()) << pair.error();
-  std::mt19937 rng(8);
-  const size_t te = pair.token_elems();
-  pair.append(0, 5, make_keys(rng, 40, 2, 64), make_values(rng, 40 * te));
+// ---- export / import (docs/FORMAT.md): the stream of a sequence is backend-independent ----------
+std::vector<uint8_t> export_all(qjlkv_cache *c, uint32_t seq, uint32_t layers) {
   uint64_t size = 0;
-  EXPECT_EQ(qjlkv_cache_export_size(pair.gpu(), 5, 0, 1, &size), QJLKV_ERROR_UNSUPPORTED);
-  EXPECT_NE(std::string(qjlkv_last_error_message()).find("CUDA"), std::string::npos) << qjlkv_last_error_message();
-  ASSERT_EQ(qjlkv_cache_export_size(pair.cpu(), 5, 0, 1, &size), QJLKV_OK) << qjlkv_last_error_message();
+  EXPECT_EQ(qjlkv_cache_export_size(c, seq, 0, layers, &size), QJLKV_OK) << qjlkv_last_error_message();
   std::vector<uint8_t> stream(size);
-  ASSERT_EQ(qjlkv_cache_export(pair.cpu(), 5, 0, 1, stream.data(), size), QJLKV_OK) << qjlkv_last_error_message();
-  EXPECT_EQ(qjlkv_cache_import(pair.gpu(), 6, stream.data(), size), QJLKV_ERROR_UNSUPPORTED);
+  EXPECT_EQ(qjlkv_cache_export(c, seq, 0, layers, stream.data(), size), QJLKV_OK) << qjlkv_last_error_message();
+  return stream;
+}
+
+// attend on the CUDA cache (device buffers), output as floats.
+std::vector<float> gpu_attend(qjlkv_cache *c, const qjlkv_config &cfg, uint32_t layer, uint32_t seq,
+                              const std::vector<float> &query) {
+  const auto q = encode(query, qjlkv_dtype(cfg.dtype));
+  DeviceBytes dq(q), dout(q.size());
+  EXPECT_EQ(qjlkv_cache_attend(c, layer, seq, 1, dq.get(), 0.0f, dout.get()), QJLKV_OK) << qjlkv_last_error_message();
+  return decode(dout.download(), qjlkv_dtype(cfg.dtype));
+}
+std::vector<float> cpu_attend(qjlkv_cache *c, const qjlkv_config &cfg, uint32_t layer, uint32_t seq,
+                              const std::vector<float> &query) {
+  const auto q = encode(query, qjlkv_dtype(cfg.dtype));
+  std::vector<uint8_t> out(q.size());
+  EXPECT_EQ(qjlkv_cache_attend(c, layer, seq, 1, q.data(), 0.0f, out.data()), QJLKV_OK) << qjlkv_last_error_message();
+  return decode(out, qjlkv_dtype(cfg.dtype));
+}
+std::vector<float> reconstruct_all(qjlkv_cache *c, const qjlkv_config &cfg, uint32_t layer, uint32_t seq) {
   uint64_t length = 0;
-  QJLKV_OK(qjlkv_cache_length(pair.gpu(), 0, 6, &length));
-  EXPECT_EQ(length, 0u);
-  QJLKV_OK(qjlkv_cache_length(pair.gpu(), 0, 5, &length));
-  EXPECT_EQ(length, 40u);
+  EXPECT_EQ(qjlkv_cache_length(c, layer, seq, &length), QJLKV_OK);
+  const size_t n = size_t(length) * cfg.num_kv_heads * cfg.head_dim;
+  std::vector<float> kv(2 * n);
+  EXPECT_EQ(qjlkv_cache_reconstruct(c, layer, seq, 0, length, kv.data(), kv.data() + n), QJLKV_OK)
+      << qjlkv_last_error_message();
+  return kv;
+}
+
+struct ExportCase {
+  const char *name, *preset;
+  qjlkv_dtype dtype;
+  void (*adjust)(qjlkv_config &);
+};
+void PrintTo(const ExportCase &c, std::ostream *os) { *os << c.name; }
+const ExportCase kExportCases[] = {
+    {"q3_bf16", "q3", QJLKV_DTYPE_BF16, [](qjlkv_config &c) { c.block_tokens = 32; }},
+    {"q4_f32_sinks20_b8", "q4", QJLKV_DTYPE_F32,
+     [](qjlkv_config &c) {
+       c.block_tokens = 8;
+       c.residual_tokens = 3;
+       c.sink_tokens = 20;
+     }},
+    {"qjl_f16", "qjl", QJLKV_DTYPE_F16, [](qjlkv_config &) {}},
+    {"ott_traced_kbits3_sinks2_f16", "ott", QJLKV_DTYPE_F16,
+     [](qjlkv_config &c) {
+       c.block_tokens = 16;
+       c.key_bits = 3;
+       c.sink_tokens = 2;
+       c.outlier_tokens = 4;
+       c.outlier_spill_tokens = 6;
+       c.outlier_skip_layers = 1;
+     }},
+    {"exact_f32", "exact", QJLKV_DTYPE_F32, [](qjlkv_config &) {}},
+};
+
+class CudaExportImport : public testing::TestWithParam<ExportCase> {};
+
+// A sequence exported by either backend gives the same stream; imported into the other backend it
+// decodes (reconstruction, attention) exactly like the sequence that never left, and keeps doing so
+// after further appends.
+TEST_P(CudaExportImport, StreamsAreBackendIndependentAndRoundTrip) {
+  REQUIRE_CUDA_DEVICE();
+  const ExportCase &c = GetParam();
+  qjlkv_config cfg{};
+  cfg.struct_size = sizeof cfg;
+  QJLKV_OK(qjlkv_config_init(&cfg, c.preset, 2, 4, 2, 64));
+  cfg.dtype = c.dtype;
+  cfg.seed = 99;
+  c.adjust(cfg);
+  QJLKV_OK(qjlkv_config_validate(&cfg));
+  CachePair pair(cfg);
+  ASSERT_TRUE(pair.ok()) << pair.error();
+  std::mt19937 rng(17);
+  const size_t te = pair.token_elems();
+  for (uint32_t layer : {0u, 1u}) {
+    pair.append(layer, 1, make_keys(rng, 101, 2, 64), make_values(rng, 101 * te));
+    for (int step = 0; step < 9; ++step) pair.append(layer, 1, make_keys(rng, 1, 2, 64), make_values(rng, te));
+  }
+  // A short sequence: sinks only (or a short tail).
+  pair.append(0, 2, make_keys(rng, 3, 2, 64), make_values(rng, 3 * te));
+
+  for (uint32_t seq : {1u, 2u}) {
+    SCOPED_TRACE("seq " + std::to_string(seq));
+    const uint32_t layers = seq == 1 ? 2 : 1;
+    const auto from_cpu = export_all(pair.cpu(), seq, layers), from_gpu = export_all(pair.gpu(), seq, layers);
+    ASSERT_FALSE(from_cpu.empty());
+    EXPECT_EQ(from_cpu, from_gpu) << "the backends export different streams";
+    const uint32_t copy = seq + 10;  // CPU -> CUDA and CUDA -> CPU
+    QJLKV_OK(qjlkv_cache_import(pair.gpu(), copy, from_cpu.data(), from_cpu.size()));
+    QJLKV_OK(qjlkv_cache_import(pair.cpu(), copy, from_gpu.data(), from_gpu.size()));
+    EXPECT_EQ(export_all(pair.gpu(), copy, layers), from_cpu) << "an imported CUDA sequence exports another stream";
+    for (int round = 0; round < 2; ++round) {
+      SCOPED_TRACE(round ? "after appends to both" : "as imported");
+      for (uint32_t layer = 0; layer < layers; ++layer) {
+        EXPECT_EQ(count_bit_differences(reconstruct_all(pair.gpu(), cfg, layer, copy),
+                                        reconstruct_all(pair.gpu(), cfg, layer, seq)),
+                  0u);
+        EXPECT_EQ(count_bit_differences(reconstruct_all(pair.cpu(), cfg, layer, copy),
+                                        reconstruct_all(pair.cpu(), cfg, layer, seq)),
+                  0u);
+        const auto query = make_values(rng, pair.query_elems());
+        const auto gpu_original = gpu_attend(pair.gpu(), cfg, layer, seq, query);
+        EXPECT_EQ(count_bit_differences(gpu_attend(pair.gpu(), cfg, layer, copy, query), gpu_original), 0u);
+        EXPECT_EQ(count_bit_differences(cpu_attend(pair.cpu(), cfg, layer, copy, query),
+                                        cpu_attend(pair.cpu(), cfg, layer, seq, query)),
+                  0u);
+        const Mismatch m = compare_close(gpu_original, cpu_attend(pair.cpu(), cfg, layer, seq, query),
+                                         output_tolerance(qjlkv_dtype(cfg.dtype)));
+        EXPECT_EQ(m.count, 0u) << "worst " << m.worst;
+        if (round == 0) {  // the same tokens to the originals and the copies, through blocks and sinks
+          const auto keys = make_keys(rng, 40, 2, 64), values = make_values(rng, 40 * te);
+          pair.append(layer, seq, keys, values);
+          pair.append(layer, copy, keys, values);
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, CudaExportImport, testing::ValuesIn(kExportCases),
+                         [](const testing::TestParamInfo<ExportCase> &info) { return std::string(info.param.name); });
+
+// Streams that do not fit the cache, or are damaged, are refused by a CUDA cache as by a CPU one,
+// naming what is wrong, and the cache stays as it was.
+TEST(CudaBackend, ImportRefusesBadStreamsAndChangesNothing) {
+  REQUIRE_CUDA_DEVICE();
+  qjlkv_config cfg = make_config({"q3", QJLKV_DTYPE_F16, 64, 2}, 2, 2);
+  CachePair pair(cfg);
+  ASSERT_TRUE(pair.ok()) << pair.error();
+  std::mt19937 rng(23);
+  const size_t te = pair.token_elems();
+  for (uint32_t layer : {0u, 1u}) pair.append(layer, 5, make_keys(rng, 90, 2, 64), make_values(rng, 90 * te));
+  const auto stream = export_all(pair.gpu(), 5, 2);
+  const auto query = make_values(rng, pair.query_elems());
+  const auto before = gpu_attend(pair.gpu(), cfg, 1, 5, query);
+
+  const auto expect_refused = [&](const std::vector<uint8_t> &bytes, uint32_t seq, qjlkv_status status,
+                                  const char *message) {
+    SCOPED_TRACE(message);
+    EXPECT_EQ(qjlkv_cache_import(pair.gpu(), seq, bytes.data(), bytes.size()), status);
+    EXPECT_NE(std::string(qjlkv_last_error_message()).find(message), std::string::npos)
+        << qjlkv_last_error_message();
+    for (uint32_t layer : {0u, 1u}) {
+      uint64_t length = 0;
+      ASSERT_EQ(qjlkv_cache_length(pair.gpu(), layer, 6, &length), QJLKV_OK);
+      EXPECT_EQ(length, 0u);
+      ASSERT_EQ(qjlkv_cache_length(pair.gpu(), layer, 5, &length), QJLKV_OK);
+      EXPECT_EQ(length, 90u);
+    }
+  };
+  auto damaged = stream;
+  damaged[damaged.size() / 2] ^= 0x10;
+  expect_refused(damaged, 6, QJLKV_ERROR_CORRUPT_DATA, "checksum");
+  expect_refused(std::vector<uint8_t>(stream.begin(), stream.end() - 9), 6, QJLKV_ERROR_CORRUPT_DATA, "truncated");
+  expect_refused(stream, 5, QJLKV_ERROR_INVALID_ARGUMENT, "seq 5");  // the target holds tokens
+  // A stream of another configuration (2-bit keys).
+  qjlkv_config other = cfg;
+  other.key_bits = 2;
+  other.backend = QJLKV_BACKEND_CPU;
+  qjlkv_cache *cpu = nullptr;
+  QJLKV_OK(qjlkv_cache_create(&other, &cpu));
+  const auto k = encode(make_keys(rng, 90, 2, 64), qjlkv_dtype(cfg.dtype));
+  const auto v = encode(make_values(rng, 90 * te), qjlkv_dtype(cfg.dtype));
+  QJLKV_OK(qjlkv_cache_append(cpu, 0, 5, 90, k.data(), v.data()));
+  const auto foreign = export_all(cpu, 5, 1);
+  qjlkv_cache_destroy(cpu);
+  expect_refused(foreign, 6, QJLKV_ERROR_INVALID_ARGUMENT, "key_bits");
+  EXPECT_EQ(count_bit_differences(gpu_attend(pair.gpu(), cfg, 1, 5, query), before), 0u);
+  // The intact stream still imports.
+  QJLKV_OK(qjlkv_cache_import(pair.gpu(), 6, stream.data(), stream.size()));
+  EXPECT_EQ(count_bit_differences(gpu_attend(pair.gpu(), cfg, 1, 6, query), before), 0u);
 }
 
 // Runs everywhere: without a device, the CUDA backend fails cleanly, naming the CUDA error.
