@@ -391,10 +391,7 @@ typedef struct qjlkv_cache qjlkv_cache;
  * The sketches of all layers are generated here, once.
  * Errors: INVALID_ARGUMENT, OUT_OF_MEMORY, UNSUPPORTED (the CUDA backend in
  * a build without CUDA, no CUDA device with that ordinal, or QJLKV_CPU_ISA
- * forcing kernels this CPU cannot run, see "Environment", or an option the
- * CUDA backend does not have yet: key_bits or value_bits 3, value_method
- * QJLKV_VALUES_ROTATED_LLOYD_MAX, sink_tokens > 0; the message names it),
- * DEVICE. On failure
+ * forcing kernels this CPU cannot run, see "Environment"), DEVICE. On failure
  * *out is set to NULL (when out != NULL). */
 QJLKV_API qjlkv_status qjlkv_cache_create(const qjlkv_config *cfg, qjlkv_cache **out);
 
@@ -553,9 +550,10 @@ QJLKV_API qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out)
  * outputs). Every key and value method is carried, sink_tokens and rotated
  * values included; streams of format version 1 (written before either could
  * be exported) still import into caches that use neither. The stream does not
- * depend on the backend, the thread count or the number of query heads.
- *
- * CUDA caches, in this release: export and import return UNSUPPORTED.
+ * depend on the backend, the thread count or the number of query heads: a
+ * CUDA cache exports the same bytes as a CPU cache holding the same sequence,
+ * and either imports the other's streams (CUDA: the stored bytes are copied
+ * between host and device; the calls synchronize the cache's stream).
  *
  * Layers. A stream covers layers [first_layer, first_layer + num_layers) and is
  * imported into the same layer indices (each layer's sketch depends on its
@@ -572,7 +570,7 @@ typedef size_t (*qjlkv_read_fn)(void *user, void *data, size_t size);
  * (as long as the sequence does not change).
  * Errors: INVALID_ARGUMENT (NULL c or size; num_layers == 0; the range exceeds
  * the cache's layers; seq holds no tokens in any layer of the range),
- * UNSUPPORTED (CUDA cache), OUT_OF_MEMORY. */
+ * OUT_OF_MEMORY, DEVICE (CUDA cache). */
 QJLKV_API qjlkv_status qjlkv_cache_export_size(const qjlkv_cache *c, uint32_t seq,
                                                uint32_t first_layer, uint32_t num_layers,
                                                uint64_t *size);
@@ -604,7 +602,7 @@ QJLKV_API qjlkv_status qjlkv_cache_export_stream(const qjlkv_cache *c, uint32_t 
  *   CORRUPT_DATA: not a stream (magic), a checksum mismatch, a truncated
  *     stream (size smaller than it), or counts and numbers that no cache
  *     stores (the message names the layer, block and field).
- *   OUT_OF_MEMORY, UNSUPPORTED (CUDA cache). */
+ *   OUT_OF_MEMORY, DEVICE (CUDA cache). */
 QJLKV_API qjlkv_status qjlkv_cache_import(qjlkv_cache *c, uint32_t seq, const void *buf,
                                           uint64_t size);
 

@@ -1,5 +1,6 @@
 // GPU benchmark of the CUDA backend (built and run by tests/gpu/run.sh):
-//   decode attention time for the presets qjl, kivi and exact on a Llama-3-8B layer shape
+//   decode attention time for the presets q3, q4 (the tiers, first), qjl, kivi and exact on a
+//   Llama-3-8B layer shape
 //   (32 query heads, 8 kv heads, head_dim 128, bf16), contexts 4k..128k, batch 1 and 32;
 //   the effective bandwidth (compressed bytes read per second) next to the device's measured
 //   copy bandwidth; and append throughput (prefill chunks and batched decode steps).
@@ -104,7 +105,7 @@ int main(int argc, char **argv) {
   std::vector<uint32_t> seqs(batch);
   for (uint32_t i = 0; i < batch; ++i) seqs[i] = i;
 
-  for (const char *preset : {"qjl", "kivi", "exact"}) {
+  for (const char *preset : {"q3", "q4", "qjl", "kivi", "exact"}) {
     qjlkv_config cfg{};
     cfg.struct_size = sizeof cfg;
     CHECK_QJLKV(qjlkv_config_init(&cfg, preset, 1, Hq, Hkv, d));
@@ -162,6 +163,7 @@ int main(int argc, char **argv) {
     }
     std::printf("append preset=%s prefill_tokens_per_s=%.0f (chunks of %u tokens, validation included)\n", preset,
                 double(appended) / append_seconds, chunk);
+    std::fflush(stdout);  // a step that times out keeps the lines printed so far
     // Batched decode appends: one token for each sequence per call.
     {
       const int steps = quick ? 4 : 64;
@@ -173,6 +175,7 @@ int main(int argc, char **argv) {
       const double s = seconds_since(t);
       std::printf("append_batch preset=%s batch=%u context=%u us_per_call=%.1f tokens_per_s=%.0f\n", preset, batch,
                   length, s * 1e6 / steps, double(steps) * batch / s);
+      std::fflush(stdout);
     }
     qjlkv_cache_destroy(cache);
   }

@@ -325,7 +325,7 @@ INSTANTIATE_TEST_SUITE_P(Corners, CudaVsCpuCorners, testing::ValuesIn(kCorners),
 TEST(CudaBackend, BatchedDecodeMatchesCpu) {
   REQUIRE_CUDA_DEVICE();
   const uint32_t n_seqs = kEmulated ? 6 : 64, steps = kEmulated ? 36 : 40;
-  for (const char *preset : {"qjl", "kivi"}) {
+  for (const char *preset : {"qjl", "kivi", "q3"}) {
     SCOPED_TRACE(preset);
     CachePair pair(make_config({preset, QJLKV_DTYPE_F16, 128, 4}, 2, 1));
     ASSERT_TRUE(pair.ok()) << pair.error();
@@ -354,7 +354,7 @@ TEST(CudaBackend, BatchedDecodeMatchesCpu) {
 TEST(CudaBackend, LongContextMatchesCpu) {
   REQUIRE_CUDA_DEVICE();
   const uint32_t tokens = kEmulated ? 1100 : 131072, chunk = kEmulated ? 550 : 8192;
-  for (const char *preset : {"qjl", "kivi"}) {
+  for (const char *preset : {"qjl", "kivi", "q3"}) {
     SCOPED_TRACE(preset);
     CachePair pair(make_config({preset, QJLKV_DTYPE_BF16, 128, 4}, 2, 1));
     ASSERT_TRUE(pair.ok()) << pair.error();
@@ -425,6 +425,32 @@ TEST(CudaBackend, RejectsBadDataAndStaysUnchanged) {
   EXPECT_EQ(qjlkv_cache_scores(pair.gpu(), 0, 5, dq.get(), out.data(), out.size()), QJLKV_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(qjlkv_last_error_message()).find("query[3]"), std::string::npos)
       << qjlkv_last_error_message();
+}
+
+// Rotated Lloyd-Max values store one fp16 scale per token: a value vector whose norm would overflow
+// it is refused like on the CPU, naming the token and head, and nothing changes.
+TEST(CudaBackend, RejectsValueNormsRotatedValuesCannotStore) {
+  REQUIRE_CUDA_DEVICE();
+  CachePair pair(make_config({"q3", QJLKV_DTYPE_F32, 64, 2}, 2, 1));
+  ASSERT_TRUE(pair.ok()) << pair.error();
+  std::mt19937 rng(31);
+  const size_t te = pair.token_elems();
+  pair.append(0, 1, make_keys(rng, 50, 2, 64), make_values(rng, 50 * te));
+  auto values = make_values(rng, 20 * te);
+  for (uint32_t j = 0; j < 64; ++j) values[(7 * 2 + 1) * 64 + j] = 60000.0f;  // token 7, head 1: norm 480000
+  const auto k = encode(make_keys(rng, 20, 2, 64), QJLKV_DTYPE_F32), v = encode(values, QJLKV_DTYPE_F32);
+  DeviceBytes dk(k), dv(v);
+  for (qjlkv_cache *c : {pair.cpu(), pair.gpu()}) {
+    const bool gpu = c == pair.gpu();
+    EXPECT_EQ(qjlkv_cache_append(c, 0, 1, 20, gpu ? dk.get() : k.data(), gpu ? dv.get() : v.data()),
+              QJLKV_ERROR_INVALID_ARGUMENT);
+    const std::string message = qjlkv_last_error_message();
+    EXPECT_NE(message.find("token 7, kv head 1 has L2 norm"), std::string::npos) << message;
+    uint64_t length = 0;
+    ASSERT_EQ(qjlkv_cache_length(c, 0, 1, &length), QJLKV_OK);
+    EXPECT_EQ(length, 50u);
+  }
+  expect_same_sequence(pair, 0, 1, rng, "after the refused append");
 }
 
 // Work is ordered on the stream given to set_stream; results do not depend on the stream.
