@@ -10,97 +10,19 @@
 //   softmax online: running max / sum per row, rescale factor for the accumulators;
 //   values  each thread owns 8 channels of a few positions and accumulates weight · value.
 // It ends by writing its (max, sum, unnormalized output) per row; attend_reduce_kernel merges the
-// splits. Per-element math is shared with the CPU backend (quant_math.hpp, layout.hpp).
+// splits. The kernel is a template over the key policy (keys.cuh: per-block setup, staging, partial
+// dot products, per-token score) and the value policy (values.cuh: staging, decoding, whether the
+// sum is rotated); nothing in it branches on a method. Per-element math is shared with the CPU
+// backend (quant_math.hpp, lloyd_max.hpp, layout.hpp).
 #pragma once
 #include <cfloat>
 
+#include "keys.cuh"
 #include "values.cuh"
 
 namespace qjlkv::cuda {
 
-inline constexpr float kNegInf = -__builtin_huge_valf();
-
-// Σ_i v_r[i]·(±1) over the 32 sketch rows of one word of sign bits, for every query row r.
-template <uint32_t ROWS>
-__device__ __forceinline__ void accumulate_signs(uint32_t word, const float *v, uint32_t stride, float (&acc)[ROWS]) {
-#pragma unroll
-  for (uint32_t i = 0; i < 32; i += 4) {
-    const float f0 = sign_factor(word, i), f1 = sign_factor(word, i + 1), f2 = sign_factor(word, i + 2),
-                f3 = sign_factor(word, i + 3);
-#pragma unroll
-    for (uint32_t r = 0; r < ROWS; ++r) {
-      const float4 x = *reinterpret_cast<const float4 *>(v + r * stride + i);
-      acc[r] = fmaf(x.x, f0, fmaf(x.y, f1, fmaf(x.z, f2, fmaf(x.w, f3, acc[r]))));
-    }
-  }
-}
-
-// Σ_c qs_r[c]·code_c over the 32/BITS codes of one word, for every query row r.
-template <uint32_t BITS, uint32_t ROWS>
-__device__ __forceinline__ void accumulate_codes(uint32_t word, const float *qs, uint32_t stride, float (&acc)[ROWS]) {
-  constexpr uint32_t kPerWord = 32 / BITS, kMask = (1u << BITS) - 1u;
-#pragma unroll
-  for (uint32_t c = 0; c < kPerWord; c += 4) {
-    const float f0 = code_to_float((word >> (c * BITS)) & kMask);
-    const float f1 = code_to_float((word >> ((c + 1) * BITS)) & kMask);
-    const float f2 = code_to_float((word >> ((c + 2) * BITS)) & kMask);
-    const float f3 = code_to_float((word >> ((c + 3) * BITS)) & kMask);
-#pragma unroll
-    for (uint32_t r = 0; r < ROWS; ++r) {
-      const float4 x = *reinterpret_cast<const float4 *>(qs + r * stride + c);
-      acc[r] = fmaf(x.x, f0, fmaf(x.y, f1, fmaf(x.z, f2, fmaf(x.w, f3, acc[r]))));
-    }
-  }
-}
-
-// Σ_c qs_r[c]·code_c over the 32 3-bit codes of three words (96 bits), for every query row r.
-template <uint32_t ROWS>
-__device__ __forceinline__ void accumulate_codes3(uint32_t w0, uint32_t w1, uint32_t w2, const float *qs,
-                                                  uint32_t stride, float (&acc)[ROWS]) {
-  const uint64_t lo = uint64_t(w0) | uint64_t(w1) << 32;  // codes 0..20 and the low bit of code 21
-  const uint64_t hi = uint64_t(w1) | uint64_t(w2) << 32;  // from bit 32: codes 11 (partly) .. 31
-#pragma unroll
-  for (uint32_t c = 0; c < 32; c += 4) {
-    float f[4];
-#pragma unroll
-    for (uint32_t k = 0; k < 4; ++k) {
-      const uint32_t bit = 3 * (c + k);
-      f[k] = code_to_float(uint32_t(bit + 3 <= 64 ? lo >> bit : hi >> (bit - 32)) & 7u);
-    }
-#pragma unroll
-    for (uint32_t r = 0; r < ROWS; ++r) {
-      const float4 x = *reinterpret_cast<const float4 *>(qs + r * stride + c);
-      acc[r] = fmaf(x.x, f[0], fmaf(x.y, f[1], fmaf(x.z, f[2], fmaf(x.w, f[3], acc[r]))));
-    }
-  }
-}
-
-// Σ q_r[e]·x_e over the two 16-bit numbers (fp16, or bf16 when BF16) of one word, for every
-// query row r; q points at the word's first element of row 0.
-template <bool BF16, uint32_t ROWS>
-__device__ __forceinline__ void accumulate_16bit_pair(uint32_t word, const float *q, uint32_t stride,
-                                                      float (&acc)[ROWS]) {
-  const float x0 = stored16_to_float<BF16>(word & 0xffffu), x1 = stored16_to_float<BF16>(word >> 16);
-#pragma unroll
-  for (uint32_t r = 0; r < ROWS; ++r) {
-    const float2 qq = *reinterpret_cast<const float2 *>(q + r * stride);
-    acc[r] = fmaf(qq.x, x0, fmaf(qq.y, x1, acc[r]));
-  }
-}
-
-// Rows of `words` 4-byte words from global memory into shared rows of dst_stride words:
-// one warp per row, lanes along the row (coalesced).
-template <class RowAddress>
-__device__ __forceinline__ void copy_rows(uint32_t *dst, uint32_t dst_stride, uint32_t words, uint32_t n_rows,
-                                          RowAddress row_address) {
-  const uint32_t lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-  for (uint32_t t = warp; t < n_rows; t += kAttendThreads / 32) {
-    const auto *src = reinterpret_cast<const uint32_t *>(row_address(t));
-    for (uint32_t k = lane; k < words; k += 32) dst[t * dst_stride + k] = __ldg(src + k);
-  }
-}
-
-template <class IO, KeyKind KIND, class VALUES, uint32_t ROWS>
+template <class IO, class KEYS, class VALUES, uint32_t ROWS>
 __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs a) {
   using T = typename IO::type;
   constexpr bool kBf16 = IO::stored_bf16;
@@ -158,25 +80,8 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
   }
   __syncthreads();
 
-  // QJL: S·q once per CTA (rows of the layer sketch beyond sketch_rows are zero padding).
-  const uint32_t sr32 = round_up(s.sketch_rows, 32), m32 = round_up(s.m, 32), mo32 = round_up(s.m_out, 32);
-  float *sq = reinterpret_cast<float *>(smem + L.sq);
-  float *sq_in = reinterpret_cast<float *>(smem + L.sq_in);
-  float *sq_out = reinterpret_cast<float *>(smem + L.sq_out);
-  if constexpr (KIND == KeyKind::qjl) {
-    for (uint32_t i = tid; i < sr32; i += kThreads) {
-      float acc[ROWS] = {};
-      if (i < s.sketch_rows)
-        for (uint32_t j = 0; j < d; ++j) {
-          const float w = __ldg(s.sketch_t + size_t(j) * s.sketch_rows + i);
-#pragma unroll
-          for (uint32_t r = 0; r < ROWS; ++r) acc[r] = fmaf(w, q[r * d32 + j], acc[r]);
-        }
-#pragma unroll
-      for (uint32_t r = 0; r < ROWS; ++r) sq[r * sr32 + i] = acc[r];
-    }
-    __syncthreads();
-  }
+  typename KEYS::template Scorer<ROWS> keys(s, L, smem);
+  keys.init();
 
   // The value phase: thread = (slice of 8 channels, lane of positions).
   const uint32_t slices = d / kSliceChannels, value_lanes = kThreads / slices;
@@ -192,7 +97,7 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
 #pragma unroll
     for (uint32_t r = 0; r < ROWS; ++r) {
       red[(warp * ROWS + r) * kTile + lane] = acc_a[r];
-      if constexpr (KIND == KeyKind::qjl) red[((kParts + warp) * ROWS + r) * kTile + lane] = acc_b[r];
+      if constexpr (KEYS::kTwoSums) red[((kParts + warp) * ROWS + r) * kTile + lane] = acc_b[r];
     }
   };
   // combine: raw(r, t) from the partials; token_score(r, t, sum_a, sum_b) adds the method's factors.
@@ -205,7 +110,7 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
 #pragma unroll
       for (uint32_t p = 0; p < kParts; ++p) {
         sum_a += red[(p * ROWS + r) * kTile + t];
-        if constexpr (KIND == KeyKind::qjl) sum_b += red[((kParts + p) * ROWS + r) * kTile + t];
+        if constexpr (KEYS::kTwoSums) sum_b += red[((kParts + p) * ROWS + r) * kTile + t];
       }
       const bool valid = t < n && r < n_rows;
       const float raw = valid ? token_score(r, t, sum_a, sum_b) : 0.0f;
@@ -335,144 +240,25 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
       if constexpr (VALUES::kRotated) rotated_sum = true;
       const uint8_t *block = reinterpret_cast<const uint8_t *>(sd.table[unit]) + size_t(kv_head) * s.head_stride;
 
-      // Per-block setup of the query-side vectors.
-      if constexpr (KIND == KeyKind::qjl) {
-        // S·q_in = S·q − S·q_out, with q_out = q on the block's c outlier channels.
-        auto *outliers = reinterpret_cast<uint32_t *>(smem + L.outlier);
-        const uint32_t c = s.outlier_channels;
-        for (uint32_t i = tid; i < c; i += kThreads) outliers[i] = block[s.key_outlier_idx + i];
-        __syncthreads();
-        const uint32_t span = max(m32, mo32);
-        for (uint32_t i = tid; i < span; i += kThreads) {
-          float p[ROWS] = {};
-          if (i < s.sketch_rows)
-            for (uint32_t k = 0; k < c; ++k) {
-              const uint32_t j = outliers[k];
-              const float w = __ldg(s.sketch_t + size_t(j) * s.sketch_rows + i);
-#pragma unroll
-              for (uint32_t r = 0; r < ROWS; ++r) p[r] = fmaf(w, q[r * d32 + j], p[r]);
-            }
-#pragma unroll
-          for (uint32_t r = 0; r < ROWS; ++r) {
-            if (i < m32) sq_in[r * m32 + i] = i < s.m ? sq[r * sr32 + i] - p[r] : 0.0f;
-            if (i < mo32) sq_out[r * mo32 + i] = i < s.m_out ? p[r] : 0.0f;
-          }
-        }
-        __syncthreads();
-      }
-      float *qs = reinterpret_cast<float *>(smem + L.qs);
-      float *key_offset = reinterpret_cast<float *>(smem + L.koff);
-      if constexpr (KIND == KeyKind::kivi) {
-        // q_c·scale_c for the codes and Σ_c q_c·min_c for the offset shared by the block's tokens.
-        float *products = reinterpret_cast<float *>(smem + L.final_buf);  // [ROWS][d32] scratch
-        const auto *scale16 = reinterpret_cast<const uint16_t *>(block + s.key_scale);
-        const auto *min16 = reinterpret_cast<const uint16_t *>(block + s.key_min);
-        for (uint32_t i = tid; i < ROWS * d32; i += kThreads) {
-          const uint32_t j = i % d32;
-          const float scale = j < d ? fp16_bits_to_float(scale16[j]) : 0.0f;
-          const float minimum = j < d ? fp16_bits_to_float(min16[j]) : 0.0f;
-          qs[i] = q[i] * scale;
-          products[i] = q[i] * minimum;
-        }
-        __syncthreads();
-        for (uint32_t r = warp; r < ROWS; r += kParts) {
-          float sum = 0.0f;
-          for (uint32_t j = lane; j < d32; j += 32) sum += products[r * d32 + j];
-          sum = warp_sum(sum);
-          if (lane == 0) key_offset[r] = sum;
-        }
-        __syncthreads();
-      }
-
+      keys.setup_block(block);  // the query-side vectors of this block
       for (uint32_t t0 = 0; t0 < B; t0 += kTile) {
         const uint32_t n = min(kTile, B - t0);  // a multiple of 8
-        // stage
-        if constexpr (KIND == KeyKind::qjl) {
-          copy_words(stage_k + L.k_norm_in, block + s.key_norm_in + t0 * 2, n * 2, kThreads);
-          copy_words(stage_k + L.k_bits_in, block + s.key_bits_in + t0 * s.bits_in_bpt, n * s.bits_in_bpt, kThreads);
-          if (s.m_out) {
-            copy_words(stage_k + L.k_norm_out, block + s.key_norm_out + t0 * 2, n * 2, kThreads);
-            copy_words(stage_k + L.k_bits_out, block + s.key_bits_out + t0 * s.bits_out_bpt, n * s.bits_out_bpt,
-                       kThreads);
-          }
-        } else if constexpr (KIND == KeyKind::kivi) {
-          copy_words(stage_k, block + s.key_codes + t0 * s.key_codes_bpt, n * s.key_codes_bpt, kThreads);
-        } else {
-          copy_rows(reinterpret_cast<uint32_t *>(stage_k), padded_row_words(2 * d), d / 2, n,
-                    [&](uint32_t t) { return block + s.key_codes + size_t(t0 + t) * 2 * d; });
-        }
+        keys.stage(stage_k, block, t0, n);
         values.stage(stage_v, block, t0, n);
         __syncthreads();
 
-        // score
         float acc_a[ROWS] = {}, acc_b[ROWS] = {};
-        if (lane < n) {
-          if constexpr (KIND == KeyKind::qjl) {
-            const uint32_t words_in = div_up(s.m, 32), words_out = div_up(s.m_out, 32);
-            const uint8_t *bits_in = stage_k + L.k_bits_in + lane * s.bits_in_bpt;
-            const uint8_t *bits_out = stage_k + L.k_bits_out + lane * s.bits_out_bpt;
-            const bool aligned_in = s.bits_in_bpt % 4 == 0, aligned_out = s.bits_out_bpt % 4 == 0;
-            for (uint32_t k = warp; k < words_in + words_out; k += kParts) {
-              if (k < words_in) {
-                accumulate_signs<ROWS>(load_word(bits_in + 4 * k, aligned_in), sq_in + 32 * k, m32, acc_a);
-              } else {
-                const uint32_t kk = k - words_in;
-                accumulate_signs<ROWS>(load_word(bits_out + 4 * kk, aligned_out), sq_out + 32 * kk, mo32, acc_b);
-              }
-            }
-          } else if constexpr (KIND == KeyKind::kivi) {
-            const uint32_t bytes = s.key_codes_bpt, words = div_up(bytes, 4);
-            const uint8_t *codes = stage_k + lane * bytes;
-            const bool aligned = bytes % 4 == 0;
-            // 3-bit codes: groups of 32 codes in 12 bytes (the last group of a row whose head_dim is
-            // not a multiple of 32 reads into the next row or the stage's slack, times qs's zeros).
-            if (s.key_bits == 3)
-              for (uint32_t k = warp; k < div_up(d, 32); k += kParts)
-                accumulate_codes3<ROWS>(load_word(codes + 12 * k, aligned), load_word(codes + 12 * k + 4, aligned),
-                                        load_word(codes + 12 * k + 8, aligned), qs + 32 * k, d32, acc_a);
-            else
-            for (uint32_t k = warp; k < words; k += kParts) {
-              const uint32_t word = load_word(codes + 4 * k, aligned);
-              if (s.key_bits == 2) {
-                accumulate_codes<2, ROWS>(word, qs + 16 * k, d32, acc_a);
-              } else if (s.key_bits == 4) {
-                accumulate_codes<4, ROWS>(word, qs + 8 * k, d32, acc_a);
-              } else {
-                accumulate_codes<8, ROWS>(word, qs + 4 * k, d32, acc_a);
-              }
-            }
-          } else {
-            const uint32_t *row = reinterpret_cast<const uint32_t *>(stage_k) + lane * padded_row_words(2 * d);
-            for (uint32_t k = warp; k < d / 2; k += kParts)
-              accumulate_16bit_pair<kBf16, ROWS>(row[k], q + 2 * k, d32, acc_a);
-          }
-        }
+        if (lane < n) keys.template score<kBf16>(stage_k, lane, warp, acc_a, acc_b);
         write_partials(acc_a, acc_b);
         __syncthreads();
 
         // combine; OTT: slots whose token moved to the outlier pool are masked out (-inf)
         const uint32_t pos0 = sd.sinks + unit * B + t0;
-        const auto block_position = [&](uint32_t t) { return pos0 + t; };
-        const auto moved = [&](uint32_t t) {
-          return s.has_mask && (block[s.key_mask + (t0 + t) / 8] >> ((t0 + t) % 8) & 1u);
-        };
-        if constexpr (KIND == KeyKind::qjl) {
-          const float in_factor = s.qjl_constant / float(s.m);
-          const float out_factor = s.m_out ? s.qjl_constant / float(s.m_out) : 0.0f;
-          const auto *norm_in = reinterpret_cast<const uint16_t *>(stage_k + L.k_norm_in);
-          const auto *norm_out = reinterpret_cast<const uint16_t *>(stage_k + L.k_norm_out);
-          combine(n, block_position, true, [&](uint32_t, uint32_t t, float sum_in, float sum_out) {
-            float score = in_factor * fp16_bits_to_float(norm_in[t]) * sum_in;
-            if (s.m_out) score += out_factor * fp16_bits_to_float(norm_out[t]) * sum_out;
-            return score;
-          });
-        } else if constexpr (KIND == KeyKind::kivi) {
-          combine(n, block_position, true, [&](uint32_t r, uint32_t t, float sum, float) {
-            return moved(t) ? kNegInf : sum + key_offset[r];
-          });
-        } else {
-          combine(n, block_position, true, [&](uint32_t, uint32_t, float sum, float) { return sum; });
-        }
+        combine(
+            n, [&](uint32_t t) { return pos0 + t; }, true,
+            [&](uint32_t r, uint32_t t, float sum_a, float sum_b) {
+              return keys.token_score(stage_k, block, r, t0, t, sum_a, sum_b);
+            });
         __syncthreads();
         softmax();
         __syncthreads();
@@ -566,47 +352,43 @@ __global__ void __launch_bounds__(kAttendThreads) attend_reduce_kernel(const Att
 }
 
 // ---- dispatch (instantiated once per dtype in attend_<dtype>.cu) ----
-template <class IO, KeyKind KIND, class VALUES, uint32_t ROWS>
+template <class IO, class KEYS, class VALUES, uint32_t ROWS>
 cudaError_t configure_one(size_t smem_optin) {
   // The kernel has no static shared memory; the limit covers static and dynamic together.
   cudaFuncAttributes attributes;
-  const cudaError_t e = cudaFuncGetAttributes(&attributes, attend_kernel<IO, KIND, VALUES, ROWS>);
+  const cudaError_t e = cudaFuncGetAttributes(&attributes, attend_kernel<IO, KEYS, VALUES, ROWS>);
   if (e != cudaSuccess) return e;
   if (attributes.sharedSizeBytes > 0) return cudaErrorInvalidValue;  // attend_smem() would not account for it
-  return cudaFuncSetAttribute(attend_kernel<IO, KIND, VALUES, ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  return cudaFuncSetAttribute(attend_kernel<IO, KEYS, VALUES, ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               int(smem_optin));
 }
 
 // A kernel's shared memory limit is process-wide (every layer and every cache launches the same
 // kernels), so it is raised to the device's maximum rather than to one layer's need.
-template <class IO, KeyKind KIND, class VALUES>
+template <class IO, class KEYS, class VALUES>
 cudaError_t configure_kind(size_t smem_limit) {
-  cudaError_t e = configure_one<IO, KIND, VALUES, 1>(smem_limit);
-  if (e == cudaSuccess) e = configure_one<IO, KIND, VALUES, 2>(smem_limit);
-  if (e == cudaSuccess) e = configure_one<IO, KIND, VALUES, 4>(smem_limit);
-  if (e == cudaSuccess) e = configure_one<IO, KIND, VALUES, 8>(smem_limit);
+  cudaError_t e = configure_one<IO, KEYS, VALUES, 1>(smem_limit);
+  if (e == cudaSuccess) e = configure_one<IO, KEYS, VALUES, 2>(smem_limit);
+  if (e == cudaSuccess) e = configure_one<IO, KEYS, VALUES, 4>(smem_limit);
+  if (e == cudaSuccess) e = configure_one<IO, KEYS, VALUES, 8>(smem_limit);
   return e;
 }
 
 template <class IO>
 cudaError_t configure_io(const KernelShape &shape, size_t smem_limit) {
-  return with_value_policy(shape.value_kind, [&](auto values) {
-    using V = decltype(values);
-    switch (shape.kind) {
-      case KeyKind::qjl: return configure_kind<IO, KeyKind::qjl, V>(smem_limit);
-      case KeyKind::kivi: return configure_kind<IO, KeyKind::kivi, V>(smem_limit);
-      case KeyKind::exact: return configure_kind<IO, KeyKind::exact, V>(smem_limit);
-    }
-    return cudaErrorInvalidValue;  // unreachable: every KeyKind is listed
+  return with_key_policy(shape.kind, [&](auto keys) {
+    return with_value_policy(shape.value_kind, [&](auto values) {
+      return configure_kind<IO, decltype(keys), decltype(values)>(smem_limit);
+    });
   });
 }
 
-template <class IO, KeyKind KIND, class VALUES>
+template <class IO, class KEYS, class VALUES>
 cudaError_t launch_kind(const AttendArgs &a, uint32_t rows, uint32_t grid, cudaStream_t stream) {
-  auto kernel = rows == 1 ? attend_kernel<IO, KIND, VALUES, 1>
-                : rows == 2 ? attend_kernel<IO, KIND, VALUES, 2>
-                : rows == 4 ? attend_kernel<IO, KIND, VALUES, 4>
-                            : attend_kernel<IO, KIND, VALUES, 8>;
+  auto kernel = rows == 1 ? attend_kernel<IO, KEYS, VALUES, 1>
+                : rows == 2 ? attend_kernel<IO, KEYS, VALUES, 2>
+                : rows == 4 ? attend_kernel<IO, KEYS, VALUES, 4>
+                            : attend_kernel<IO, KEYS, VALUES, 8>;
   QJLKV_LAUNCH(kernel, grid, kAttendThreads, a.smem.total, stream, a);
   return cudaGetLastError();
 }
@@ -615,14 +397,10 @@ template <class IO>
 cudaError_t launch_io(const AttendArgs &a, uint32_t rows, cudaStream_t stream) {
   const uint64_t grid = uint64_t(a.n_seqs) * a.shape.Hkv * a.split.splits * a.row_tiles;
   if (grid == 0 || grid > 0x7fffffffu) return cudaErrorInvalidConfiguration;
-  return with_value_policy(a.shape.value_kind, [&](auto values) {
-    using V = decltype(values);
-    switch (a.shape.kind) {
-      case KeyKind::qjl: return launch_kind<IO, KeyKind::qjl, V>(a, rows, uint32_t(grid), stream);
-      case KeyKind::kivi: return launch_kind<IO, KeyKind::kivi, V>(a, rows, uint32_t(grid), stream);
-      case KeyKind::exact: return launch_kind<IO, KeyKind::exact, V>(a, rows, uint32_t(grid), stream);
-    }
-    return cudaErrorInvalidValue;  // unreachable: every KeyKind is listed
+  return with_key_policy(a.shape.kind, [&](auto keys) {
+    return with_value_policy(a.shape.value_kind, [&](auto values) {
+      return launch_kind<IO, decltype(keys), decltype(values)>(a, rows, uint32_t(grid), stream);
+    });
   });
 }
 

@@ -1,0 +1,320 @@
+// Key policies: one type per key kind (KeyKind), consumed by the attention kernel template (the
+// quantizers of append.cu select theirs with `if constexpr` on the same kind). A policy's Scorer
+// belongs to one CTA of ROWS query rows (q: [ROWS][d32] in shared memory); all its functions but
+// score() and token_score() are called by every thread and end synchronized.
+//
+// init()                    once per CTA, after the queries are loaded
+// setup_block(block)        per quantized block: the query-side vectors of that block
+// stage(stage_k, block, t0, n)  the keys of tokens [t0, t0 + n) of the block into shared memory
+// score<BF16>(stage_k, lane, warp, a, b)  lane < n: this warp's part of token `lane`'s dot products
+//                           with every row, into a (and b for a second sum: kTwoSums)
+// token_score(stage_k, block, r, t0, t, sum_a, sum_b)  the raw score of row r and token t0 + t from
+//                           the summed parts (-inf for OTT's moved slots)
+#pragma once
+#include "device.cuh"
+
+namespace qjlkv::cuda {
+
+inline constexpr float kNegInf = -__builtin_huge_valf();
+
+// Σ_i v_r[i]·(±1) over the 32 sketch rows of one word of sign bits, for every query row r.
+template <uint32_t ROWS>
+__device__ __forceinline__ void accumulate_signs(uint32_t word, const float *v, uint32_t stride, float (&acc)[ROWS]) {
+#pragma unroll
+  for (uint32_t i = 0; i < 32; i += 4) {
+    const float f0 = sign_factor(word, i), f1 = sign_factor(word, i + 1), f2 = sign_factor(word, i + 2),
+                f3 = sign_factor(word, i + 3);
+#pragma unroll
+    for (uint32_t r = 0; r < ROWS; ++r) {
+      const float4 x = *reinterpret_cast<const float4 *>(v + r * stride + i);
+      acc[r] = fmaf(x.x, f0, fmaf(x.y, f1, fmaf(x.z, f2, fmaf(x.w, f3, acc[r]))));
+    }
+  }
+}
+
+// Σ_c qs_r[c]·code_c over the 32/BITS codes of one word, for every query row r.
+template <uint32_t BITS, uint32_t ROWS>
+__device__ __forceinline__ void accumulate_codes(uint32_t word, const float *qs, uint32_t stride, float (&acc)[ROWS]) {
+  constexpr uint32_t kPerWord = 32 / BITS, kMask = (1u << BITS) - 1u;
+#pragma unroll
+  for (uint32_t c = 0; c < kPerWord; c += 4) {
+    const float f0 = code_to_float((word >> (c * BITS)) & kMask);
+    const float f1 = code_to_float((word >> ((c + 1) * BITS)) & kMask);
+    const float f2 = code_to_float((word >> ((c + 2) * BITS)) & kMask);
+    const float f3 = code_to_float((word >> ((c + 3) * BITS)) & kMask);
+#pragma unroll
+    for (uint32_t r = 0; r < ROWS; ++r) {
+      const float4 x = *reinterpret_cast<const float4 *>(qs + r * stride + c);
+      acc[r] = fmaf(x.x, f0, fmaf(x.y, f1, fmaf(x.z, f2, fmaf(x.w, f3, acc[r]))));
+    }
+  }
+}
+
+// Σ_c qs_r[c]·code_c over the 32 3-bit codes of three words (96 bits), for every query row r.
+template <uint32_t ROWS>
+__device__ __forceinline__ void accumulate_codes3(uint32_t w0, uint32_t w1, uint32_t w2, const float *qs,
+                                                  uint32_t stride, float (&acc)[ROWS]) {
+  const uint64_t lo = uint64_t(w0) | uint64_t(w1) << 32;  // codes 0..20 and the low bit of code 21
+  const uint64_t hi = uint64_t(w1) | uint64_t(w2) << 32;  // from bit 32: codes 11 (partly) .. 31
+#pragma unroll
+  for (uint32_t c = 0; c < 32; c += 4) {
+    float f[4];
+#pragma unroll
+    for (uint32_t k = 0; k < 4; ++k) {
+      const uint32_t bit = 3 * (c + k);
+      f[k] = code_to_float(uint32_t(bit + 3 <= 64 ? lo >> bit : hi >> (bit - 32)) & 7u);
+    }
+#pragma unroll
+    for (uint32_t r = 0; r < ROWS; ++r) {
+      const float4 x = *reinterpret_cast<const float4 *>(qs + r * stride + c);
+      acc[r] = fmaf(x.x, f[0], fmaf(x.y, f[1], fmaf(x.z, f[2], fmaf(x.w, f[3], acc[r]))));
+    }
+  }
+}
+
+// Σ q_r[e]·x_e over the two 16-bit numbers (fp16, or bf16 when BF16) of one word, for every
+// query row r; q points at the word's first element of row 0.
+template <bool BF16, uint32_t ROWS>
+__device__ __forceinline__ void accumulate_16bit_pair(uint32_t word, const float *q, uint32_t stride,
+                                                      float (&acc)[ROWS]) {
+  const float x0 = stored16_to_float<BF16>(word & 0xffffu), x1 = stored16_to_float<BF16>(word >> 16);
+#pragma unroll
+  for (uint32_t r = 0; r < ROWS; ++r) {
+    const float2 qq = *reinterpret_cast<const float2 *>(q + r * stride);
+    acc[r] = fmaf(qq.x, x0, fmaf(qq.y, x1, acc[r]));
+  }
+}
+
+// Rows of `words` 4-byte words from global memory into shared rows of dst_stride words:
+// one warp per row, lanes along the row (coalesced).
+template <class RowAddress>
+__device__ __forceinline__ void copy_rows(uint32_t *dst, uint32_t dst_stride, uint32_t words, uint32_t n_rows,
+                                          RowAddress row_address) {
+  const uint32_t lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+  for (uint32_t t = warp; t < n_rows; t += kAttendThreads / 32) {
+    const auto *src = reinterpret_cast<const uint32_t *>(row_address(t));
+    for (uint32_t k = lane; k < words; k += 32) dst[t * dst_stride + k] = __ldg(src + k);
+  }
+}
+
+// QJL keys: sign bits of the inlier and outlier sketches, fp16 norms, outlier channels per block.
+struct QjlKeys {
+  static constexpr KeyKind kKind = KeyKind::qjl;
+  static constexpr bool kTwoSums = true;  // inlier and outlier sketch
+
+  template <uint32_t ROWS>
+  struct Scorer {
+    const KernelShape &s;
+    const AttendSmem &L;
+    uint8_t *smem;
+    const float *q;
+    uint32_t d32, sr32, m32, mo32;
+    float *sq, *sq_in, *sq_out;
+    __device__ Scorer(const KernelShape &shape, const AttendSmem &layout, uint8_t *shared)
+        : s(shape), L(layout), smem(shared), q(reinterpret_cast<const float *>(shared + layout.q)),
+          d32(round_up(shape.d, 32)), sr32(round_up(shape.sketch_rows, 32)), m32(round_up(shape.m, 32)),
+          mo32(round_up(shape.m_out, 32)), sq(reinterpret_cast<float *>(shared + layout.sq)),
+          sq_in(reinterpret_cast<float *>(shared + layout.sq_in)),
+          sq_out(reinterpret_cast<float *>(shared + layout.sq_out)) {}
+
+    // S·q once per CTA (rows of the layer sketch beyond sketch_rows are zero padding).
+    __device__ void init() {
+      for (uint32_t i = threadIdx.x; i < sr32; i += kAttendThreads) {
+        float acc[ROWS] = {};
+        if (i < s.sketch_rows)
+          for (uint32_t j = 0; j < s.d; ++j) {
+            const float w = __ldg(s.sketch_t + size_t(j) * s.sketch_rows + i);
+#pragma unroll
+            for (uint32_t r = 0; r < ROWS; ++r) acc[r] = fmaf(w, q[r * d32 + j], acc[r]);
+          }
+#pragma unroll
+        for (uint32_t r = 0; r < ROWS; ++r) sq[r * sr32 + i] = acc[r];
+      }
+      __syncthreads();
+    }
+    // S·q_in = S·q − S·q_out, with q_out = q on the block's c outlier channels.
+    __device__ void setup_block(const uint8_t *block) {
+      auto *outliers = reinterpret_cast<uint32_t *>(smem + L.outlier);
+      const uint32_t c = s.outlier_channels;
+      for (uint32_t i = threadIdx.x; i < c; i += kAttendThreads) outliers[i] = block[s.key_outlier_idx + i];
+      __syncthreads();
+      const uint32_t span = max(m32, mo32);
+      for (uint32_t i = threadIdx.x; i < span; i += kAttendThreads) {
+        float p[ROWS] = {};
+        if (i < s.sketch_rows)
+          for (uint32_t k = 0; k < c; ++k) {
+            const uint32_t j = outliers[k];
+            const float w = __ldg(s.sketch_t + size_t(j) * s.sketch_rows + i);
+#pragma unroll
+            for (uint32_t r = 0; r < ROWS; ++r) p[r] = fmaf(w, q[r * d32 + j], p[r]);
+          }
+#pragma unroll
+        for (uint32_t r = 0; r < ROWS; ++r) {
+          if (i < m32) sq_in[r * m32 + i] = i < s.m ? sq[r * sr32 + i] - p[r] : 0.0f;
+          if (i < mo32) sq_out[r * mo32 + i] = i < s.m_out ? p[r] : 0.0f;
+        }
+      }
+      __syncthreads();
+    }
+    __device__ void stage(uint8_t *stage_k, const uint8_t *block, uint32_t t0, uint32_t n) const {
+      copy_words(stage_k + L.k_norm_in, block + s.key_norm_in + t0 * 2, n * 2, kAttendThreads);
+      copy_words(stage_k + L.k_bits_in, block + s.key_bits_in + t0 * s.bits_in_bpt, n * s.bits_in_bpt,
+                 kAttendThreads);
+      if (s.m_out) {
+        copy_words(stage_k + L.k_norm_out, block + s.key_norm_out + t0 * 2, n * 2, kAttendThreads);
+        copy_words(stage_k + L.k_bits_out, block + s.key_bits_out + t0 * s.bits_out_bpt, n * s.bits_out_bpt,
+                   kAttendThreads);
+      }
+    }
+    template <bool BF16>
+    __device__ void score(const uint8_t *stage_k, uint32_t lane, uint32_t warp, float (&acc_a)[ROWS],
+                          float (&acc_b)[ROWS]) const {
+      const uint32_t words_in = div_up(s.m, 32), words_out = div_up(s.m_out, 32);
+      const uint8_t *bits_in = stage_k + L.k_bits_in + lane * s.bits_in_bpt;
+      const uint8_t *bits_out = stage_k + L.k_bits_out + lane * s.bits_out_bpt;
+      const bool aligned_in = s.bits_in_bpt % 4 == 0, aligned_out = s.bits_out_bpt % 4 == 0;
+      for (uint32_t k = warp; k < words_in + words_out; k += kParts) {
+        if (k < words_in) {
+          accumulate_signs<ROWS>(load_word(bits_in + 4 * k, aligned_in), sq_in + 32 * k, m32, acc_a);
+        } else {
+          const uint32_t kk = k - words_in;
+          accumulate_signs<ROWS>(load_word(bits_out + 4 * kk, aligned_out), sq_out + 32 * kk, mo32, acc_b);
+        }
+      }
+    }
+    __device__ float token_score(const uint8_t *stage_k, const uint8_t *, uint32_t, uint32_t, uint32_t t, float sum_in,
+                                 float sum_out) const {
+      const float in_factor = s.qjl_constant / float(s.m);
+      float score = in_factor * fp16_bits_to_float(reinterpret_cast<const uint16_t *>(stage_k + L.k_norm_in)[t]) * sum_in;
+      if (s.m_out) {
+        const float out_factor = s.qjl_constant / float(s.m_out);
+        score += out_factor * fp16_bits_to_float(reinterpret_cast<const uint16_t *>(stage_k + L.k_norm_out)[t]) * sum_out;
+      }
+      return score;
+    }
+  };
+};
+
+// KIVI / OTT keys: per-channel fp16 scale and minimum per block, 2/3/4/8-bit codes per token; OTT
+// blocks also mask the slots whose token moved to the outlier pool.
+struct KiviKeys {
+  static constexpr KeyKind kKind = KeyKind::kivi;
+  static constexpr bool kTwoSums = false;
+
+  template <uint32_t ROWS>
+  struct Scorer {
+    const KernelShape &s;
+    const AttendSmem &L;
+    uint8_t *smem;
+    const float *q;
+    uint32_t d32;
+    float *qs, *key_offset;
+    __device__ Scorer(const KernelShape &shape, const AttendSmem &layout, uint8_t *shared)
+        : s(shape), L(layout), smem(shared), q(reinterpret_cast<const float *>(shared + layout.q)),
+          d32(round_up(shape.d, 32)), qs(reinterpret_cast<float *>(shared + layout.qs)),
+          key_offset(reinterpret_cast<float *>(shared + layout.koff)) {}
+
+    __device__ void init() {}
+    // q_c·scale_c for the codes and Σ_c q_c·min_c for the offset shared by the block's tokens.
+    __device__ void setup_block(const uint8_t *block) {
+      const uint32_t tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+      float *products = reinterpret_cast<float *>(smem + L.final_buf);  // [ROWS][d32] scratch
+      const auto *scale16 = reinterpret_cast<const uint16_t *>(block + s.key_scale);
+      const auto *min16 = reinterpret_cast<const uint16_t *>(block + s.key_min);
+      for (uint32_t i = tid; i < ROWS * d32; i += kAttendThreads) {
+        const uint32_t j = i % d32;
+        const float scale = j < s.d ? fp16_bits_to_float(scale16[j]) : 0.0f;
+        const float minimum = j < s.d ? fp16_bits_to_float(min16[j]) : 0.0f;
+        qs[i] = q[i] * scale;
+        products[i] = q[i] * minimum;
+      }
+      __syncthreads();
+      for (uint32_t r = warp; r < ROWS; r += kParts) {
+        float sum = 0.0f;
+        for (uint32_t j = lane; j < d32; j += 32) sum += products[r * d32 + j];
+        sum = warp_sum(sum);
+        if (lane == 0) key_offset[r] = sum;
+      }
+      __syncthreads();
+    }
+    __device__ void stage(uint8_t *stage_k, const uint8_t *block, uint32_t t0, uint32_t n) const {
+      copy_words(stage_k, block + s.key_codes + t0 * s.key_codes_bpt, n * s.key_codes_bpt, kAttendThreads);
+    }
+    template <bool BF16>
+    __device__ void score(const uint8_t *stage_k, uint32_t lane, uint32_t warp, float (&acc)[ROWS],
+                          float (&)[ROWS]) const {
+      const uint32_t bytes = s.key_codes_bpt, words = div_up(bytes, 4);
+      const uint8_t *codes = stage_k + lane * bytes;
+      const bool aligned = bytes % 4 == 0;
+      switch (s.key_bits) {
+        case 2:
+          for (uint32_t k = warp; k < words; k += kParts)
+            accumulate_codes<2, ROWS>(load_word(codes + 4 * k, aligned), qs + 16 * k, d32, acc);
+          break;
+        case 3:
+          // Groups of 32 codes in 12 bytes (the last group of a row whose head_dim is not a multiple
+          // of 32 reads into the next row or the stage's slack, times qs's zeros).
+          for (uint32_t k = warp; k < div_up(s.d, 32); k += kParts)
+            accumulate_codes3<ROWS>(load_word(codes + 12 * k, aligned), load_word(codes + 12 * k + 4, aligned),
+                                    load_word(codes + 12 * k + 8, aligned), qs + 32 * k, d32, acc);
+          break;
+        case 4:
+          for (uint32_t k = warp; k < words; k += kParts)
+            accumulate_codes<4, ROWS>(load_word(codes + 4 * k, aligned), qs + 8 * k, d32, acc);
+          break;
+        default:
+          for (uint32_t k = warp; k < words; k += kParts)
+            accumulate_codes<8, ROWS>(load_word(codes + 4 * k, aligned), qs + 4 * k, d32, acc);
+      }
+    }
+    __device__ float token_score(const uint8_t *, const uint8_t *block, uint32_t r, uint32_t t0, uint32_t t,
+                                 float sum, float) const {
+      const bool moved = s.has_mask && (block[s.key_mask + (t0 + t) / 8] >> ((t0 + t) % 8) & 1u);
+      return moved ? kNegInf : sum + key_offset[r];
+    }
+  };
+};
+
+// Exact keys: 16-bit numbers [B][d] (fp16, or bf16 for bf16 inputs).
+struct ExactKeys {
+  static constexpr KeyKind kKind = KeyKind::exact;
+  static constexpr bool kTwoSums = false;
+
+  template <uint32_t ROWS>
+  struct Scorer {
+    const KernelShape &s;
+    const float *q;
+    uint32_t d32;
+    __device__ Scorer(const KernelShape &shape, const AttendSmem &layout, uint8_t *shared)
+        : s(shape), q(reinterpret_cast<const float *>(shared + layout.q)), d32(round_up(shape.d, 32)) {}
+    __device__ void init() {}
+    __device__ void setup_block(const uint8_t *) {}
+    __device__ void stage(uint8_t *stage_k, const uint8_t *block, uint32_t t0, uint32_t n) const {
+      copy_rows(reinterpret_cast<uint32_t *>(stage_k), padded_row_words(2 * s.d), s.d / 2, n,
+                [&](uint32_t t) { return block + s.key_codes + size_t(t0 + t) * 2 * s.d; });
+    }
+    template <bool BF16>
+    __device__ void score(const uint8_t *stage_k, uint32_t lane, uint32_t warp, float (&acc)[ROWS],
+                          float (&)[ROWS]) const {
+      const uint32_t *row = reinterpret_cast<const uint32_t *>(stage_k) + lane * padded_row_words(2 * s.d);
+      for (uint32_t k = warp; k < s.d / 2; k += kParts) accumulate_16bit_pair<BF16, ROWS>(row[k], q + 2 * k, d32, acc);
+    }
+    __device__ float token_score(const uint8_t *, const uint8_t *, uint32_t, uint32_t, uint32_t, float sum,
+                                 float) const {
+      return sum;
+    }
+  };
+};
+
+// Calls f(Policy{}) with the policy of this key kind (host dispatch of the launches).
+template <class F>
+auto with_key_policy(KeyKind kind, F &&f) {
+  switch (kind) {
+    case KeyKind::kivi: return f(KiviKeys{});
+    case KeyKind::exact: return f(ExactKeys{});
+    case KeyKind::qjl: break;
+  }
+  return f(QjlKeys{});
+}
+
+}  // namespace qjlkv::cuda
