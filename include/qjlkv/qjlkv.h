@@ -218,7 +218,7 @@ typedef enum qjlkv_value_method {
                                         rotation of the head, then value_bits
                                         (2, 3 or 4) Lloyd-Max codes for N(0,1)
                                         and one fp16 scale (value_group_size is
-                                        ignored); CPU only for now            */
+                                        ignored)                              */
 } qjlkv_value_method;
 
 /* ===========================================================================
@@ -307,7 +307,7 @@ typedef struct qjlkv_config {
   uint32_t initial_key_sketch_dim;
   uint32_t initial_outlier_sketch_dim;
   /* KIVI / OTT */
-  uint32_t key_bits;             /* 2, 3, 4 or 8 (3: CPU only for now)        */
+  uint32_t key_bits;             /* 2, 3, 4 or 8                              */
   /* OTT */
   uint32_t outlier_tokens;       /* P: pool size per (sequence, kv head),
                                     [0, block_tokens)                         */
@@ -315,8 +315,7 @@ typedef struct qjlkv_config {
                                     [0, QJLKV_MAX_SPILL_TOKENS]               */
   uint32_t outlier_skip_layers;  /* layers [0, n) do no tracing, n <= layers  */
   /* values */
-  uint32_t value_bits;           /* 2, 3, 4, 8, or 16 = exact 16-bit values
-                                    (3: CPU only for now)                     */
+  uint32_t value_bits;           /* 2, 3, 4, 8, or 16 = exact 16-bit values   */
   uint32_t value_group_size;     /* g: divides head_dim                       */
   uint32_t num_threads;          /* CPU worker threads, <= QJLKV_MAX_THREADS;
                                     0 = all cores                             */
@@ -350,8 +349,7 @@ typedef struct qjlkv_config {
  *           bits (3.94 at d = 64).
  *           Both tiers use fields added in 0.2 (value_method, sink_tokens):
  *           a 0.1-sized struct gets their keys with uniform 2-bit values and
- *           no sinks. CPU only for now (a CUDA cache with them returns
- *           UNSUPPORTED). Accuracy: docs/ACCURACY.md.
+ *           no sinks. Both backends. Accuracy: docs/ACCURACY.md.
  *   "qjl"   QJL keys, m = 2d sketch rows,
  *           c = 4 outlier channels with m_out = d (c = 0 and m_out = 0 when
  *           d < 16), no initial layers (their sizes equal m and m_out),

@@ -152,12 +152,41 @@ TEST(CudaLayout, AttendSharedMemoryRegionsHoldTheirTiles) {
           }
 }
 
+// Rotated Lloyd-Max values stage one fp16 scale per token and the codes; the level table has its
+// own region before the stage. 3-bit key codes keep 16 bytes of slack for their 12-byte groups.
+TEST(CudaLayout, LloydMaxValuesAndThreeBitKeysHaveTheirRegions) {
+  for (uint32_t rows : {1u, 2u, 4u, 8u})
+    for (uint32_t d : {8u, 40u, 72u, 96u, 128u, 256u})
+      for (uint32_t io : {2u, 4u})
+        for (uint32_t vb : {2u, 3u, 4u}) {
+          AttendShape s = shape(KeyKind::kivi, rows, d, io, vb, 8);
+          s.key_bits = 3;
+          s.value_kind = ValueKind::lloyd_max;
+          s.value_groups = 1;
+          const AttendSmem m = attend_smem(s);
+          EXPECT_EQ(m.levels % 16, 0u);
+          EXPECT_GE(m.stage_k, m.levels + 4 * kMaxLevels);
+          EXPECT_GE(m.levels, m.state + 4 * 3 * rows);
+          EXPECT_GE(m.stage_v - m.stage_k, kTile * d * 3 / 8 + 16);
+          EXPECT_GE(m.v_codes - m.v_scale, 2 * kTile);
+          EXPECT_GE(m.total - m.stage_v, std::max(m.v_codes + kTile * d * vb / 8, kTile * d * io));
+        }
+}
+
 // The presets' attention kernels fit an H100/H200 (227 KiB) with 8 rows, an A100 (163 KiB) too.
 TEST(CudaLayout, PresetShapesFitTheDevices) {
   for (KeyKind kind : {KeyKind::qjl, KeyKind::kivi, KeyKind::exact})
     for (uint32_t d : {64u, 128u, 256u}) {
       const uint32_t total = attend_smem(shape(kind, 8, d, 4, kind == KeyKind::exact ? 16 : 2)).total;
       EXPECT_LE(total, 166912u) << "d " << d;
+    }
+  for (uint32_t d : {64u, 128u, 256u})  // q3 / q4: 3- or 4-bit keys, 2- or 3-bit rotated values
+    for (uint32_t key_bits : {3u, 4u}) {
+      AttendShape s = shape(KeyKind::kivi, 8, d, 4, key_bits - 1);
+      s.key_bits = key_bits;
+      s.value_kind = ValueKind::lloyd_max;
+      s.value_groups = 1;
+      EXPECT_LE(attend_smem(s).total, 166912u) << "d " << d << ", key_bits " << key_bits;
     }
 }
 

@@ -291,10 +291,9 @@ impl Config {
         /// CPU worker threads; 0 = the cores available. Results do not depend on it.
         num_threads;
         /// A `qjlkv_value_method`: 0 = uniform per-token codes in groups, 1 = rotated
-        /// Lloyd-Max codes (`value_bits` 2, 3 or 4; CPU only for now).
+        /// Lloyd-Max codes (`value_bits` 2, 3 or 4).
         value_method;
-        /// S: the first S positions of every sequence stay exact (attention sinks), <= 65536;
-        /// CPU only for now.
+        /// S: the first S positions of every sequence stay exact (attention sinks), <= 65536.
         sink_tokens;
     }
 }
