@@ -859,6 +859,9 @@ class CudaImport final : public PortableImport {
   CudaImport &operator=(const CudaImport &) = delete;
 
   void add_layer(uint32_t layer_index, const PortableCounts &counts) override {
+    if (counts.length > UINT32_MAX)
+      fail(QJLKV_ERROR_UNSUPPORTED, "layer %u: the stream holds %llu tokens; a CUDA cache holds at most %u per sequence",
+           layer_index, (unsigned long long)counts.length, UINT32_MAX);
     DeviceGuard guard(cache_.device_);
     LayerState &layer = cache_.layers_[layer_index];
     const KernelShape &k = layer.shape;
