@@ -47,7 +47,8 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
   const QjlArgs qjl{&layout, B, kDim, ls.m, ls.m_out, cfg.outlier_channels, sketch_t.data(), sketch_stride,
                     spec.qjl_constant / float(std::max(1u, ls.m)), ls.m_out ? spec.qjl_constant / float(ls.m_out) : 0};
   const CodesArgs key_args{&layout, B, kDim, cfg.key_bits, 0, spec.stored_dtype};
-  const CodesArgs value_args{&layout, B, kDim, cfg.value_bits, cfg.value_group_size, spec.stored_dtype};
+  const CodesArgs value_args{&layout,          B, kDim, cfg.value_bits, cfg.value_group_size, spec.stored_dtype,
+                             cfg.value_method, ls.value_signs.data()};
   std::vector<float> scratch(kernel_scratch_floats(cfg, ls.m, ls.m_out, ls.sketch_rows) + 16);
   for (uint32_t b = 0; b < blocks; ++b) {
     for (float &x : keys) x = normal(rng);
@@ -106,9 +107,9 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
 }  // namespace
 
 void register_kernel_benchmarks() {
-  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni}) {
     if (!isa_supported(isa)) continue;
-    for (const char *preset : {"exact", "qjl", "kivi"})
+    for (const char *preset : {"exact", "q3", "q4", "qjl", "kivi"})
       benchmark::RegisterBenchmark((std::string("Kernels/") + isa_name(isa) + "/" + preset).c_str(), bm_kernels, isa,
                                    preset)
           ->Unit(benchmark::kMicrosecond);
