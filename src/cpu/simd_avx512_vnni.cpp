@@ -93,7 +93,7 @@ void codes_scores(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d
                   const float *step, const float *offset, float *out, size_t out_stride) {
   const uint32_t chunks = d / 16, halves = d / 64, Bp = padded_tokens(B);
   const auto digit = [&](uint32_t r, uint32_t j, uint32_t part) {
-    return _mm512_load_si512(digits + ((size_t(r) * chunks + j) * 2 + part) * 64);
+    return _mm512_loadu_si512(digits + ((size_t(r) * chunks + j) * 2 + part) * 64);
   };
   for (uint32_t t0 = 0; t0 < Bp; t0 += 16) {
     alignas(64) float partial[R][4][16];  // Σ code·Q per 4-token group; exact below 2^24 per digit
@@ -138,8 +138,8 @@ float query_digits(const float *q, const float *scale, uint32_t d, int8_t *digit
     const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(Q, _mm512_set1_epi32(128)), 8);
     const __m512i lo = _mm512_sub_epi32(Q, _mm512_slli_epi32(hi, 8));
     int8_t *chunk = digits + size_t(j / 16) * 128;
-    _mm512_store_si512(chunk, _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(hi)));
-    _mm512_store_si512(chunk + 64, _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(lo)));
+    _mm512_storeu_si512(chunk, _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(hi)));
+    _mm512_storeu_si512(chunk + 64, _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(lo)));
   }
   *residual = _mm512_reduce_add_ps(rho);
   return step;
@@ -160,12 +160,12 @@ void kivi_scores_bits(const CodesArgs &a, const uint8_t *block, const float *q, 
     float step[4], offset[4];
     for (uint32_t rr = 0; rr < R; ++rr) {
       const float *qr = q + size_t(r0 + rr) * dp;
-      float sum = 0.0f;  // Σ_c q_c·min_c in fp32, as the float kernels
-      for (uint32_t j = 0; j < d; ++j) {
-        uint16_t mn;
-        std::memcpy(&mn, mins + 2 * j, 2);
-        sum += qr[j] * half_to_float(mn);
-      }
+      __m512 products = _mm512_setzero_ps();  // Σ_c q_c·min_c, shared by every token of the block
+      for (uint32_t j = 0; j < d; j += 16)
+        products = _mm512_fmadd_ps(_mm512_loadu_ps(qr + j),
+                                   _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(mins + 2 * j))),
+                                   products);
+      const float sum = _mm512_reduce_add_ps(products);
       float residual = 0.0f;
       step[rr] = query_digits(qr, scale, d, digits + size_t(rr) * (d / 16) * 128, &residual);
       offset[rr] = sum + residual * (float((1u << BITS) - 1u) * 0.5f);
@@ -285,12 +285,11 @@ void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, 
                       float *acc, float *scratch) {
   const BlockLayout &l = *a.layout;
   const uint32_t B = a.block_tokens, d = a.head_dim, dp = padded_dim(d), P_stride = (B + 31) / 32 * 32;
-  float *scales = scratch;  // [B], then P: [4][P_stride] int16
+  float *scales = scratch;  // [P_stride], zero past B; then P: [4][P_stride] int16
   auto *P = reinterpret_cast<int16_t *>(scratch + P_stride);
-  for (uint32_t t = 0; t < B; ++t) {
-    uint16_t h;
-    std::memcpy(&h, block + l.value_scale + 2 * size_t(t), 2);
-    scales[t] = half_to_float(h);
+  for (uint32_t t = 0; t < P_stride; t += 16) {
+    const __mmask16 valid = t + 16 <= B ? __mmask16(0xffff) : t < B ? __mmask16((1u << (B - t)) - 1u) : __mmask16(0);
+    _mm512_storeu_ps(scales + t, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, block + l.value_scale + 2 * size_t(t))));
   }
   const float largest_level = lloyd_max_level(BITS, (1u << BITS) - 1u);
   alignas(64) int16_t table[32];
@@ -304,13 +303,20 @@ void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, 
     float unit[4];  // what one P·L step is worth
     for (uint32_t rr = 0; rr < R; ++rr) {
       const float *wr = w + size_t(r0 + rr) * w_stride;
-      float top = 0.0f;
-      for (uint32_t t = 0; t < B; ++t) top = std::max(top, wr[t] * scales[t]);
-      const float inverse = top > 0.0f ? kWeightCodeMax / top : 0.0f;
+      // Weights past B are not read (masked): they need not be zero.
+      const auto weighted = [&](uint32_t t) {
+        const __mmask16 valid = t + 16 <= B ? __mmask16(0xffff) : t < B ? __mmask16((1u << (B - t)) - 1u) : __mmask16(0);
+        return _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, wr + t), _mm512_loadu_ps(scales + t));
+      };
+      __m512 top = _mm512_setzero_ps();
+      for (uint32_t t = 0; t < P_stride; t += 16) top = _mm512_max_ps(top, weighted(t));
+      const float largest = _mm512_reduce_max_ps(top);
+      const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? kWeightCodeMax / largest : 0.0f);
       int16_t *Pr = P + size_t(rr) * P_stride;
-      for (uint32_t t = 0; t < B; ++t) Pr[t] = int16_t(std::lrint(wr[t] * scales[t] * inverse));
-      for (uint32_t t = B; t < P_stride; ++t) Pr[t] = 0;
-      unit[rr] = top / kWeightCodeMax * (largest_level / kLevelCodeMax);
+      for (uint32_t t = 0; t < P_stride; t += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(Pr + t),
+                            _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(weighted(t), inverse))));
+      unit[rr] = largest / kWeightCodeMax * (largest_level / kLevelCodeMax);
     }
     float *ar = acc + size_t(r0) * dp;
     switch (R) {
