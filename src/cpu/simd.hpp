@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "../config.hpp"
+#include "../rotation.hpp"
 #include "isa.hpp"
 #include "kernels.hpp"
 

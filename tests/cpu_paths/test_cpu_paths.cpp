@@ -189,7 +189,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     }
     // Edge cases the quantizers must treat like the reference: a constant group; a group whose
     // minimum is zero with both signs present (the first smallest counts); a key channel whose
-    // minimum over the block is such a zero; exact ties between levels.
+    // minimum over the block is such a zero; exact ties between levels; a token of zeros.
     const uint32_t g = k.value_group_size;
     for (uint32_t j = 0; j < g; ++j) values_[j] = 0.75f;
     for (uint32_t j = 0; j < g; ++j) values_[d + j] = std::fabs(values_[d + j]);
@@ -197,6 +197,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     values_[d + g - 1] = 0.0f;
     values_[2 * d + 1] = 1.5f;
     values_[2 * d + 2] = -1.5f;
+    std::fill_n(&values_[3 * size_t(d)], d, 0.0f);  // a zero token: rotated values keep codes 0, scale 0
     for (uint32_t t = 0; t < B; ++t) keys_[size_t(t) * d + 1] = std::fabs(keys_[size_t(t) * d + 1]);
     keys_[2 * size_t(d) + 1] = -0.0f;
     keys_[5 * size_t(d) + 1] = 0.0f;
