@@ -28,7 +28,8 @@ double thread_seconds() {
 
 void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
   const KernelTable &K = kernel_table(isa);
-  qjlkv_config cfg;
+  qjlkv_config cfg{};
+  cfg.struct_size = sizeof cfg;
   init_preset(cfg, preset, 1, kRows, 1, kDim);
   cfg.dtype = QJLKV_DTYPE_F16;
   const CacheSpec spec = make_cache_spec(cfg);
@@ -47,14 +48,17 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
   const QjlArgs qjl{&layout, B, kDim, ls.m, ls.m_out, cfg.outlier_channels, sketch_t.data(), sketch_stride,
                     spec.qjl_constant / float(std::max(1u, ls.m)), ls.m_out ? spec.qjl_constant / float(ls.m_out) : 0};
   const CodesArgs key_args{&layout, B, kDim, cfg.key_bits, 0, spec.stored_dtype};
-  const CodesArgs value_args{&layout, B, kDim, cfg.value_bits, cfg.value_group_size, spec.stored_dtype};
-  std::vector<float> scratch(kernel_scratch_floats(cfg, ls.m, ls.m_out, ls.sketch_rows) + 16);
+  const CodesArgs value_args{&layout,          B, kDim, cfg.value_bits, cfg.value_group_size, spec.stored_dtype,
+                             cfg.value_method, ls.value_signs.data()};
+  std::vector<float> scratch_storage(kernel_scratch_floats(cfg, ls.m, ls.m_out, ls.sketch_rows) + 16);
+  const auto misalignment = reinterpret_cast<uintptr_t>(scratch_storage.data()) % 64;
+  float *scratch = scratch_storage.data() + (64 - misalignment) % 64 / sizeof(float);  // 64-byte aligned (simd.hpp)
   for (uint32_t b = 0; b < blocks; ++b) {
     for (float &x : keys) x = normal(rng);
     for (float &x : values) x = normal(rng);
     uint8_t *block = &data[size_t(b) * layout.stride];
     switch (cfg.key_method) {
-      case QJLKV_KEYS_QJL: qjl_quantize_block(ls, cfg, keys.data(), block, scratch.data()); break;
+      case QJLKV_KEYS_QJL: qjl_quantize_block(ls, cfg, keys.data(), block, scratch); break;
       case QJLKV_KEYS_EXACT:
         K.store_16bit(keys.data(), keys.size(), spec.stored_dtype, reinterpret_cast<uint16_t *>(block + layout.key_codes));
         break;
@@ -75,11 +79,11 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
       const uint8_t *block = &data[size_t(b) * layout.stride];
       float *w = &weights[size_t(b) * kRows * Bp];
       switch (cfg.key_method) {
-        case QJLKV_KEYS_QJL: K.qjl_scores(qjl, block, q.data(), sq.data(), kRows, w, Bp, scratch.data()); break;
+        case QJLKV_KEYS_QJL: K.qjl_scores(qjl, block, q.data(), sq.data(), kRows, w, Bp, scratch); break;
         case QJLKV_KEYS_EXACT:
           K.dense_scores(block + layout.key_codes, spec.stored_dtype, kDim, B, kDim, q.data(), kRows, w, Bp);
           break;
-        default: K.kivi_scores(key_args, block, q.data(), kRows, w, Bp, scratch.data()); break;
+        default: K.kivi_scores(key_args, block, q.data(), kRows, w, Bp, scratch); break;
       }
     }
     const double t1 = thread_seconds();
@@ -88,7 +92,7 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
     const double t2 = thread_seconds();
     for (uint32_t b = 0; b < blocks; ++b)
       K.values_accumulate(value_args, &data[size_t(b) * layout.stride], &weights[size_t(b) * kRows * Bp], Bp, kRows,
-                          acc.data(), scratch.data());
+                          acc.data(), scratch);
     const double t3 = thread_seconds();
     keys_s += t1 - t0;
     softmax_s += t2 - t1;
@@ -106,9 +110,9 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
 }  // namespace
 
 void register_kernel_benchmarks() {
-  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni}) {
     if (!isa_supported(isa)) continue;
-    for (const char *preset : {"exact", "qjl", "kivi"})
+    for (const char *preset : {"exact", "q3", "q4", "qjl", "kivi"})
       benchmark::RegisterBenchmark((std::string("Kernels/") + isa_name(isa) + "/" + preset).c_str(), bm_kernels, isa,
                                    preset)
           ->Unit(benchmark::kMicrosecond);

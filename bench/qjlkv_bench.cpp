@@ -7,9 +7,9 @@
 //                      one decode step (one query token, one layer, all heads) on an fp16
 //                      cache; counters: MB the step reads from the cache, GB_per_s and its
 //                      fraction of ReadBandwidth (of_read_bw)
-//   ExactOverQjl/<model>/<context>
-//                      exact and qjl steps alternated in one loop (same machine load): their
-//                      times and the ratio exact/qjl
+//   ExactOver/<model>/<context>
+//                      exact and every compressed preset's steps alternated in one loop (same
+//                      machine load): their times and the ratios exact/<preset>
 //   AttendBatch/<model>/<preset>/4096/seqs:32
 //                      32 sequences in one attend_batch call: ms_per_seq
 //   Append/<model>/<preset>
@@ -45,7 +45,7 @@ struct Shape {
   uint32_t layers, q_heads, kv_heads, head_dim;
 };
 constexpr Shape kShapes[] = {{"llama3_8b", 32, 32, 8, 128}, {"smollm2_135m", 30, 9, 3, 64}};
-constexpr const char *kPresets[] = {"exact", "qjl", "kivi", "ott"};
+constexpr const char *kPresets[] = {"exact", "q3", "q4", "qjl", "kivi", "ott"};  // exact first
 constexpr uint32_t kContexts[] = {1024, 4096, 16384, 32768, 131072};
 constexpr double kWorkingSetBytes = 256e6;  // cache bytes cycled through: well beyond the LLC
 constexpr uint32_t kChunk = 4096;           // tokens per append call while filling
@@ -208,24 +208,29 @@ void bm_attend(benchmark::State &state, const Shape &shape, const char *preset, 
   set_bandwidth_counters(state, clock.seconds_per_iteration(state), bc.step_bytes(context), stepper.layers);
 }
 
-// exact and qjl alternated in one loop, so that both see the same machine load.
-void bm_exact_over_qjl(benchmark::State &state, const Shape &shape, uint32_t context) {
-  Stepper exact(bench_cache(shape, "exact"), context), qjl(bench_cache(shape, "qjl"), context);
-  double exact_s = 0.0, qjl_s = 0.0;
+// exact and every compressed preset alternated in one loop, so that all see the same machine
+// load: <preset>_ms per step and the ratio exact/<preset>.
+void bm_exact_over(benchmark::State &state, const Shape &shape, uint32_t context) {
+  std::vector<std::unique_ptr<Stepper>> steppers;  // kPresets[0] is exact
+  for (const char *preset : kPresets) steppers.push_back(std::make_unique<Stepper>(bench_cache(shape, preset), context));
+  std::vector<double> seconds(steppers.size(), 0.0);
   for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    exact.step();
-    const auto t1 = std::chrono::steady_clock::now();
-    qjl.step();
-    const auto t2 = std::chrono::steady_clock::now();
-    exact_s += std::chrono::duration<double>(t1 - t0).count();
-    qjl_s += std::chrono::duration<double>(t2 - t1).count();
-    state.SetIterationTime(std::chrono::duration<double>(t2 - t0).count());
+    double total = 0.0;
+    for (size_t i = 0; i < steppers.size(); ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      steppers[i]->step();
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      seconds[i] += s;
+      total += s;
+    }
+    state.SetIterationTime(total);
   }
   const double n = double(state.iterations());
-  state.counters["exact_ms"] = exact_s / n * 1e3;
-  state.counters["qjl_ms"] = qjl_s / n * 1e3;
-  state.counters["exact/qjl"] = exact_s / qjl_s;
+  for (size_t i = 0; i < steppers.size(); ++i) {
+    const std::string preset = kPresets[i];
+    state.counters[preset + "_ms"] = seconds[i] / n * 1e3;
+    if (i > 0) state.counters["exact/" + preset] = seconds[0] / seconds[i];
+  }
 }
 
 void bm_attend_batch(benchmark::State &state, const Shape &shape, const char *preset) {
@@ -340,11 +345,10 @@ void register_all() {
             ->UseRealTime()
             ->Unit(benchmark::kMillisecond);
     for (uint32_t context : kContexts)
-      RegisterBenchmark(("ExactOverQjl/" + model + "/" + std::to_string(context)).c_str(), bm_exact_over_qjl, shape,
-                        context)
+      RegisterBenchmark(("ExactOver/" + model + "/" + std::to_string(context)).c_str(), bm_exact_over, shape, context)
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
-    for (const char *preset : {"exact", "qjl"})
+    for (const char *preset : {"exact", "q3", "qjl"})
       RegisterBenchmark((std::string("AttendBatch/") + model + "/" + preset + "/" + std::to_string(kBatchContext) +
                          "/seqs:" + std::to_string(kBatchSeqs))
                             .c_str(),

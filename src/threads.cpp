@@ -56,7 +56,7 @@ void ThreadPool::worker_loop() {
   }
 }
 
-void ThreadPool::parallel_for(size_t n, const Task &task) {
+void ThreadPool::parallel_for(size_t n, TaskRef task) {
   if (workers_.empty() || n <= 1) {
     for (size_t i = 0; i < n; ++i) task(i, 0);
     return;

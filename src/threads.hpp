@@ -7,6 +7,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace qjlkv {
@@ -21,12 +22,28 @@ class ThreadPool {
 
   unsigned size() const { return unsigned(workers_.size()) + 1; }
 
-  // Calls task(i, worker) once for every i in [0, n), spread over the pool; returns when all
-  // are done. worker in [0, size()) names the thread (0 = the caller), for per-thread scratch.
-  // task must not throw. Each index is handled by exactly one thread, so results do not
-  // depend on the number of threads.
   using Task = std::function<void(size_t index, unsigned worker)>;
-  void parallel_for(size_t n, const Task &task);
+  // A non-owning reference to any callable task(index, worker) (a lambda, a Task): passing a
+  // lambda straight to parallel_for allocates nothing, where building a std::function may.
+  class TaskRef {
+   public:
+    template <class F, class = std::enable_if_t<!std::is_same_v<std::decay_t<F>, TaskRef>>>
+    TaskRef(const F &task)  // implicit: parallel_for(n, [&](size_t, unsigned) {...})
+        : object_(&task), call_([](const void *object, size_t index, unsigned worker) {
+            (*static_cast<const F *>(object))(index, worker);
+          }) {}
+    void operator()(size_t index, unsigned worker) const { call_(object_, index, worker); }
+
+   private:
+    const void *object_;
+    void (*call_)(const void *, size_t, unsigned);
+  };
+
+  // Calls task(i, worker) once for every i in [0, n), spread over the pool; returns when all
+  // are done (the task it refers to must live until then). worker in [0, size()) names the
+  // thread (0 = the caller), for per-thread scratch. task must not throw. Each index is handled
+  // by exactly one thread, so results do not depend on the number of threads.
+  void parallel_for(size_t n, TaskRef task);
 
  private:
   void worker_loop();
@@ -36,7 +53,7 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_, done_;
-  const Task *task_ = nullptr;
+  const TaskRef *task_ = nullptr;
   size_t task_count_ = 0;
   std::atomic<size_t> next_{0};
   unsigned busy_ = 0;

@@ -178,6 +178,7 @@ class CpuCache final : public qjlkv_cache {
   size_t token_bytes_ = 0;  // one token of keys (or values) in the tail
   // Buffers of attend, kept between calls (a cache is used by one thread at a time).
   std::vector<AttendTask> attend_tasks_;
+  std::vector<const Sequence *> attend_found_;  // the attend call's sequences
   std::vector<uint32_t> attend_first_task_;  // per head index, and the end
   std::vector<float> attend_heads_, attend_partials_, attend_scratch_;
 };
@@ -678,7 +679,8 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
                       const void *queries, float scale, void *out) {
   const qjlkv_config &cfg = spec().cfg;
   const size_t q_seq_elems = size_t(queries_per_seq) * cfg.num_q_heads * cfg.head_dim;
-  std::vector<const Sequence *> found(n_seqs);
+  std::vector<const Sequence *> &found = attend_found_;  // reused: no allocation once it is large enough
+  found.resize(n_seqs);
   for (uint32_t i = 0; i < n_seqs; ++i) {
     found[i] = &find(layer, seqs[i]);
     QJLKV_REQUIRE(queries_per_seq <= found[i]->length, "n_queries is %u, but seq %u holds only %llu tokens",

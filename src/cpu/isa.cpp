@@ -18,6 +18,7 @@ const char *isa_name(Isa isa) {
     case Isa::Scalar: return "scalar";
     case Isa::Avx2: return "avx2";
     case Isa::Avx512: return "avx512";
+    case Isa::Avx512Vnni: return "avx512vnni";
   }
   unreachable();
 }
@@ -42,13 +43,16 @@ bool isa_supported(Isa isa) {
     case Isa::Avx512:
       return isa_supported(Isa::Avx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    // The integer kernels add VNNI (vpdpbusd) and VBMI (vpermb, vpmultishiftqb).
+    case Isa::Avx512Vnni:
+      return isa_supported(Isa::Avx512) && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
 #endif
     default: return false;
   }
 }
 
 Isa best_isa() {
-  for (Isa isa : {Isa::Avx512, Isa::Avx2})
+  for (Isa isa : {Isa::Avx512Vnni, Isa::Avx512, Isa::Avx2})
     if (isa_supported(isa)) return isa;
   return Isa::Scalar;
 }
@@ -56,14 +60,14 @@ Isa best_isa() {
 Isa select_isa() {
   const char *forced = std::getenv("QJLKV_CPU_ISA");
   if (!forced || !*forced) return best_isa();
-  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni}) {
     if (std::strcmp(forced, isa_name(isa)) != 0) continue;
     if (!isa_supported(isa))
       fail(QJLKV_ERROR_UNSUPPORTED, "QJLKV_CPU_ISA is \"%s\", but this CPU (or build) cannot run the %s kernels",
            forced, isa_name(isa));
     return isa;
   }
-  fail(QJLKV_ERROR_INVALID_ARGUMENT, "QJLKV_CPU_ISA is \"%.32s\", must be scalar, avx2 or avx512 (or unset)", forced);
+  fail(QJLKV_ERROR_INVALID_ARGUMENT, "QJLKV_CPU_ISA is \"%.32s\", must be scalar, avx2, avx512 or avx512vnni (or unset)", forced);
 }
 
 }  // namespace qjlkv::cpu
@@ -74,6 +78,7 @@ namespace qjlkv::cpu {
 
 const KernelTable &kernel_table(Isa isa) {
   switch (isa) {
+    case Isa::Avx512Vnni: return avx512_vnni_kernels();
     case Isa::Avx512: return avx512_kernels();
     case Isa::Avx2: return avx2_kernels();
     case Isa::Scalar: return scalar_kernels();
@@ -116,7 +121,10 @@ size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out
   const size_t groups = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX ? 1
                         : cfg.value_bits == 16                              ? 0
                                                                             : d / cfg.value_group_size;
-  const size_t values = 2 * (size_t(cfg.block_tokens) * groups + 16 + slack);
+  // Rotated Lloyd-Max values: the integer kernels take B scales and 4 rows of int16 weights.
+  const size_t values = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX
+                            ? 3 * ((size_t(cfg.block_tokens) + 31) / 32 * 32) + slack
+                            : 2 * (size_t(cfg.block_tokens) * groups + 16 + slack);
   return std::max({qjl, kivi, values});
 }
 

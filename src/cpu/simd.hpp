@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "../config.hpp"
+#include "../rotation.hpp"
 #include "isa.hpp"
 #include "kernels.hpp"
 
@@ -84,6 +85,7 @@ void kivi_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_
 const KernelTable &scalar_kernels();
 const KernelTable &avx2_kernels();
 const KernelTable &avx512_kernels();
+const KernelTable &avx512_vnni_kernels();  // avx512 with integer decode kernels
 
 // Scratch (floats) that qjl_scores, kivi_scores and values_accumulate need for one block.
 size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out, uint32_t sketch_rows);

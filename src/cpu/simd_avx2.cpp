@@ -50,6 +50,7 @@ struct V {
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
   static F min(F a, F b) { return _mm256_min_ps(a, b); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F one_where_greater(F a, F b) { return _mm256_and_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ), set1(1.0f)); }
   static F round_even(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static I to_int(F x) { return _mm256_cvttps_epi32(x); }
   static bool all_within(F x, F bound) {

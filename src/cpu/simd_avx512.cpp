@@ -45,6 +45,7 @@ struct V {
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static F min(F a, F b) { return _mm512_min_ps(a, b); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F one_where_greater(F a, F b) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), set1(1.0f)); }
   static F round_even(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static I to_int(F x) { return _mm512_cvttps_epi32(x); }
   static bool all_within(F x, F bound) { return _mm512_cmp_ps_mask(_mm512_abs_ps(x), bound, _CMP_LE_OQ) == 0xFFFF; }

@@ -27,6 +27,7 @@ struct V {
   static F min(F a, F b) { return a < b ? a : b; }
   static F max(F a, F b) { return a > b ? a : b; }
   static F div(F a, F b) { return a / b; }
+  static F one_where_greater(F a, F b) { return a > b ? 1.0f : 0.0f; }  // 1 where a > b, else 0 (NaN: 0)
   static F round_even(F x) { return std::rint(x); }
   static I to_int(F x) { return uint32_t(x); }
   static bool all_within(F x, F bound) { return std::fabs(x) <= bound; }

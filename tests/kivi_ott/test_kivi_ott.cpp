@@ -148,14 +148,20 @@ TEST(Kivi, ScoresEqualPerChannelFormula) {
     ASSERT_EQ(quantized, 3 * B);
     Matrix khat(k);
     for (uint32_t b = 0; b < quantized / B; ++b) kivi_dequantize(&k[b * B * d], B, d, bits, &khat[b * B * d]);
-    double max_err = 0, ref_scale = 0;
+    // SPEC §9's score budget: rms (score − q·k̂) / (‖q‖·‖k‖) <= 1e-3 (the fast CPU paths may score
+    // codes in integers within it; the fp32 ones sit near 1e-7).
+    double squares = 0, q_norm = 0;
+    for (uint32_t j = 0; j < d; ++j) q_norm += double(q[j]) * q[j];
     for (uint32_t t = 0; t < tokens; ++t) {
-      double ref = 0;
-      for (uint32_t j = 0; j < d; ++j) ref += double(q[j]) * khat[t * d + j];
-      max_err = std::max(max_err, std::fabs(ref - scores[t]));
-      ref_scale = std::max(ref_scale, std::fabs(ref));
+      double ref = 0, k_norm = 0;
+      for (uint32_t j = 0; j < d; ++j) {
+        ref += double(q[j]) * khat[t * d + j];
+        k_norm += double(k[t * d + j]) * k[t * d + j];
+      }
+      const double e = (ref - scores[t]) / std::sqrt(q_norm * k_norm);
+      squares += e * e;
     }
-    EXPECT_LT(max_err, 1e-5 * ref_scale + 1e-5) << "bits " << bits;
+    EXPECT_LE(std::sqrt(squares / tokens), 1e-3) << "bits " << bits;
     // Quantization actually happened: 2-bit scores differ from exact ones.
     double exact_dev = 0;
     for (uint32_t t = 0; t < quantized; ++t) {

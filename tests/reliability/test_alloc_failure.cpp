@@ -337,6 +337,27 @@ TEST_P(AllocationFailure, EveryAllocatingCall) {
 
 TEST_P(AllocationFailure, ClearStatsLengthConfigNeverAllocate) { walk_non_allocating(cfg_); }
 
+// The decode path allocates nothing once a cache has made a call of the same shape: its task
+// list, per-head buffers and sequence list are kept, and the worker pool takes the tasks by
+// reference (issue 15).
+TEST_P(AllocationFailure, AttendAllocatesNothingOnceWarm) {
+  const uint32_t B = cfg_.block_tokens, R = cfg_.residual_tokens;
+  Cache cache = fresh_cache(cfg_, fill(cfg_, {{{0, 7}, R + 3 * B + 5}, {{0, 8}, R + B + 1}}));
+  ASSERT_TRUE(cache);
+  const std::vector<uint8_t> q = queries(cfg_, 2, 41);
+  std::vector<uint8_t> out(q.size());
+  const uint32_t seqs[2] = {7, 8};
+  const auto step = [&] {
+    ASSERT_EQ(qjlkv_cache_attend(cache.get(), 0, 7, 2, q.data(), 0.0f, out.data()), QJLKV_OK);
+    ASSERT_EQ(qjlkv_cache_attend_batch(cache.get(), 0, 2, seqs, q.data(), 0.0f, out.data()), QJLKV_OK);
+  };
+  step();
+  const uint64_t before = allocations_made();
+  step();
+  step();
+  EXPECT_EQ(allocations_made(), before) << "allocations in warm attend calls";
+}
+
 TEST_P(AllocationFailure, SketchCreate) {
   for (uint64_t n = 1;; ++n) {
     ASSERT_LT(n, kMaxAllocationsPerCall);

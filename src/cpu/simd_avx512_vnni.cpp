@@ -1,0 +1,372 @@
+// AVX-512 kernels with integer decode paths (VNNI vpdpbusd, VBMI vpermb/vpmultishiftqb): the
+// AVX-512 table with KIVI/OTT key scores and rotated Lloyd-Max value sums computed in integers,
+// within the error budget of SPEC §9 (docs/DESIGN.md, "Integer decode paths"). Every other
+// kernel is the AVX-512 one.
+// The target pragma comes after every include, as in simd_avx512.cpp.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "simd.hpp"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(                                                                                   \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c"))), \
+    apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
+namespace qjlkv::cpu::avx512_vnni {
+namespace {
+
+// Per block and query row, q'_c = q_c·scale_c is quantized to Q_c = round(q'_c / step) with
+// |Q_c| <= 127·256, step = max|q'| / (127·256), and split into two int8 digits
+// Q = 256·hi + lo (hi in [-127, 127], lo in [-128, 127]): two vpdpbusd with the u8 codes give
+// Σ code·hi and Σ code·lo exactly. The rounding residuals ρ_c = q'_c − step·Q_c are not lost:
+// Σ ρ_c·code_c is taken as mid·Σ ρ_c with mid = (2^bits − 1)/2, so the error is
+// Σ ρ_c·(code_c − mid), |ρ_c| <= step/2, about 1/(2·127·256·sqrt(3)) of max|q'| per channel.
+constexpr float kQueryCodeMax = 127.0f * 256.0f;
+
+// Byte constants of the code unpacking, per bit width.
+struct Unpack {
+  alignas(64) uint8_t gather[64];  // vpermb: qword q takes the BITS bytes of codes 8q..8q+7
+  alignas(64) uint8_t shifts[64];  // vpmultishiftqb: byte i of a qword starts at bit BITS·i
+};
+constexpr Unpack make_unpack(uint32_t bits) {
+  Unpack u{};
+  for (uint32_t q = 0; q < 8; ++q)
+    for (uint32_t i = 0; i < 8; ++i) {
+      u.gather[8 * q + i] = uint8_t(bits * q + i);
+      u.shifts[8 * q + i] = uint8_t(bits * i);
+    }
+  return u;
+}
+
+// Codes 64h..64h+63 of a packed row as bytes (BITS·8 source bytes at row + 8·BITS·h).
+template <uint32_t BITS>
+inline __m512i unpack64(const uint8_t *src) {
+  if constexpr (BITS == 8) {
+    return _mm512_loadu_si512(src);
+  } else {
+    static constexpr Unpack kUnpack = make_unpack(BITS);
+    const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64(1) << (8 * BITS)) - 1u, src);  // never reads past them
+    const __m512i placed = _mm512_permutexvar_epi8(_mm512_load_si512(kUnpack.gather), bytes);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kUnpack.shifts), placed),
+                            _mm512_set1_epi8(char((1u << BITS) - 1u)));
+  }
+}
+
+// 4×4 transpose of 128-bit lanes: x[c] = lane c of u[0], u[1], u[2], u[3].
+inline void transpose_lanes(const __m512i u[4], __m512i x[4]) {
+  const __m512i a = _mm512_shuffle_i64x2(u[0], u[1], 0x44), b = _mm512_shuffle_i64x2(u[0], u[1], 0xEE);
+  const __m512i c = _mm512_shuffle_i64x2(u[2], u[3], 0x44), e = _mm512_shuffle_i64x2(u[2], u[3], 0xEE);
+  x[0] = _mm512_shuffle_i64x2(a, c, 0x88);
+  x[1] = _mm512_shuffle_i64x2(a, c, 0xDD);
+  x[2] = _mm512_shuffle_i64x2(b, e, 0x88);
+  x[3] = _mm512_shuffle_i64x2(b, e, 0xDD);
+}
+
+// Sums the 4 dword partials of every token: partial[g] holds tokens 4g..4g+3, token 4g + i in
+// 128-bit lane i; the result has token k in lane k.
+inline __m512 sum_partials(const float (*partial)[16]) {
+  const __m512 s0 = _mm512_load_ps(partial[0]), s1 = _mm512_load_ps(partial[1]);
+  const __m512 s2 = _mm512_load_ps(partial[2]), s3 = _mm512_load_ps(partial[3]);
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(s0, s1), _mm512_unpackhi_ps(s0, s1));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(s2, s3), _mm512_unpackhi_ps(s2, s3));
+  const __m512 sum = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))));
+  // Lane 4i + g now holds token 4g + i.
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sum);
+}
+
+// Scores of R query rows over the block's codes: out[r][t] = step[r]·Σ_c Q_rc·code_tc + offset[r].
+// digits: per row and 16-channel chunk j, the hi then the lo digits, each 16 bytes broadcast to 64.
+template <uint32_t BITS, uint32_t R>
+void codes_scores(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d, const int8_t *digits,
+                  const float *step, const float *offset, float *out, size_t out_stride) {
+  const uint32_t chunks = d / 16, halves = d / 64, Bp = padded_tokens(B);
+  const auto digit = [&](uint32_t r, uint32_t j, uint32_t part) {
+    return _mm512_loadu_si512(digits + ((size_t(r) * chunks + j) * 2 + part) * 64);
+  };
+  for (uint32_t t0 = 0; t0 < Bp; t0 += 16) {
+    alignas(64) float partial[R][4][16];  // Σ code·Q per 4-token group; exact below 2^24 per digit
+    for (uint32_t g = 0; g < 4; ++g) {
+      const uint32_t t = t0 + 4 * g;
+      __m512i hi[R], lo[R];
+      for (uint32_t r = 0; r < R; ++r) hi[r] = lo[r] = _mm512_setzero_si512();
+      for (uint32_t h = 0; h < halves; ++h) {
+        __m512i u[4], x[4];
+        for (uint32_t i = 0; i < 4; ++i)
+          u[i] = t + i < B ? unpack64<BITS>(codes + (t + i) * row_bytes + 8 * BITS * h) : _mm512_setzero_si512();
+        transpose_lanes(u, x);
+        for (uint32_t c = 0; c < 4; ++c)
+          for (uint32_t r = 0; r < R; ++r) {
+            hi[r] = _mm512_dpbusd_epi32(hi[r], x[c], digit(r, 4 * h + c, 0));
+            lo[r] = _mm512_dpbusd_epi32(lo[r], x[c], digit(r, 4 * h + c, 1));
+          }
+      }
+      for (uint32_t r = 0; r < R; ++r)
+        _mm512_store_ps(partial[r][g], _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(lo[r])));
+    }
+    for (uint32_t r = 0; r < R; ++r)
+      _mm512_storeu_ps(out + size_t(r) * out_stride + t0,
+                       _mm512_fmadd_ps(sum_partials(partial[r]), _mm512_set1_ps(step[r]), _mm512_set1_ps(offset[r])));
+  }
+}
+
+// The query digits of one row (see kQueryCodeMax) into digits[j][2][64]. Returns the step;
+// *residual = Σ_c ρ_c.
+float query_digits(const float *q, const float *scale, uint32_t d, int8_t *digits, float *residual) {
+  __m512 top = _mm512_setzero_ps();
+  for (uint32_t j = 0; j < d; j += 16)
+    top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_mul_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(scale + j))));
+  const float largest = _mm512_reduce_max_ps(top);
+  const float inverse = largest > 0.0f ? kQueryCodeMax / largest : 0.0f;
+  const float step = largest > 0.0f ? largest / kQueryCodeMax : 0.0f;
+  __m512 rho = _mm512_setzero_ps();
+  for (uint32_t j = 0; j < d; j += 16) {
+    const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(scale + j));
+    const __m512i Q = _mm512_cvtps_epi32(_mm512_mul_ps(scaled, _mm512_set1_ps(inverse)));  // nearest even
+    rho = _mm512_add_ps(rho, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(Q), _mm512_set1_ps(step), scaled));
+    const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(Q, _mm512_set1_epi32(128)), 8);
+    const __m512i lo = _mm512_sub_epi32(Q, _mm512_slli_epi32(hi, 8));
+    int8_t *chunk = digits + size_t(j / 16) * 128;
+    _mm512_storeu_si512(chunk, _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(hi)));
+    _mm512_storeu_si512(chunk + 64, _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(lo)));
+  }
+  *residual = _mm512_reduce_add_ps(rho);
+  return step;
+}
+
+template <uint32_t BITS>
+void kivi_scores_bits(const CodesArgs &a, const uint8_t *block, const float *q, uint32_t rows, float *out,
+                      size_t out_stride, float *scratch) {
+  const BlockLayout &l = *a.layout;
+  const uint32_t B = a.block_tokens, d = a.head_dim, dp = padded_dim(d);
+  float *scale = scratch;  // [d], then the digits of 4 rows, 64-byte aligned
+  auto *digits = reinterpret_cast<int8_t *>(scratch + (d + 15) / 16 * 16);
+  for (uint32_t j = 0; j < d; j += 16)
+    _mm512_storeu_ps(scale + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(block + l.key_scale + 2 * j))));
+  const uint8_t *mins = block + l.key_min;
+  for (uint32_t r0 = 0; r0 < rows; r0 += 4) {
+    const uint32_t R = std::min(4u, rows - r0);
+    float step[4], offset[4];
+    for (uint32_t rr = 0; rr < R; ++rr) {
+      const float *qr = q + size_t(r0 + rr) * dp;
+      __m512 products = _mm512_setzero_ps();  // Σ_c q_c·min_c, shared by every token of the block
+      for (uint32_t j = 0; j < d; j += 16)
+        products = _mm512_fmadd_ps(_mm512_loadu_ps(qr + j),
+                                   _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(mins + 2 * j))),
+                                   products);
+      const float sum = _mm512_reduce_add_ps(products);
+      float residual = 0.0f;
+      step[rr] = query_digits(qr, scale, d, digits + size_t(rr) * (d / 16) * 128, &residual);
+      offset[rr] = sum + residual * (float((1u << BITS) - 1u) * 0.5f);
+    }
+    const uint8_t *codes = block + l.key_codes;
+    const size_t row_bytes = l.key_bytes_per_token_codes;
+    float *o = out + size_t(r0) * out_stride;
+    switch (R) {
+      case 1: codes_scores<BITS, 1>(codes, row_bytes, B, d, digits, step, offset, o, out_stride); break;
+      case 2: codes_scores<BITS, 2>(codes, row_bytes, B, d, digits, step, offset, o, out_stride); break;
+      case 3: codes_scores<BITS, 3>(codes, row_bytes, B, d, digits, step, offset, o, out_stride); break;
+      default: codes_scores<BITS, 4>(codes, row_bytes, B, d, digits, step, offset, o, out_stride); break;
+    }
+  }
+}
+
+void kivi_scores(const CodesArgs &a, const uint8_t *block, const float *q, uint32_t rows, float *out,
+                 size_t out_stride, float *scratch) {
+  if (a.head_dim % 64 != 0) {  // the integer path works in 64-code halves of a token's row
+    avx512_kernels().kivi_scores(a, block, q, rows, out, out_stride, scratch);
+    return;
+  }
+  switch (a.bits) {
+    case 2: kivi_scores_bits<2>(a, block, q, rows, out, out_stride, scratch); break;
+    case 3: kivi_scores_bits<3>(a, block, q, rows, out, out_stride, scratch); break;
+    case 4: kivi_scores_bits<4>(a, block, q, rows, out, out_stride, scratch); break;
+    default: kivi_scores_bits<8>(a, block, q, rows, out, out_stride, scratch); break;
+  }
+}
+
+// ---- rotated Lloyd-Max values ------------------------------------------------------------------
+// acc[r] += Σ_t w_rt·scale_t·level(code_t) with vpdpwssd: per block and row, the weights times the
+// token scales become P_rt = round(w_rt·scale_t / pstep) in [0, kWeightCodeMax]; the levels are
+// int16, L = round(level·kLevelCodeMax / largest level). Two tokens share a dword (P_t, P_t+1)
+// against (L_t, L_t+1) of one channel; the int32 sums go to the fp32 accumulators every
+// kFlushTokens tokens, within int32: kFlushTokens·kWeightCodeMax·kLevelCodeMax < 2^31.
+constexpr float kWeightCodeMax = 4095.0f, kLevelCodeMax = 16000.0f;
+constexpr uint32_t kFlushTokens = 32;
+static_assert(double(kFlushTokens) * kWeightCodeMax * kLevelCodeMax < 2147483647.0);
+
+// Per 16-channel chunk j of a 128-channel half (16·BITS bytes of a row): vpermt2b places, in
+// qword k, the two bytes holding channels 16j+2k, 16j+2k+1 of token A (bytes 0-1) and of token B
+// (bytes 2-3, from the second source); vpmultishiftqb then puts each code in the low bits of its
+// word: words (ch 2k, A), (ch 2k, B), (ch 2k+1, A), (ch 2k+1, B). Bits above the code are left
+// in place: the level table repeats every 2^BITS entries, and vpermw reads 5 index bits.
+struct ValueUnpack {
+  alignas(64) uint8_t place[8][64];
+  alignas(64) uint8_t shifts[8][64];
+};
+constexpr ValueUnpack make_value_unpack(uint32_t bits) {
+  ValueUnpack u{};
+  for (uint32_t j = 0; j < 8; ++j)
+    for (uint32_t k = 0; k < 8; ++k) {
+      const uint32_t bit = (16 * j + 2 * k) * bits, byte = bit / 8, shift = bit % 8;
+      const uint8_t source[8] = {uint8_t(byte), uint8_t(byte + 1), uint8_t(64 + byte), uint8_t(65 + byte), 0, 0, 0, 0};
+      const uint8_t offsets[8] = {uint8_t(shift), 0, uint8_t(16 + shift), 0, uint8_t(shift + bits), 0,
+                                  uint8_t(16 + shift + bits), 0};
+      for (uint32_t i = 0; i < 8; ++i) {
+        u.place[j][8 * k + i] = uint8_t(source[i] & 127u);
+        u.shifts[j][8 * k + i] = offsets[i];
+      }
+    }
+  return u;
+}
+
+template <uint32_t BITS, uint32_t R, uint32_t CZ>
+void lloyd_max_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t half, uint32_t j0, __m512i levels,
+                    const int16_t *P, uint32_t P_stride, const float *unit, float *acc, uint32_t dp) {
+  static constexpr ValueUnpack kUnpack = make_value_unpack(BITS);
+  // The half's bytes of a row (fewer in a last half of under 128 channels): never past the row.
+  const size_t bytes = std::min<size_t>(16 * BITS, row_bytes - size_t(half) * 16 * BITS);
+  const __mmask64 load_mask = bytes >= 64 ? ~__mmask64(0) : (__mmask64(1) << bytes) - 1u;
+  const uint8_t *first = codes + size_t(half) * 16 * BITS;
+  for (uint32_t t0 = 0; t0 < B; t0 += kFlushTokens) {
+    __m512i sum[R][CZ];
+    for (uint32_t r = 0; r < R; ++r)
+      for (uint32_t z = 0; z < CZ; ++z) sum[r][z] = _mm512_setzero_si512();
+    const uint32_t end = std::min(B, t0 + kFlushTokens);
+    for (uint32_t t = t0; t < end; t += 2) {
+      const __m512i a = _mm512_maskz_loadu_epi8(load_mask, first + t * row_bytes);
+      const __m512i b = t + 1 < B ? _mm512_maskz_loadu_epi8(load_mask, first + (t + 1) * row_bytes) : _mm512_setzero_si512();
+      __m512i weight[R];
+      for (uint32_t r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, P + size_t(r) * P_stride + t, 4);
+        weight[r] = _mm512_set1_epi32(pair);
+      }
+      for (uint32_t z = 0; z < CZ; ++z) {
+        const __m512i placed = _mm512_permutex2var_epi8(a, _mm512_load_si512(kUnpack.place[j0 + z]), b);
+        const __m512i index = _mm512_multishift_epi64_epi8(_mm512_load_si512(kUnpack.shifts[j0 + z]), placed);
+        const __m512i level = _mm512_permutexvar_epi16(index, levels);
+        for (uint32_t r = 0; r < R; ++r) sum[r][z] = _mm512_dpwssd_epi32(sum[r][z], level, weight[r]);
+      }
+    }
+    for (uint32_t r = 0; r < R; ++r)
+      for (uint32_t z = 0; z < CZ; ++z) {
+        float *a = acc + size_t(r) * dp + 128 * half + 16 * (j0 + z);
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][z]), _mm512_set1_ps(unit[r]), _mm512_loadu_ps(a)));
+      }
+  }
+}
+
+template <uint32_t BITS, uint32_t R>
+void lloyd_max_rows(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d, __m512i levels, const int16_t *P,
+                    uint32_t P_stride, const float *unit, float *acc) {
+  const uint32_t dp = padded_dim(d);
+  for (uint32_t c0 = 0; c0 < d; c0 += 128) {
+    const uint32_t chunks = std::min(128u, d - c0) / 16;
+    uint32_t j = 0;
+    for (; j + 4 <= chunks; j += 4) lloyd_max_tile<BITS, R, 4>(codes, row_bytes, B, c0 / 128, j, levels, P, P_stride, unit, acc, dp);
+    for (; j < chunks; ++j) lloyd_max_tile<BITS, R, 1>(codes, row_bytes, B, c0 / 128, j, levels, P, P_stride, unit, acc, dp);
+  }
+}
+
+template <uint32_t BITS>
+void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
+                      float *acc, float *scratch) {
+  const BlockLayout &l = *a.layout;
+  const uint32_t B = a.block_tokens, d = a.head_dim, dp = padded_dim(d), P_stride = (B + 31) / 32 * 32;
+  float *scales = scratch;  // [P_stride], zero past B; then P: [4][P_stride] int16
+  auto *P = reinterpret_cast<int16_t *>(scratch + P_stride);
+  for (uint32_t t = 0; t < P_stride; t += 16) {
+    const __mmask16 valid = t + 16 <= B ? __mmask16(0xffff) : t < B ? __mmask16((1u << (B - t)) - 1u) : __mmask16(0);
+    _mm512_storeu_ps(scales + t, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, block + l.value_scale + 2 * size_t(t))));
+  }
+  const float largest_level = lloyd_max_level(BITS, (1u << BITS) - 1u);
+  alignas(64) int16_t table[32];
+  for (uint32_t e = 0; e < 32; ++e)
+    table[e] = int16_t(std::lrint(lloyd_max_level(BITS, e % (1u << BITS)) * (kLevelCodeMax / largest_level)));
+  const __m512i levels = _mm512_load_si512(table);
+  const uint8_t *codes = block + l.value_codes;
+  const size_t row_bytes = l.value_bytes_per_token_codes;
+  for (uint32_t r0 = 0; r0 < rows; r0 += 4) {
+    const uint32_t R = std::min(4u, rows - r0);
+    float unit[4];  // what one P·L step is worth
+    for (uint32_t rr = 0; rr < R; ++rr) {
+      const float *wr = w + size_t(r0 + rr) * w_stride;
+      // Weights past B are not read (masked): they need not be zero.
+      const auto weighted = [&](uint32_t t) {
+        const __mmask16 valid = t + 16 <= B ? __mmask16(0xffff) : t < B ? __mmask16((1u << (B - t)) - 1u) : __mmask16(0);
+        return _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, wr + t), _mm512_loadu_ps(scales + t));
+      };
+      __m512 top = _mm512_setzero_ps();
+      for (uint32_t t = 0; t < P_stride; t += 16) top = _mm512_max_ps(top, weighted(t));
+      const float largest = _mm512_reduce_max_ps(top);
+      const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? kWeightCodeMax / largest : 0.0f);
+      int16_t *Pr = P + size_t(rr) * P_stride;
+      for (uint32_t t = 0; t < P_stride; t += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(Pr + t),
+                            _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(weighted(t), inverse))));
+      unit[rr] = largest / kWeightCodeMax * (largest_level / kLevelCodeMax);
+    }
+    float *ar = acc + size_t(r0) * dp;
+    switch (R) {
+      case 1: lloyd_max_rows<BITS, 1>(codes, row_bytes, B, d, levels, P, P_stride, unit, ar); break;
+      case 2: lloyd_max_rows<BITS, 2>(codes, row_bytes, B, d, levels, P, P_stride, unit, ar); break;
+      case 3: lloyd_max_rows<BITS, 3>(codes, row_bytes, B, d, levels, P, P_stride, unit, ar); break;
+      default: lloyd_max_rows<BITS, 4>(codes, row_bytes, B, d, levels, P, P_stride, unit, ar); break;
+    }
+  }
+}
+
+void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
+                       float *acc, float *scratch) {
+  if (a.method == QJLKV_VALUES_ROTATED_LLOYD_MAX && a.head_dim % 16 == 0) {
+    switch (a.bits) {
+      case 2: values_lloyd_max<2>(a, block, w, w_stride, rows, acc, scratch); return;
+      case 3: values_lloyd_max<3>(a, block, w, w_stride, rows, acc, scratch); return;
+      case 4: values_lloyd_max<4>(a, block, w, w_stride, rows, acc, scratch); return;
+      default: break;
+    }
+  }
+  // Uniform codes stay in fp32: with a scale and a minimum per token and group, integer sums
+  // measured no faster (the per-block setup costs what the sums save).
+  avx512_kernels().values_accumulate(a, block, w, w_stride, rows, acc, scratch);
+}
+
+}  // namespace
+}  // namespace qjlkv::cpu::avx512_vnni
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+namespace qjlkv::cpu {
+const KernelTable &avx512_vnni_kernels() {
+  static const KernelTable table = [] {
+    KernelTable t = avx512_kernels();
+    t.isa = Isa::Avx512Vnni;
+    t.kivi_scores = &avx512_vnni::kivi_scores;
+    t.values_accumulate = &avx512_vnni::values_accumulate;
+    return t;
+  }();
+  return table;
+}
+}  // namespace qjlkv::cpu
+
+#else  // not x86-64: never selected (isa_supported is false)
+namespace qjlkv::cpu {
+const KernelTable &avx512_vnni_kernels() { return scalar_kernels(); }
+}  // namespace qjlkv::cpu
+#endif
