@@ -144,7 +144,8 @@ inline std::vector<float> make_values(std::mt19937 &rng, size_t count) {
 // |a - b| <= rel * (|b| + rms(b)): relative, with the row's scale as the floor near zero.
 struct Mismatch {
   size_t count = 0, first = 0;
-  double worst = 0.0;  // largest |a - b| / (|b| + rms)
+  double worst = 0.0;         // largest |a - b| / (|b| + rms)
+  double rms_relative = 0.0;  // rms(a - b) / rms(b), where computed (compare_outputs)
 };
 inline Mismatch compare_close(const std::vector<float> &a, const std::vector<float> &b, double rel) {
   // Infinite entries (OTT's masked slots in scores) must match exactly and stay out of the scale.
@@ -178,6 +179,23 @@ inline Mismatch compare_close(const std::vector<float> &a, const std::vector<flo
 // backends round slightly different fp32 results).
 inline double output_tolerance(qjlkv_dtype t) {
   return 1e-3 + (t == QJLKV_DTYPE_F32 ? 0.0 : t == QJLKV_DTYPE_F16 ? 1.0 / 1024 : 1.0 / 128);
+}
+
+// Attention outputs of the two backends. The CPU may attend in integers within SPEC §9's budget
+// (rms error at most 1e-3 of the output's rms), the GPU in fp32, so the two agree to
+// output_tolerance in rms over the whole output, and element by element to ten times that (a wrong
+// token, head or sink shows as a gross element error). A failed rms check counts as one mismatch.
+inline Mismatch compare_outputs(const std::vector<float> &gpu, const std::vector<float> &cpu, qjlkv_dtype t) {
+  const double tolerance = output_tolerance(t);
+  Mismatch m = compare_close(gpu, cpu, 10 * tolerance);
+  double error2 = 0.0, cpu2 = 0.0;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    error2 += (double(gpu[i]) - cpu[i]) * (double(gpu[i]) - cpu[i]);
+    cpu2 += double(cpu[i]) * cpu[i];
+  }
+  m.rms_relative = std::sqrt(error2 / (cpu2 + 1e-300));
+  if (!(m.rms_relative <= tolerance)) ++m.count;
+  return m;
 }
 
 // Two caches of one configuration, one per backend, fed the same inputs.

@@ -107,9 +107,10 @@ void expect_same_sequence(CachePair &pair, uint32_t layer, uint32_t seq, std::mt
     if (n_queries > length_cpu) continue;
     const auto queries = make_values(rng, n_queries * pair.query_elems());
     const auto [o_cpu, o_gpu] = pair.attend(layer, {seq}, n_queries, queries, 0.0f, false);
-    const Mismatch mo = compare_close(o_gpu, o_cpu, output_tolerance(qjlkv_dtype(cfg.dtype)));
+    const Mismatch mo = compare_outputs(o_gpu, o_cpu, qjlkv_dtype(cfg.dtype));
     EXPECT_EQ(mo.count, 0u) << "attend (" << n_queries << " queries): first mismatch at " << mo.first << ": gpu "
-                            << o_gpu[mo.first] << ", cpu " << o_cpu[mo.first] << " (worst " << mo.worst << ")";
+                            << o_gpu[mo.first] << ", cpu " << o_cpu[mo.first] << " (worst " << mo.worst << ", rms "
+                            << mo.rms_relative << ")";
   }
 }
 
@@ -344,7 +345,7 @@ TEST(CudaBackend, BatchedDecodeMatchesCpu) {
     order.push_back(seqs[0]);
     const auto queries = make_values(rng, order.size() * pair.query_elems());
     const auto [o_cpu, o_gpu] = pair.attend(0, order, 1, queries, 0.0f, true);
-    const Mismatch m = compare_close(o_gpu, o_cpu, output_tolerance(QJLKV_DTYPE_F16));
+    const Mismatch m = compare_outputs(o_gpu, o_cpu, QJLKV_DTYPE_F16);
     EXPECT_EQ(m.count, 0u) << "attend_batch: first mismatch at " << m.first << " (worst " << m.worst << ")";
     for (uint32_t i = 0; i < n_seqs; i += kEmulated ? 5 : 21) expect_same_sequence(pair, 0, seqs[i], rng, "batch");
   }
@@ -364,7 +365,7 @@ TEST(CudaBackend, LongContextMatchesCpu) {
       pair.append(0, 1, make_keys(rng, chunk, 2, 128), make_values(rng, size_t(chunk) * te));
     const auto query = make_values(rng, pair.query_elems());
     const auto [o_cpu, o_gpu] = pair.attend(0, {1}, 1, query, 0.0f, false);
-    const Mismatch m = compare_close(o_gpu, o_cpu, output_tolerance(QJLKV_DTYPE_BF16));
+    const Mismatch m = compare_outputs(o_gpu, o_cpu, QJLKV_DTYPE_BF16);
     EXPECT_EQ(m.count, 0u) << "first mismatch at " << m.first << " (worst " << m.worst << ")";
     const auto [s_cpu, s_gpu] = pair.scores(0, 1, query);
     const Mismatch ms = compare_close(s_gpu, s_cpu, 1e-3);
@@ -474,7 +475,7 @@ TEST(CudaBackend, StreamsOrderWork) {
   CUDA_OK(cudaStreamDestroy(stream));
   const auto [o_cpu, o_gpu] = pair.attend(0, {2}, 1, query, 0.0f, false);
   EXPECT_EQ(count_bit_differences(on_stream, o_gpu), 0u);
-  EXPECT_EQ(compare_close(o_gpu, o_cpu, output_tolerance(QJLKV_DTYPE_F16)).count, 0u);
+  EXPECT_EQ(compare_outputs(o_gpu, o_cpu, QJLKV_DTYPE_F16).count, 0u);
 }
 
 #if !defined(QJLKV_CUDA_EMULATION)
@@ -644,8 +645,8 @@ TEST_P(CudaExportImport, StreamsAreBackendIndependentAndRoundTrip) {
         EXPECT_EQ(count_bit_differences(cpu_attend(pair.cpu(), cfg, layer, copy, query),
                                         cpu_attend(pair.cpu(), cfg, layer, seq, query)),
                   0u);
-        const Mismatch m = compare_close(gpu_original, cpu_attend(pair.cpu(), cfg, layer, seq, query),
-                                         output_tolerance(qjlkv_dtype(cfg.dtype)));
+        const Mismatch m = compare_outputs(gpu_original, cpu_attend(pair.cpu(), cfg, layer, seq, query),
+                                          qjlkv_dtype(cfg.dtype));
         EXPECT_EQ(m.count, 0u) << "worst " << m.worst;
         if (round == 0) {  // the same tokens to the originals and the copies, through blocks and sinks
           const auto keys = make_keys(rng, 40, 2, 64), values = make_values(rng, 40 * te);
