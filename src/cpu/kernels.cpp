@@ -188,28 +188,6 @@ void kivi_dequantize_token(const qjlkv_config &cfg, const BlockLayout &layout, c
     out[j] = dequant(unpack_code(codes, j, cfg.key_bits), half_to_float(scales[j]), half_to_float(mins[j]));
 }
 
-void lloyd_max_quantize_token(const float *signs, uint32_t d, uint32_t bits, const float *x, float *scratch,
-                              uint8_t *codes, uint16_t *scale) {
-  float *y = scratch;
-  rotate_forward(signs, d, x, y);
-  float norm2 = 0.0f;
-  for (uint32_t j = 0; j < d; ++j) norm2 += y[j] * y[j];
-  const float norm = std::sqrt(norm2);
-  if (norm == 0.0f) {  // codes 0, scale 0: decodes to zeros
-    *scale = 0;
-    return;
-  }
-  const float sqrt_d = std::sqrt(float(d));
-  float level_norm2 = 0.0f;
-  for (uint32_t j = 0; j < d; ++j) {
-    const uint32_t code = lloyd_max_code(y[j] / norm * sqrt_d, bits);
-    pack_code(codes, j, bits, code);
-    const float level = lloyd_max_level(bits, code);
-    level_norm2 += level * level;
-  }
-  *scale = float_to_half(norm / std::sqrt(level_norm2));  // ‖x̂‖ = ‖x‖ up to the fp16 rounding
-}
-
 void values_quantize_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
                            const float *value_signs, const float *values, uint8_t *block) {
   const uint32_t B = cfg.block_tokens, d = cfg.head_dim, bits = cfg.value_bits;
@@ -217,7 +195,7 @@ void values_quantize_block(const qjlkv_config &cfg, qjlkv_dtype stored, const Bl
     std::memset(block + layout.value_codes, 0, B * layout.value_bytes_per_token_codes);
     float y[256];
     for (uint32_t t = 0; t < B; ++t)
-      lloyd_max_quantize_token(value_signs, d, bits, values + size_t(t) * d, y,
+      lloyd_max_encode_token(value_signs, d, bits, values + size_t(t) * d, y,
                                block + layout.value_codes + t * layout.value_bytes_per_token_codes,
                                at<uint16_t>(block, layout.value_scale) + t);
     return;

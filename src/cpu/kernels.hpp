@@ -11,6 +11,7 @@
 #include "../config.hpp"
 #include "../error.hpp"
 #include "../half.hpp"
+#include "../lloyd_max.hpp"
 #include "../quant_math.hpp"
 
 namespace qjlkv::cpu {
@@ -108,10 +109,6 @@ void kivi_dequantize_token(const qjlkv_config &cfg, const BlockLayout &layout, c
 // else unused (may be NULL).
 void values_quantize_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
                            const float *value_signs, const float *values /*[B][d]*/, uint8_t *block);
-// Rotated Lloyd-Max values of one token: codes into its row (zeroed) and its fp16 scale.
-// scratch: d floats.
-void lloyd_max_quantize_token(const float *signs, uint32_t d, uint32_t bits, const float *x, float *scratch,
-                              uint8_t *codes, uint16_t *scale);
 // acc[r][d] += Σ_t weights[r][t] · v̂_t over the block's tokens, with v̂_t as stored: rotated
 // Lloyd-Max values stay rotated (attention rotates the sum back once).
 void values_accumulate_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
