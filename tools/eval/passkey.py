@@ -134,8 +134,9 @@ def run_prompt(model: LlamaModel, head_kv, prompt: Prompt, configs: list[CacheCo
                          np.concatenate([past[layer][1], rest_kv[layer][1]]))
     position = prompt.prefix_tokens + len(prompt.rest)
     with single_threaded_blas():
-        for token in prompt.question:
-            logits = model.decode_step([token] * len(caches), position, caches)
+        for index, token in enumerate(prompt.question):
+            last = index + 1 == len(prompt.question)  # the first answer token's logits
+            logits = model.decode_step([token] * len(caches), position, caches, logits=last)
             position += 1
         answers = [[] for _ in caches]
         for step in range(ANSWER_TOKENS):
