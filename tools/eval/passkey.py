@@ -124,8 +124,9 @@ def run_prompt(model: LlamaModel, head_kv, prompt: Prompt, configs: list[CacheCo
     """The answers of the exact cache and of each config's cache, and the caches."""
     s = model.shape
     past = [(k[:prompt.prefix_tokens], v[:prompt.prefix_tokens]) for k, v in head_kv]
-    _, rest_kv = model.forward(prompt.rest, start_pos=prompt.prefix_tokens, past=past,
-                               all_logits=False)
+    with single_threaded_blas():  # on the shared machine one thread beats two (model.py)
+        _, rest_kv = model.forward(prompt.rest, start_pos=prompt.prefix_tokens, past=past,
+                                   all_logits=False)
     caches = [ExactCache(s.num_layers, s.num_q_heads, s.num_kv_heads, s.head_dim)]
     caches += [c.make(s, num_threads) for c in configs]
     for cache in caches:
@@ -152,19 +153,20 @@ def run_prompt(model: LlamaModel, head_kv, prompt: Prompt, configs: list[CacheCo
 def run(model_name: str, lengths: list[int], num_depths: int, configs: list[CacheConfig],
         num_threads: int = 1, progress: bool = True, out_dir: str | None = None) -> dict:
     """All prompts through all caches; with out_dir, the table so far is rewritten after
-    every prompt (a long run stopped early keeps what it measured)."""
+    every prompt (a long run stopped early keeps what it measured), and a run started again
+    with the same model, depths and rows continues from the prompts recorded there."""
     from tqdm import tqdm
 
     started = time.time()
     model = load_model(model_name, progress=progress)
     depths = [round(float(d), 4) for d in np.linspace(0.05, 0.95, num_depths)]
     names = ["exact (numpy fp32)"] + [c.name for c in configs]
-    records = []
-    bits = {}
+    records, bits, earlier_seconds = resumed(out_dir, MODELS[model_name].title, depths, names, lengths)
 
     def result() -> dict:
         return {"meta": {"model": MODELS[model_name].title, "lengths": lengths, "depths": depths,
-                         "bits_length": BITS_LENGTH, "seconds": time.time() - started},
+                         "bits_length": BITS_LENGTH,
+                         "seconds": earlier_seconds + time.time() - started},
                 "rows": [{"name": n, "description": "float32 numpy, exact attention" if i == 0
                           else configs[i - 1].describe(),
                           "bits_at_length": 32.0 if i == 0 else bits[n]}
@@ -173,7 +175,12 @@ def run(model_name: str, lengths: list[int], num_depths: int, configs: list[Cach
 
     for length in lengths:
         head, prompts = make_prompts(model, length, depths)
-        _, head_kv = model.forward(head, all_logits=False, progress=progress)
+        done = {r["depth"] for r in records if r["length"] == length}
+        prompts = [p for p in prompts if p.depth not in done]
+        if not prompts:
+            continue
+        with single_threaded_blas():
+            _, head_kv = model.forward(head, all_logits=False, progress=progress)
         if not bits:
             bits = {c.name: bits_at_length(c, model.shape, head_kv, BITS_LENGTH) for c in configs}
         for prompt in tqdm(spread_order(prompts), desc=f"pass key in {length} tokens",
@@ -186,6 +193,24 @@ def run(model_name: str, lengths: list[int], num_depths: int, configs: list[Cach
             if out_dir:
                 write(result(), out_dir)
     return result()
+
+
+def resumed(out_dir: str | None, model_title: str, depths: list[float], names: list[str],
+            lengths: list[int]) -> tuple[list[dict], dict, float]:
+    """(records, bits per row, seconds) of an earlier run in out_dir with the same model,
+    depths and rows (its prompts are the same: a key depends on the seed and the length
+    only); nothing when there is none."""
+    path = os.path.join(out_dir, "passkey.json") if out_dir else None
+    if not path or not os.path.exists(path):
+        return [], {}, 0.0
+    with open(path) as f:
+        earlier = json.load(f)
+    if (earlier["meta"]["model"] != model_title or earlier["meta"]["depths"] != depths
+            or [row["name"] for row in earlier["rows"]] != names):
+        return [], {}, 0.0
+    records = [r for r in earlier["records"] if r["length"] in lengths]
+    bits = {row["name"]: row["bits_at_length"] for row in earlier["rows"][1:]}
+    return records, bits, float(earlier["meta"]["seconds"])
 
 
 def markdown(result: dict) -> str:
