@@ -76,5 +76,18 @@ def test_a_stopped_run_resumes_only_with_the_same_model_depths_and_rows(tmp_path
     assert resumed(str(tmp_path), "other model", depths, names, [2048]) == nothing
     assert resumed(str(tmp_path), "M", [0.05, 0.5, 0.95], names, [2048]) == nothing
     assert resumed(str(tmp_path), "M", depths, names[:1], [2048]) == nothing
+    added = resumed(str(tmp_path), "M", depths, names + ["q3 B64 R16 S16"], [2048])   # a row added
+    assert added == (records[:1], {"q3 preset": 2.96}, 100.0)
+    assert resumed(str(tmp_path), "M", depths, ["q3 B64 R16 S16"] + names, [2048]) == nothing
     assert resumed(str(tmp_path / "none"), "M", depths, names, [2048]) == nothing
     assert resumed(None, "M", depths, names, [2048]) == nothing
+
+
+def test_a_row_added_on_resuming_shows_no_count_for_the_earlier_prompts():
+    result = {"meta": {"lengths": [2048, 4096], "bits_length": 8192},
+              "rows": [{"name": "a", "bits_at_length": 32.0}, {"name": "b", "bits_at_length": 2.9}],
+              "records": [{"length": 2048, "correct": {"a": True}},
+                          {"length": 4096, "correct": {"a": True, "b": False}}]}
+    lines = markdown(result).splitlines()
+    assert lines[2] == "| a | 32.00 | 1/1 | 1/1 | 2/2 |"
+    assert lines[3] == "| b | 2.90 | — | 0/1 | 0/1 |"

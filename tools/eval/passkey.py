@@ -181,8 +181,8 @@ def run(model_name: str, lengths: list[int], num_depths: int, configs: list[Cach
             continue
         with single_threaded_blas():
             _, head_kv = model.forward(head, all_logits=False, progress=progress)
-        if not bits:
-            bits = {c.name: bits_at_length(c, model.shape, head_kv, BITS_LENGTH) for c in configs}
+        bits.update({c.name: bits_at_length(c, model.shape, head_kv, BITS_LENGTH)
+                     for c in configs if c.name not in bits})
         for prompt in tqdm(spread_order(prompts), desc=f"pass key in {length} tokens",
                            unit="depth", disable=not progress):
             answers, _ = run_prompt(model, head_kv, prompt, configs, num_threads)
@@ -197,16 +197,17 @@ def run(model_name: str, lengths: list[int], num_depths: int, configs: list[Cach
 
 def resumed(out_dir: str | None, model_title: str, depths: list[float], names: list[str],
             lengths: list[int]) -> tuple[list[dict], dict, float]:
-    """(records, bits per row, seconds) of an earlier run in out_dir with the same model,
-    depths and rows (its prompts are the same: a key depends on the seed and the length
-    only); nothing when there is none."""
+    """(records, bits per row, seconds) of an earlier run in out_dir with the same model and
+    depths whose rows are the first of `names` (its prompts are the same: a key depends on
+    the seed and the length only; rows added since have no answers for its prompts);
+    nothing when there is none."""
     path = os.path.join(out_dir, "passkey.json") if out_dir else None
     if not path or not os.path.exists(path):
         return [], {}, 0.0
     with open(path) as f:
         earlier = json.load(f)
     if (earlier["meta"]["model"] != model_title or earlier["meta"]["depths"] != depths
-            or [row["name"] for row in earlier["rows"]] != names):
+            or [row["name"] for row in earlier["rows"]] != names[:len(earlier["rows"])]):
         return [], {}, 0.0
     records = [r for r in earlier["records"] if r["length"] in lengths]
     bits = {row["name"]: row["bits_at_length"] for row in earlier["rows"][1:]}
@@ -222,8 +223,9 @@ def markdown(result: dict) -> str:
     for row in result["rows"]:
         cells = []
         for subset in [[r for r in records if r["length"] == length] for length in lengths] + [records]:
-            right = sum(r["correct"][row["name"]] for r in subset)
-            cells.append(f"{right}/{len(subset)}")
+            answered = [r for r in subset if row["name"] in r["correct"]]  # a row added on resuming
+            right = sum(r["correct"][row["name"]] for r in answered)
+            cells.append(f"{right}/{len(answered)}" if answered or not subset else "—")
         lines.append(f"| {row['name']} | {row['bits_at_length']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -255,6 +257,9 @@ def main(argv=None) -> int:
     p.add_argument("--without", action="append", default=[],
                    help="leave out the configurations whose name contains this (repeatable)")
     p.add_argument("--quick", action="store_true", help="the 5 quick rows of tools.eval")
+    p.add_argument("--candidate", action="append", default=[], metavar="NAME",
+                   help="also run this row of tools/eval/research.py's `q3-params` set (exact "
+                        "name; repeatable), after the others")
     p.add_argument("--out", default="build-eval", help="output folder (default build-eval)")
     p.add_argument("--threads", type=int, default=1, help="qjlkv worker threads per cache")
     a = p.parse_args(argv)
@@ -262,6 +267,13 @@ def main(argv=None) -> int:
     if a.only:
         configs = [c for c in configs if any(o in c.name for o in a.only)]
     configs = [c for c in configs if not any(w in c.name for w in a.without)]
+    if a.candidate:
+        from .research import candidate_sets
+        candidates = {c.name: c for c in candidate_sets()["q3-params"]}
+        unknown = [n for n in a.candidate if n not in candidates]
+        if unknown:
+            p.error(f"no candidate {unknown[0]!r} in the q3-params set; known: {', '.join(candidates)}")
+        configs += [candidates[n] for n in a.candidate]
     paths = write(run(a.model, a.lengths, a.depths, configs, a.threads, out_dir=a.out), a.out)
     with open(paths["table"]) as f:
         sys.stdout.write(f.read())
