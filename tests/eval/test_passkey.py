@@ -1,7 +1,7 @@
 """Pass-key retrieval (tools/eval/passkey.py) on SmolLM2, short haystacks."""
 
 from tools.eval.evaluate import CacheConfig
-from tools.eval.passkey import answer_key, make_prompts, markdown, needle, run_prompt, spread_order
+from tools.eval.passkey import answer_key, make_prompts, markdown, needle, resumed, run_prompt, spread_order
 
 
 def test_prompts_put_the_needle_at_the_requested_depths(model):
@@ -57,3 +57,37 @@ def test_spread_order_visits_every_depth_once_ends_first():
         order = spread_order(list(range(n)))
         assert sorted(order) == list(range(n))
         assert order[:2] == [0, n - 1][:n]
+
+
+def test_a_stopped_run_resumes_only_with_the_same_model_depths_and_rows(tmp_path):
+    import json
+
+    depths, names = [0.05, 0.95], ["exact (numpy fp32)", "q3 preset"]
+    records = [{"length": 2048, "depth": 0.05, "key": 12345, "correct": {}},
+               {"length": 4096, "depth": 0.05, "key": 54321, "correct": {}}]
+    earlier = {"meta": {"model": "M", "lengths": [2048, 4096], "depths": depths, "seconds": 100.0},
+               "rows": [{"name": names[0], "bits_at_length": 32.0},
+                        {"name": names[1], "bits_at_length": 2.96}],
+               "records": records}
+    (tmp_path / "passkey.json").write_text(json.dumps(earlier))
+    assert resumed(str(tmp_path), "M", depths, names, [2048, 4096]) == (records, {"q3 preset": 2.96}, 100.0)
+    assert resumed(str(tmp_path), "M", depths, names, [4096])[0] == records[1:]   # other lengths dropped
+    nothing = ([], {}, 0.0)
+    assert resumed(str(tmp_path), "other model", depths, names, [2048]) == nothing
+    assert resumed(str(tmp_path), "M", [0.05, 0.5, 0.95], names, [2048]) == nothing
+    assert resumed(str(tmp_path), "M", depths, names[:1], [2048]) == nothing
+    added = resumed(str(tmp_path), "M", depths, names + ["q3 B64 R16 S16"], [2048])   # a row added
+    assert added == (records[:1], {"q3 preset": 2.96}, 100.0)
+    assert resumed(str(tmp_path), "M", depths, ["q3 B64 R16 S16"] + names, [2048]) == nothing
+    assert resumed(str(tmp_path / "none"), "M", depths, names, [2048]) == nothing
+    assert resumed(None, "M", depths, names, [2048]) == nothing
+
+
+def test_a_row_added_on_resuming_shows_no_count_for_the_earlier_prompts():
+    result = {"meta": {"lengths": [2048, 4096], "bits_length": 8192},
+              "rows": [{"name": "a", "bits_at_length": 32.0}, {"name": "b", "bits_at_length": 2.9}],
+              "records": [{"length": 2048, "correct": {"a": True}},
+                          {"length": 4096, "correct": {"a": True, "b": False}}]}
+    lines = markdown(result).splitlines()
+    assert lines[2] == "| a | 32.00 | 1/1 | 1/1 | 2/2 |"
+    assert lines[3] == "| b | 2.90 | — | 0/1 | 0/1 |"

@@ -106,3 +106,29 @@ def test_every_candidate_names_a_valid_format():
     for configs in candidate_sets().values():
         for c in configs:
             assert 0 < c.bits_at(SHAPE, 8192) <= 16
+
+
+def test_library_candidates_are_library_caches_with_fp16_io():
+    from tools.eval.research import LibraryConfig
+
+    config = LibraryConfig("q3 B64 R16", "q3", {"block_tokens": 64, "residual_tokens": 16})
+    cache = config.make(SHAPE, 1)
+    fields = cache.cache.config
+    assert (fields.block_tokens, fields.residual_tokens, fields.key_bits, fields.dtype) == (64, 16, 3, "float16")
+    assert config.describe() == "q3 block_tokens=64 residual_tokens=16"
+    # the bits of a cache filled with other numbers (the stored size depends on the count only)
+    rng = np.random.default_rng(8)
+    for layer in range(SHAPE.num_layers):
+        kv = rng.standard_normal((300, 1, D)).astype(np.float32) * (layer + 1)
+        cache.append(layer, kv, kv[::-1].copy())
+    assert config.bits_at(SHAPE, 300) == cache.stats()["bits_per_number"]
+    assert config.bits_at(SHAPE, 8192) < 3.0
+
+
+def test_every_q3_parameter_candidate_builds():
+    from tools.eval.research import LibraryConfig
+
+    library = [c for c in candidate_sets()["q3-params"] if isinstance(c, LibraryConfig)]
+    assert len(library) == len(candidate_sets()["q3-params"])
+    for config in library:
+        config.make(SHAPE, 1).cache.config.validate()

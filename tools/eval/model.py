@@ -107,17 +107,25 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Softmax attention with GQA (query head h uses kv head h // group) without repeating
     K/V. q: [n, Hq, d]; k, v: [T, Hkv, d]; mask: [n, T] additive (0 or -inf).
-    Contiguous 3-D stacks, so that numpy's matmul reaches BLAS."""
+    Contiguous 3-D stacks, so that numpy's matmul reaches BLAS. The softmax runs in place on
+    the score matrix (the largest array of a long prefill: each pass over it costs as much
+    as the matmuls), and the mask is added only from its first nonzero column: adding the
+    zeros before it would not change a score."""
     n, num_q, d = q.shape
     num_kv = k.shape[1]
     group = num_q // num_kv
     qg = np.ascontiguousarray(q.reshape(n, num_kv, group, d).transpose(1, 2, 0, 3))
     keys_t = np.ascontiguousarray(k.transpose(1, 2, 0))                    # [Hkv, d, T]
     scores = (qg.reshape(num_kv, group * n, d) @ keys_t).reshape(num_kv, group, n, -1)
-    scores = scores * np.float32(1.0 / np.sqrt(d)) + mask
-    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    probs = (scores / scores.sum(axis=-1, keepdims=True)).reshape(num_kv, group * n, -1)
-    out = probs @ np.ascontiguousarray(v.transpose(1, 0, 2))               # [Hkv, g*n, d]
+    scores *= np.float32(1.0 / np.sqrt(d))
+    masked_columns = np.flatnonzero(mask.any(axis=0))
+    if len(masked_columns):
+        first = masked_columns[0]
+        scores[..., first:] += mask[:, first:]
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = scores.reshape(num_kv, group * n, -1) @ np.ascontiguousarray(v.transpose(1, 0, 2))  # [Hkv, g*n, d]
     return out.reshape(num_kv, group, n, d).transpose(2, 0, 1, 3).reshape(n, num_q, d)
 
 
@@ -278,10 +286,11 @@ class LlamaModel:
         return self.forward(tokens, all_logits=all_logits)
 
     # ---- decode: one token per cache, attention through the caches -------------------
-    def decode_step(self, tokens, position: int, caches) -> np.ndarray:
+    def decode_step(self, tokens, position: int, caches, logits: bool = True) -> np.ndarray | None:
         """tokens[c] is the new token of cache c, all at `position`; returns logits
-        [len(caches), vocab]. Each layer appends the new K/V to every cache, then attends
-        with the new query."""
+        [len(caches), vocab] (None with logits=False: a teacher-forced token whose
+        prediction is not read skips the output matrix, a sixth of a Qwen step's weights).
+        Each layer appends the new K/V to every cache, then attends with the new query."""
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.full(len(tokens), position)
         x = self.embedding[tokens]
@@ -292,7 +301,7 @@ class LlamaModel:
                 cache.append(index, k[c:c + 1], v[c:c + 1])
                 attn[c] = cache.attend(index, q[c:c + 1])[0]
             x = self._finish_layer(layer, x, attn)
-        return self.logits(x)
+        return self.logits(x) if logits else None
 
     def prefill(self, tokens, caches, progress: bool = False) -> np.ndarray:
         """Exact prefill: full-sequence attention in numpy, then every cache receives the

@@ -124,8 +124,9 @@ def run_prompt(model: LlamaModel, head_kv, prompt: Prompt, configs: list[CacheCo
     """The answers of the exact cache and of each config's cache, and the caches."""
     s = model.shape
     past = [(k[:prompt.prefix_tokens], v[:prompt.prefix_tokens]) for k, v in head_kv]
-    _, rest_kv = model.forward(prompt.rest, start_pos=prompt.prefix_tokens, past=past,
-                               all_logits=False)
+    with single_threaded_blas():  # on the shared machine one thread beats two (model.py)
+        _, rest_kv = model.forward(prompt.rest, start_pos=prompt.prefix_tokens, past=past,
+                                   all_logits=False)
     caches = [ExactCache(s.num_layers, s.num_q_heads, s.num_kv_heads, s.head_dim)]
     caches += [c.make(s, num_threads) for c in configs]
     for cache in caches:
@@ -134,8 +135,9 @@ def run_prompt(model: LlamaModel, head_kv, prompt: Prompt, configs: list[CacheCo
                          np.concatenate([past[layer][1], rest_kv[layer][1]]))
     position = prompt.prefix_tokens + len(prompt.rest)
     with single_threaded_blas():
-        for token in prompt.question:
-            logits = model.decode_step([token] * len(caches), position, caches)
+        for index, token in enumerate(prompt.question):
+            last = index + 1 == len(prompt.question)  # the first answer token's logits
+            logits = model.decode_step([token] * len(caches), position, caches, logits=last)
             position += 1
         answers = [[] for _ in caches]
         for step in range(ANSWER_TOKENS):
@@ -151,19 +153,20 @@ def run_prompt(model: LlamaModel, head_kv, prompt: Prompt, configs: list[CacheCo
 def run(model_name: str, lengths: list[int], num_depths: int, configs: list[CacheConfig],
         num_threads: int = 1, progress: bool = True, out_dir: str | None = None) -> dict:
     """All prompts through all caches; with out_dir, the table so far is rewritten after
-    every prompt (a long run stopped early keeps what it measured)."""
+    every prompt (a long run stopped early keeps what it measured), and a run started again
+    with the same model, depths and rows continues from the prompts recorded there."""
     from tqdm import tqdm
 
     started = time.time()
     model = load_model(model_name, progress=progress)
     depths = [round(float(d), 4) for d in np.linspace(0.05, 0.95, num_depths)]
     names = ["exact (numpy fp32)"] + [c.name for c in configs]
-    records = []
-    bits = {}
+    records, bits, earlier_seconds = resumed(out_dir, MODELS[model_name].title, depths, names, lengths)
 
     def result() -> dict:
         return {"meta": {"model": MODELS[model_name].title, "lengths": lengths, "depths": depths,
-                         "bits_length": BITS_LENGTH, "seconds": time.time() - started},
+                         "bits_length": BITS_LENGTH,
+                         "seconds": earlier_seconds + time.time() - started},
                 "rows": [{"name": n, "description": "float32 numpy, exact attention" if i == 0
                           else configs[i - 1].describe(),
                           "bits_at_length": 32.0 if i == 0 else bits[n]}
@@ -172,9 +175,14 @@ def run(model_name: str, lengths: list[int], num_depths: int, configs: list[Cach
 
     for length in lengths:
         head, prompts = make_prompts(model, length, depths)
-        _, head_kv = model.forward(head, all_logits=False, progress=progress)
-        if not bits:
-            bits = {c.name: bits_at_length(c, model.shape, head_kv, BITS_LENGTH) for c in configs}
+        done = {r["depth"] for r in records if r["length"] == length}
+        prompts = [p for p in prompts if p.depth not in done]
+        if not prompts:
+            continue
+        with single_threaded_blas():
+            _, head_kv = model.forward(head, all_logits=False, progress=progress)
+        bits.update({c.name: bits_at_length(c, model.shape, head_kv, BITS_LENGTH)
+                     for c in configs if c.name not in bits})
         for prompt in tqdm(spread_order(prompts), desc=f"pass key in {length} tokens",
                            unit="depth", disable=not progress):
             answers, _ = run_prompt(model, head_kv, prompt, configs, num_threads)
@@ -187,6 +195,25 @@ def run(model_name: str, lengths: list[int], num_depths: int, configs: list[Cach
     return result()
 
 
+def resumed(out_dir: str | None, model_title: str, depths: list[float], names: list[str],
+            lengths: list[int]) -> tuple[list[dict], dict, float]:
+    """(records, bits per row, seconds) of an earlier run in out_dir with the same model and
+    depths whose rows are the first of `names` (its prompts are the same: a key depends on
+    the seed and the length only; rows added since have no answers for its prompts);
+    nothing when there is none."""
+    path = os.path.join(out_dir, "passkey.json") if out_dir else None
+    if not path or not os.path.exists(path):
+        return [], {}, 0.0
+    with open(path) as f:
+        earlier = json.load(f)
+    if (earlier["meta"]["model"] != model_title or earlier["meta"]["depths"] != depths
+            or [row["name"] for row in earlier["rows"]] != names[:len(earlier["rows"])]):
+        return [], {}, 0.0
+    records = [r for r in earlier["records"] if r["length"] in lengths]
+    bits = {row["name"]: row["bits_at_length"] for row in earlier["rows"][1:]}
+    return records, bits, float(earlier["meta"]["seconds"])
+
+
 def markdown(result: dict) -> str:
     meta, records = result["meta"], result["records"]
     lengths = meta["lengths"]
@@ -196,8 +223,9 @@ def markdown(result: dict) -> str:
     for row in result["rows"]:
         cells = []
         for subset in [[r for r in records if r["length"] == length] for length in lengths] + [records]:
-            right = sum(r["correct"][row["name"]] for r in subset)
-            cells.append(f"{right}/{len(subset)}")
+            answered = [r for r in subset if row["name"] in r["correct"]]  # a row added on resuming
+            right = sum(r["correct"][row["name"]] for r in answered)
+            cells.append(f"{right}/{len(answered)}" if answered or not subset else "—")
         lines.append(f"| {row['name']} | {row['bits_at_length']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -229,6 +257,9 @@ def main(argv=None) -> int:
     p.add_argument("--without", action="append", default=[],
                    help="leave out the configurations whose name contains this (repeatable)")
     p.add_argument("--quick", action="store_true", help="the 5 quick rows of tools.eval")
+    p.add_argument("--candidate", action="append", default=[], metavar="NAME",
+                   help="also run this row of tools/eval/research.py's `q3-params` set (exact "
+                        "name; repeatable), after the others")
     p.add_argument("--out", default="build-eval", help="output folder (default build-eval)")
     p.add_argument("--threads", type=int, default=1, help="qjlkv worker threads per cache")
     a = p.parse_args(argv)
@@ -236,6 +267,13 @@ def main(argv=None) -> int:
     if a.only:
         configs = [c for c in configs if any(o in c.name for o in a.only)]
     configs = [c for c in configs if not any(w in c.name for w in a.without)]
+    if a.candidate:
+        from .research import candidate_sets
+        candidates = {c.name: c for c in candidate_sets()["q3-params"]}
+        unknown = [n for n in a.candidate if n not in candidates]
+        if unknown:
+            p.error(f"no candidate {unknown[0]!r} in the q3-params set; known: {', '.join(candidates)}")
+        configs += [candidates[n] for n in a.candidate]
     paths = write(run(a.model, a.lengths, a.depths, configs, a.threads, out_dir=a.out), a.out)
     with open(paths["table"]) as f:
         sys.stdout.write(f.read())

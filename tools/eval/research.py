@@ -344,6 +344,36 @@ class QjlPrototypeConfig:
         return 8 * used / (tokens * shape.num_kv_heads * shape.head_dim * 2)
 
 
+@dataclass
+class LibraryConfig:
+    """A library cache (qjlkv, CPU, fp16 I/O) from a preset and field overrides: the
+    candidates that are parameter changes of formats the library already stores, measured
+    through the library itself rather than a numpy copy."""
+    name: str
+    preset: str
+    fields: dict = field(default_factory=dict)
+    group: str = "library"
+
+    def make(self, shape, num_threads: int):
+        from .caches import QjlkvCache
+        return QjlkvCache(self.name, self.preset, shape, num_threads=num_threads,
+                          dtype="float16", **self.fields)
+
+    def describe(self) -> str:
+        return " ".join([self.preset] + [f"{k}={v}" for k, v in self.fields.items()])
+
+    def bits_at(self, shape, tokens: int) -> float:
+        """The library's own count for a fresh cache holding `tokens` tokens (random K/V:
+        every stored size depends on the token count only)."""
+        cache = self.make(shape, 1)
+        rng = np.random.default_rng(0)
+        kv_shape = (tokens, shape.num_kv_heads, shape.head_dim)
+        for layer in range(shape.num_layers):
+            cache.append(layer, rng.standard_normal(kv_shape, np.float32),
+                         rng.standard_normal(kv_shape, np.float32))
+        return float(cache.stats()["bits_per_number"])
+
+
 def lm(bits: int, group: int = 0) -> Codec:
     """Rotated Lloyd-Max values with a norm per group (the TurboQuant-style "mse" codes)."""
     return token(bits, group, rotate=True, lloyd=True)
@@ -417,6 +447,24 @@ def candidate_sets() -> dict[str, list[ResearchConfig]]:
                                          "T3e K ch3 B64 R16 S4, V lm2", "T4c K ch4 B128 S4, V lm3",
                                          "T4e K ch4 B64 R16 S4, V lm3",
                                          "T3i K centered rot-lm3 B128 S4, V lm2")]
+    # The 3-bit tier's pass-key misses on SmolLM2 (issue 19): parameter changes of the
+    # library's `q3` format, through the library. Seeds 1 and 2 draw other value rotations
+    # (the format is unchanged): whether a miss is the format's or one draw's.
+    L = LibraryConfig
+    sets["q3-params"] = [
+        L("q3 preset", "q3", group="q3 as shipped"),
+        L("q3 seed 1", "q3", {"seed": 1}, "q3, other value rotations"),
+        L("q3 seed 2", "q3", {"seed": 2}, "q3, other value rotations"),
+        L("q3 B64 R16", "q3", {"block_tokens": 64, "residual_tokens": 16}, "q3 blocks"),
+        L("q3 R64", "q3", {"residual_tokens": 64}, "q3 tail"),
+        L("q3 S16", "q3", {"sink_tokens": 16}, "q3 sinks"),
+        L("q3 B64 R16 S16", "q3", {"block_tokens": 64, "residual_tokens": 16, "sink_tokens": 16},
+          "q3 blocks"),
+        L("q3 with OTT keys", "q3", {"key_method": "ott"}, "q3 + OTT tracing"),
+        L("q3 with OTT keys B64 R16", "q3", {"key_method": "ott", "block_tokens": 64,
+                                            "residual_tokens": 16}, "q3 + OTT tracing"),
+        L("q4 preset", "q4", group="q4 as shipped"),
+    ]
     return sets
 
 
@@ -490,9 +538,10 @@ def main(argv=None) -> int:
         configs = candidate_sets()[a.set]
         if a.only:
             configs = [c for c in configs if any(o in c.name for o in a.only.split(","))]
-        result = passkey.run(a.model, a.passkey, a.depths, configs)
+        out_dir = os.path.join(a.out, f"passkey-{a.model}-{a.set}")
+        result = passkey.run(a.model, a.passkey, a.depths, configs, out_dir=out_dir)
         result["meta"]["command"] = "python3 -m tools.eval.research " + " ".join(sys.argv[1:])
-        paths = passkey.write(result, os.path.join(a.out, f"passkey-{a.model}-{a.set}"))
+        paths = passkey.write(result, out_dir)
         with open(paths["table"]) as f:
             sys.stdout.write(f.read())
         return 0
