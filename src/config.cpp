@@ -139,14 +139,16 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
   cfg.value_method = QJLKV_VALUES_UNIFORM;
   cfg.sink_tokens = 0;
   if (name.empty() || name == "q3" || name == "q4") {
-    // The tiers of issue 19 (research helper's T3c / T4c, docs/ACCURACY.md): per-channel 3- or
-    // 4-bit keys, the first 4 tokens exact (attention sinks), rotated 2- or 3-bit Lloyd-Max values.
+    // The tiers (docs/ACCURACY.md, "Goal table"): per-channel 3- or 4-bit keys, the first tokens
+    // exact (attention sinks), rotated 2- or 3-bit Lloyd-Max values. The 3-bit tier takes blocks
+    // of 64, a tail of 16 and 16 sinks: with 128 / 32 / 4 it missed 3 of 16 pass keys on SmolLM2
+    // at the same bits (the "q3 parameter candidates" there).
     const bool four = name == "q4";
     cfg.key_method = QJLKV_KEYS_KIVI;
     cfg.key_bits = four ? 4 : 3;
-    cfg.block_tokens = 128;
-    cfg.residual_tokens = 32;
-    cfg.sink_tokens = 4;
+    cfg.block_tokens = four ? 128 : 64;
+    cfg.residual_tokens = four ? 32 : 16;
+    cfg.sink_tokens = four ? 4 : 16;
     cfg.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
     cfg.value_bits = four ? 3 : 2;
   } else if (name == "qjl") {

@@ -343,12 +343,13 @@ typedef struct qjlkv_config {
  * g (value_group_size) is the largest of 32, 16 and 8 that divides d, except
  * where "qjl" says otherwise:
  *   "q3"    (also preset NULL or ""): the 3-bit tier. KIVI keys, 3-bit,
- *           B = 128, R = 32; the first 4 tokens of every sequence exact
- *           (sink_tokens = 4); rotated 2-bit Lloyd-Max values
- *           (value_method QJLKV_VALUES_ROTATED_LLOYD_MAX). 2.90 bits per
- *           number at 8192 tokens with fp16 I/O and d = 128 (2.96 at d = 64).
- *   "q4"    the 4-bit tier: "q3" with 4-bit keys and 3-bit values; 3.88
- *           bits (3.94 at d = 64).
+ *           B = 64, R = 16; the first 16 tokens of every sequence exact
+ *           (sink_tokens = 16); rotated 2-bit Lloyd-Max values
+ *           (value_method QJLKV_VALUES_ROTATED_LLOYD_MAX). 2.92 bits per
+ *           number at 8192 tokens with fp16 I/O and d = 128 (2.98 at d = 64).
+ *   "q4"    the 4-bit tier: KIVI keys, 4-bit, B = 128, R = 32, 4 sink
+ *           tokens; rotated 3-bit Lloyd-Max values; 3.88 bits (3.94 at
+ *           d = 64).
  *           Both tiers use fields added in 0.2 (value_method, sink_tokens):
  *           a 0.1-sized struct gets their keys with uniform 2-bit values and
  *           no sinks. Both backends. Accuracy: docs/ACCURACY.md.

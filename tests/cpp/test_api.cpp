@@ -92,7 +92,7 @@ TEST(Presets, DocumentedDefaults) {
         const std::string preset = name;
         const bool tier = preset == "q3" || preset == "q4";
         EXPECT_EQ(cfg.value_method, uint32_t(tier ? QJLKV_VALUES_ROTATED_LLOYD_MAX : QJLKV_VALUES_UNIFORM));
-        EXPECT_EQ(cfg.sink_tokens, tier ? 4u : 0u);
+        EXPECT_EQ(cfg.sink_tokens, preset == "q3" ? 16u : preset == "q4" ? 4u : 0u);
         // The fields of every key method, in every preset.
         EXPECT_EQ(cfg.key_sketch_dim, 2 * d);
         EXPECT_EQ(cfg.outlier_channels, c);
@@ -107,8 +107,8 @@ TEST(Presets, DocumentedDefaults) {
         QT_EXPECT_OK(qjlkv_config_validate(&cfg));
         if (tier) {
           EXPECT_EQ(cfg.key_method, uint32_t(QJLKV_KEYS_KIVI));
-          EXPECT_EQ(cfg.block_tokens, 128u);
-          EXPECT_EQ(cfg.residual_tokens, 32u);
+          EXPECT_EQ(cfg.block_tokens, preset == "q3" ? 64u : 128u);
+          EXPECT_EQ(cfg.residual_tokens, preset == "q3" ? 16u : 32u);
           EXPECT_EQ(cfg.value_bits, preset == "q3" ? 2u : 3u);
           EXPECT_EQ(cfg.value_group_size, g);
         } else if (preset == "qjl") {

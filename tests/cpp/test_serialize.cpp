@@ -159,13 +159,14 @@ void exact_keys_rotated_3bit_sinks(qjlkv_config &c) {
   c.sink_tokens = 1;
 }
 
-// Small shapes that reach every state in a few dozen tokens: B = 16, R = 8, OTT's first layer
-// untraced (q3/q4 keep their 4 sink tokens).
+// Small shapes that reach every state in a few dozen tokens: B = 16, R = 8, 4 sink tokens where
+// the preset has sinks (the tiers), OTT's first layer untraced.
 qjlkv_config variant_config(const Variant &v) {
   qjlkv_config cfg = qt::make_config(v.preset, 3, 4, 2, 32);
   cfg.dtype = v.dtype;
   cfg.block_tokens = 16;
   cfg.residual_tokens = 8;
+  if (cfg.sink_tokens) cfg.sink_tokens = 4;
   cfg.seed = 1234;
   if (cfg.key_method == QJLKV_KEYS_OTT) {
     cfg.outlier_tokens = 3;

@@ -103,7 +103,9 @@ def test_config_presets_and_fields():
         tier = preset in ("q3", "q4")
         assert cfg.key_method == ("kivi" if tier else preset)
         assert cfg.value_method == (qjlkv.ValueMethod.ROTATED_LLOYD_MAX if tier else qjlkv.ValueMethod.UNIFORM)
-        assert cfg.sink_tokens == (4 if tier else 0)
+        assert cfg.sink_tokens == {"q3": 16, "q4": 4}.get(preset, 0)
+        if tier:
+            assert (cfg.block_tokens, cfg.residual_tokens) == ((64, 16) if preset == "q3" else (128, 32))
         assert (cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim) == (3, 8, 2, 128)
         assert cfg.dtype == "float32" and cfg.device == -1
     default = qjlkv.Config(num_layers=1, num_q_heads=4, num_kv_heads=4, head_dim=64)
