@@ -916,14 +916,18 @@ class CudaImport final : public PortableImport {
     const OttLayout &o = k.ott;
     const size_t row = size_t(k.d) * cache_.spec().io_elem, P = k.ott_pool;
     std::vector<uint8_t> state(o.bytes);  // the device layout of layout.hpp's OttLayout
+    // An empty pool comes with empty vectors, whose data() may be NULL: memcpy must not see it.
+    const auto copy = [&](size_t offset, const void *src, size_t bytes) {
+      if (bytes) std::memcpy(state.data() + offset, src, bytes);
+    };
     const uint32_t header[4] = {in.pool, in.spilled, in.tracing ? 1u : 0u, 0u};
-    std::memcpy(state.data(), header, sizeof header);
-    std::memcpy(state.data() + o.positions, in.positions.data(), size_t(in.pool) * 4);
-    std::memcpy(state.data() + o.positions + 4 * P, in.positions.data() + in.pool, size_t(in.spilled) * 4);
-    std::memcpy(state.data() + o.norms, in.norms.data(), size_t(in.pool) * 4);
+    copy(0, header, sizeof header);
+    copy(o.positions, in.positions.data(), size_t(in.pool) * 4);
+    copy(o.positions + 4 * P, in.positions.data() + in.pool, size_t(in.spilled) * 4);
+    copy(o.norms, in.norms.data(), size_t(in.pool) * 4);
     for (auto [src, offset] : {std::pair{&in.keys, o.keys}, std::pair{&in.values, o.values}}) {
-      std::memcpy(state.data() + offset, src->data(), in.pool * row);
-      std::memcpy(state.data() + offset + P * row, src->data() + in.pool * row, in.spilled * row);
+      copy(offset, src->data(), in.pool * row);
+      copy(offset + P * row, src->data() + in.pool * row, in.spilled * row);
     }
     SeqState &seq = current();
     seq.ott_side = 0;
