@@ -541,29 +541,28 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
     constexpr unsigned long long kNone = ~0ull;
     if (flags_host_[0] != kNone) fail_data("keys", keys, flags_host_[0], spec().key_limit);
     if (flags_host_[1] != kNone) fail_data("values", values, flags_host_[1], spec().value_limit);
-    if (flags_host_[2] != kNone) {
-      const size_t vector = size_t(flags_host_[2]);
+    const auto norm = [&](const void *tensor, size_t vector) {  // L2 norm of one [head_dim] device vector
       double norm2 = 0.0;
       for (uint32_t j = 0; j < cfg.head_dim; ++j) {
-        const double x = read_element(keys, vector * cfg.head_dim + j);
+        const double x = read_element(tensor, vector * cfg.head_dim + j);
         norm2 += x * x;
       }
+      return std::sqrt(norm2);
+    };
+    if (flags_host_[2] != kNone) {
+      const size_t vector = size_t(flags_host_[2]);
       fail(QJLKV_ERROR_INVALID_ARGUMENT,
            "keys: the key vector of token %zu, kv head %zu has L2 norm %g > 65504, which QJL cannot store (norms "
            "are fp16)",
-           vector / cfg.num_kv_heads, vector % cfg.num_kv_heads, std::sqrt(norm2));
+           vector / cfg.num_kv_heads, vector % cfg.num_kv_heads, norm(keys, vector));
     }
     if (flags_host_[3] != kNone) {
       const size_t vector = size_t(flags_host_[3]);
-      double norm2 = 0.0;
-      for (uint32_t j = 0; j < cfg.head_dim; ++j) {
-        const double x = read_element(values, vector * cfg.head_dim + j);
-        norm2 += x * x;
-      }
       fail(QJLKV_ERROR_INVALID_ARGUMENT,
            "values: the value vector of token %zu, kv head %zu has L2 norm %g > %g, which rotated Lloyd-Max values "
            "of %u bits cannot store (their per-token scale is fp16)",
-           vector / cfg.num_kv_heads, vector % cfg.num_kv_heads, std::sqrt(norm2), value_norm_limit(), cfg.value_bits);
+           vector / cfg.num_kv_heads, vector % cfg.num_kv_heads, norm(values, vector), value_norm_limit(),
+           cfg.value_bits);
     }
   } catch (...) {
     rollback();
