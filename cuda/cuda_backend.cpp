@@ -34,6 +34,8 @@
 #include "device_memory.hpp"
 #include "error.hpp"
 #include "kernels.hpp"
+#include "methods/methods.hpp"
+#include "positions.hpp"
 
 namespace qjlkv::cuda {
 namespace {
@@ -119,13 +121,6 @@ class CudaCache final : public qjlkv_cache {
   void init();
   void release_all() noexcept;
   void init_layer(uint32_t l, size_t smem_optin);
-  // Rotated Lloyd-Max values: the largest value vector norm whose fp16 scale stays finite (the CPU
-  // backend's limit); 0 (no check) for other value methods.
-  double value_norm_limit() const {
-    const qjlkv_config &cfg = spec().cfg;
-    if (cfg.value_method != QJLKV_VALUES_ROTATED_LLOYD_MAX) return 0.0;
-    return double(kHalfMax) * lloyd_max_smallest_level(cfg.value_bits) * std::sqrt(double(cfg.head_dim));
-  }
   unsigned long long *device_flags() const { return static_cast<unsigned long long *>(scratch_.data); }
   // One sequence's sinks of keys (or values): config.sink_tokens tokens.
   size_t sink_bytes() const { return size_t(spec().cfg.sink_tokens) * token_bytes_; }
@@ -389,7 +384,7 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
   const qjlkv_config &cfg = spec().cfg;
   LayerState &layer = layers_[layer_index];
   const KernelShape &k = layer.shape;
-  const uint32_t B = cfg.block_tokens, R = cfg.residual_tokens;
+  const uint32_t B = cfg.block_tokens;
   const size_t elements = size_t(n_seqs) * tokens_per_seq * cfg.num_kv_heads * cfg.head_dim;
   const size_t seq_input_bytes = size_t(tokens_per_seq) * token_bytes_;
   const auto *key_bytes = static_cast<const uint8_t *>(keys);
@@ -433,10 +428,11 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
       p.seq = &it->second;
       p.created = is_new;
       created += is_new;
-      p.new_sinks = std::min(cfg.sink_tokens - p.seq->sinks, tokens_per_seq);
+      const AppendSplit split =
+          split_append(cfg, p.seq->sinks, p.seq->length - p.seq->sinks - p.seq->blocks * B, tokens_per_seq);
+      p.new_sinks = split.new_sinks;
       p.n_after = tokens_per_seq - p.new_sinks;
-      const uint64_t total = uint64_t(p.seq->length - p.seq->sinks - p.seq->blocks * B) + p.n_after;
-      p.new_blocks = total >= uint64_t(R) + B ? uint32_t((total - R) / B) : 0;
+      p.new_blocks = uint32_t(split.new_blocks);
       p.first_slot = quant_jobs;
       quant_jobs += p.new_blocks;
     }
@@ -527,7 +523,7 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
     check_cuda(cudaMemcpyAsync(blob_dev, blob_host, blob_bytes, cudaMemcpyHostToDevice, stream_),
                "uploading the append jobs");
     check_cuda(launch_validate(k, keys, values, elements, spec().key_limit, spec().value_limit, k.kind == KeyKind::qjl,
-                               value_norm_limit(), flags, stream_),
+                               qjlkv::value_norm_limit(cfg), flags, stream_),
                "the validation kernel");
     if (k.traced)
       check_cuda(launch_ott_quantize(k, reinterpret_cast<const OttJob *>(blob_dev + ott_offset), uint32_t(ott_jobs),
@@ -549,21 +545,9 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
       }
       return std::sqrt(norm2);
     };
-    if (flags_host_[2] != kNone) {
-      const size_t vector = size_t(flags_host_[2]);
-      fail(QJLKV_ERROR_INVALID_ARGUMENT,
-           "keys: the key vector of token %zu, kv head %zu has L2 norm %g > 65504, which QJL cannot store (norms "
-           "are fp16)",
-           vector / cfg.num_kv_heads, vector % cfg.num_kv_heads, norm(keys, vector));
-    }
-    if (flags_host_[3] != kNone) {
-      const size_t vector = size_t(flags_host_[3]);
-      fail(QJLKV_ERROR_INVALID_ARGUMENT,
-           "values: the value vector of token %zu, kv head %zu has L2 norm %g > %g, which rotated Lloyd-Max values "
-           "of %u bits cannot store (their per-token scale is fp16)",
-           vector / cfg.num_kv_heads, vector % cfg.num_kv_heads, norm(values, vector), value_norm_limit(),
-           cfg.value_bits);
-    }
+    // The methods' messages (src/methods/), as the CPU backend reports them.
+    if (flags_host_[2] != kNone) fail_key_norm(cfg, size_t(flags_host_[2]), norm(keys, size_t(flags_host_[2])));
+    if (flags_host_[3] != kNone) fail_value_norm(cfg, size_t(flags_host_[3]), norm(values, size_t(flags_host_[3])));
   } catch (...) {
     rollback();
     throw;
@@ -688,80 +672,54 @@ std::vector<uint8_t> CudaCache::download_ott(const LayerState &layer, const SeqS
   return state;
 }
 
-// Not a fast path: the stored bytes come to the host and the CPU backend's decoders read them, so
-// the reconstruction of equal bytes is equal on both backends.
+// Not a fast path: the stored bytes come to the host and the methods' decoders read them
+// (reconstruct_positions), so the reconstruction of equal bytes is equal on both backends.
 void CudaCache::reconstruct(uint32_t layer_index, uint32_t seq_id, uint64_t first, uint64_t count, float *keys_out,
                             float *values_out) {
   DeviceGuard guard(device_);
-  const qjlkv_config &cfg = spec().cfg;
-  const LayerSpec &ls = spec().layers[layer_index];
   const LayerState &layer = layers_[layer_index];
   const SeqState &seq = find(layer_index, seq_id);
-  const uint32_t d = cfg.head_dim, B = cfg.block_tokens, Hkv = cfg.num_kv_heads;
-  const uint64_t sinks = seq.sinks, quantized = sinks + uint64_t(seq.blocks) * B;
-  const size_t head_stride = layer.shape.head_stride;
-  std::vector<uint8_t> slot(head_stride * Hkv), ring, sink;
-  uint64_t slot_block = ~0ull;
-  const std::vector<uint8_t> ott = download_ott(layer, seq);
-  const OttLayout &ol = layer.shape.ott;
+  const uint64_t quantized = seq.sinks + uint64_t(seq.blocks) * layer.shape.B;
+  // Host copies of what the positions need: the sinks, the tail ring, the outlier states, and
+  // one block (all kv heads) at a time.
+  struct Rows {
+    const CudaCache &cache;
+    const LayerState &layer;
+    const SeqState &seq;
+    std::vector<uint8_t> sinks, ring, slot, ott;
+    uint64_t slot_block = ~0ull;
+    const uint8_t *sink(uint64_t p, bool values) const {  // keys [S][Hkv][d], then values
+      return sinks.data() + (values ? cache.sink_bytes() : 0) + size_t(p) * cache.token_bytes_;
+    }
+    const uint8_t *tail(uint64_t i, bool values) const {  // ring slot (blocks·B + i) % ring; values half a ring later
+      const uint64_t slot_index = (uint64_t(seq.blocks) * layer.shape.B + i) % layer.shape.ring;
+      return ring.data() + (values ? cache.ring_bytes_ / 2 : 0) + size_t(slot_index) * cache.token_bytes_;
+    }
+    const uint8_t *block(uint64_t b, uint32_t h) {
+      if (b != slot_block) {
+        slot_block = b;
+        cache.download(slot.data(), reinterpret_cast<const void *>(seq.table[b]), slot.size());
+      }
+      return slot.data() + size_t(h) * layer.shape.head_stride;
+    }
+    OutlierRows outliers(uint32_t h) const {
+      const OttLayout &o = layer.shape.ott;
+      const uint8_t *state = ott.data() + size_t(h) * o.bytes;
+      const auto *header = reinterpret_cast<const uint32_t *>(state);
+      return {header[0], header[1], layer.shape.ott_pool, reinterpret_cast<const uint32_t *>(state + o.positions),
+              state + o.keys, state + o.values};
+    }
+  } rows{*this, layer, seq, {}, {}, std::vector<uint8_t>(size_t(layer.shape.head_stride) * layer.shape.Hkv),
+         download_ott(layer, seq)};
   if (first + count > quantized) {
-    ring.resize(ring_bytes_);
-    download(ring.data(), seq.ring, ring_bytes_);
+    rows.ring.resize(ring_bytes_);
+    download(rows.ring.data(), seq.ring, ring_bytes_);
   }
-  if (first < sinks) {
-    sink.resize(2 * sink_bytes());
-    download(sink.data(), seq.sink, sink.size());
+  if (first < seq.sinks) {
+    rows.sinks.resize(2 * sink_bytes());
+    download(rows.sinks.data(), seq.sink, rows.sinks.size());
   }
-  for (uint64_t p = first; p < first + count; ++p) {
-    if (p >= sinks && p < quantized && (p - sinks) / B != slot_block) {
-      slot_block = (p - sinks) / B;
-      download(slot.data(), reinterpret_cast<const void *>(seq.table[slot_block]), slot.size());
-    }
-    for (uint32_t h = 0; h < Hkv; ++h) {
-      float *k = keys_out ? keys_out + ((p - first) * Hkv + h) * d : nullptr;
-      float *v = values_out ? values_out + ((p - first) * Hkv + h) * d : nullptr;
-      if (p < sinks) {  // sinks: keys [S][Hkv][d], then values
-        const size_t element = size_t(p) * Hkv * d + size_t(h) * d;
-        if (k) cpu::load_row(sink.data(), element, d, dtype_of(cfg), k);
-        if (v) cpu::load_row(sink.data() + sink_bytes(), element, d, dtype_of(cfg), v);
-        continue;
-      }
-      if (p >= quantized) {  // ring slot (p - sinks) % ring: keys, then values half a ring later
-        const size_t element = size_t((p - sinks) % layer.shape.ring) * Hkv * d + size_t(h) * d;
-        if (k) cpu::load_row(ring.data(), element, d, dtype_of(cfg), k);
-        if (v) cpu::load_row(ring.data() + ring_bytes_ / 2, element, d, dtype_of(cfg), v);
-        continue;
-      }
-      const uint8_t *block = slot.data() + h * head_stride;
-      const uint32_t t = uint32_t((p - sinks) % B);
-      if (layer.shape.has_mask && (block[ls.layout.key_mask + t / 8] >> (t % 8) & 1u)) {
-        // OTT: the token lives on, exact, in the pool or the spill area.
-        const uint8_t *state = ott.data() + size_t(h) * ol.bytes;
-        const auto *header = reinterpret_cast<const uint32_t *>(state);
-        const auto *positions = reinterpret_cast<const uint32_t *>(state + ol.positions);
-        for (uint32_t o = 0; o < header[0] + header[1]; ++o) {
-          const uint32_t where = ott_slot(o, header[0], cfg.outlier_tokens);
-          if (positions[where] != p) continue;
-          if (k) cpu::load_row(state + ol.keys, size_t(where) * d, d, dtype_of(cfg), k);
-          if (v) cpu::load_row(state + ol.values, size_t(where) * d, d, dtype_of(cfg), v);
-        }
-        continue;
-      }
-      if (k) {
-        switch (key_method_of(cfg)) {
-          case QJLKV_KEYS_QJL: cpu::qjl_reconstruct_key(ls, cfg, spec().qjl_constant, block, t, k); break;
-          case QJLKV_KEYS_EXACT:
-            for (uint32_t j = 0; j < d; ++j)
-              k[j] = cpu::from_16bit(cpu::at<uint16_t>(block, ls.layout.key_codes)[size_t(t) * d + j],
-                                     spec().stored_dtype);
-            break;
-          case QJLKV_KEYS_KIVI:
-          case QJLKV_KEYS_OTT: cpu::kivi_dequantize_token(cfg, ls.layout, block, t, k); break;
-        }
-      }
-      if (v) cpu::values_dequantize_token(cfg, spec().stored_dtype, ls.layout, ls.value_signs.data(), block, t, v);
-    }
-  }
+  reconstruct_positions(spec(), layer_index, seq.sinks, seq.blocks, first, count, rows, keys_out, values_out);
 }
 
 void CudaCache::clear(uint32_t seq_id) {
@@ -842,7 +800,7 @@ void CudaCache::read_outliers(uint32_t layer_index, uint32_t seq_id, uint32_t he
 // reserved beforehand, so it cannot fail. Until then the destructor gives everything back.
 class CudaImport final : public PortableImport {
  public:
-  CudaImport(CudaCache &cache, uint32_t seq) : cache_(cache), seq_(seq) {}
+  CudaImport(CudaCache &cache, uint32_t seq) : cache_(cache), layers_(seq) {}
   ~CudaImport() override {
     for (StagedLayer &staged : layers_) {
       LayerState &layer = cache_.layers_[staged.layer];
@@ -864,10 +822,7 @@ class CudaImport final : public PortableImport {
     DeviceGuard guard(cache_.device_);
     LayerState &layer = cache_.layers_[layer_index];
     const KernelShape &k = layer.shape;
-    std::unordered_map<uint32_t, SeqState> holder;
-    holder.try_emplace(seq_);
-    layers_.push_back({layer_index, holder.extract(seq_)});  // from here on the destructor frees what it holds
-    SeqState &seq = current();
+    SeqState &seq = layers_.add(layer_index);  // from here on the destructor frees what it holds
     seq.length = uint32_t(counts.length);
     seq.blocks = counts.blocks;
     seq.sinks = counts.sink_tokens;
@@ -934,20 +889,13 @@ class CudaImport final : public PortableImport {
     upload(cache_.ott_state(cache_.layers_[layers_.back().layer], seq, 0) + size_t(head) * o.bytes, state.data(),
            state.size());
   }
+  // The C layer checked that the layers hold no tokens: no record with slots is replaced.
   void commit() noexcept override {
-    for (StagedLayer &staged : layers_) {
-      auto &map = cache_.layers_[staged.layer].seqs;
-      map.erase(seq_);  // the C layer checked that the layer holds no tokens: no record with slots
-      map.insert(std::move(staged.node));
-    }
-    layers_.clear();
+    layers_.commit([this](uint32_t layer) -> auto & { return cache_.layers_[layer].seqs; });
   }
 
  private:
-  struct StagedLayer {
-    uint32_t layer;
-    std::unordered_map<uint32_t, SeqState>::node_type node;
-  };
+  using StagedLayer = StagedLayers<SeqState>::Layer;
   SeqState &current() { return layers_.back().node.mapped(); }
   // Host to device, complete when it returns (the caller's buffer may go away).
   void upload(void *device, const void *host, size_t bytes) const {
@@ -956,8 +904,7 @@ class CudaImport final : public PortableImport {
   }
 
   CudaCache &cache_;
-  uint32_t seq_;
-  std::vector<StagedLayer> layers_;
+  StagedLayers<SeqState> layers_;
 };
 
 std::unique_ptr<PortableImport> CudaCache::begin_import(uint32_t seq) { return std::make_unique<CudaImport>(*this, seq); }

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "config.hpp"
@@ -48,6 +49,47 @@ class PortableImport {
   virtual void write_outliers(uint32_t head, const PortableOutliers &outliers) = 0;
   // Makes every added layer of the sequence visible; the target layers must still be empty.
   virtual void commit() noexcept = 0;
+};
+
+// The per-layer records (a backend's Record type) of one imported sequence, each in a map node of
+// its own, so that commit() only links nodes into maps whose buckets the backend reserved
+// beforehand: it cannot allocate, hence cannot fail. Both backends' PortableImport keep theirs here.
+template <class Record>
+class StagedLayers {
+ public:
+  using Map = std::unordered_map<uint32_t, Record>;
+  struct Layer {
+    uint32_t layer;
+    typename Map::node_type node;
+  };
+  explicit StagedLayers(uint32_t seq) : seq_(seq) {}
+
+  // A new, default record of the sequence for `layer`: back() from now on.
+  Record &add(uint32_t layer) {
+    Map holder;
+    holder.try_emplace(seq_);
+    layers_.push_back({layer, holder.extract(seq_)});
+    return layers_.back().node.mapped();
+  }
+  // The layer added last, and every added one.
+  Layer &back() { return layers_.back(); }
+  auto begin() { return layers_.begin(); }
+  auto end() { return layers_.end(); }
+  // map_of(layer): the backend's map of that layer, with a bucket reserved for the record. An
+  // empty record of the sequence there is replaced (the C layer checked that it holds no tokens).
+  template <class MapOf>
+  void commit(MapOf map_of) noexcept {
+    for (Layer &staged : layers_) {
+      Map &map = map_of(staged.layer);
+      map.erase(seq_);
+      map.insert(std::move(staged.node));
+    }
+    layers_.clear();
+  }
+
+ private:
+  uint32_t seq_;
+  std::vector<Layer> layers_;
 };
 
 }  // namespace qjlkv

@@ -3,13 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <string_view>
-
-#include <unistd.h>
 
 #include "error.hpp"
 #include "half.hpp"
+#include "methods/methods.hpp"
 
 namespace qjlkv {
 
@@ -37,14 +35,6 @@ void check_shape(uint32_t num_layers, uint32_t num_q_heads, uint32_t num_kv_head
   QJLKV_REQUIRE(head_dim >= 8 && head_dim <= QJLKV_MAX_HEAD_DIM && head_dim % 8 == 0,
                 "head_dim is %u, must be a multiple of 8 in [8, %u]", head_dim, QJLKV_MAX_HEAD_DIM);
 }
-
-void check_sketch_dim(const char *field, uint32_t value, bool allow_zero) {
-  QJLKV_REQUIRE(value % 8 == 0 && value <= QJLKV_MAX_SKETCH_DIM && (allow_zero || value > 0),
-                "%s is %u, must be a multiple of 8 in [%u, %u]", field, value, allow_zero ? 0u : 8u,
-                QJLKV_MAX_SKETCH_DIM);
-}
-
-bool is_bits(uint32_t b) { return b == 2 || b == 3 || b == 4 || b == 8; }
 
 }  // namespace
 
@@ -176,7 +166,6 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
 void validate_config(const qjlkv_config &caller_cfg) {
   const qjlkv_config cfg = complete_config(caller_cfg);
   check_shape(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim);
-  const uint32_t d = cfg.head_dim;
   // Enum fields are uint32_t: any value a caller stores is compared as an integer.
   QJLKV_REQUIRE(cfg.dtype == QJLKV_DTYPE_F32 || cfg.dtype == QJLKV_DTYPE_F16 || cfg.dtype == QJLKV_DTYPE_BF16,
                 "config.dtype is %u, must be QJLKV_DTYPE_F32, _F16 or _BF16", cfg.dtype);
@@ -194,61 +183,10 @@ void validate_config(const qjlkv_config &caller_cfg) {
                 QJLKV_MAX_BLOCK_TOKENS);
   QJLKV_REQUIRE(cfg.residual_tokens <= QJLKV_MAX_RESIDUAL_TOKENS, "config.residual_tokens is %u, must be <= %u",
                 cfg.residual_tokens, QJLKV_MAX_RESIDUAL_TOKENS);
-  switch (key_method_of(cfg)) {
-    case QJLKV_KEYS_QJL: {
-      check_sketch_dim("config.key_sketch_dim", cfg.key_sketch_dim, false);
-      QJLKV_REQUIRE(cfg.outlier_channels < d, "config.outlier_channels is %u, must be below head_dim (%u)",
-                    cfg.outlier_channels, d);
-      check_sketch_dim("config.outlier_sketch_dim", cfg.outlier_sketch_dim, true);
-      QJLKV_REQUIRE(cfg.outlier_channels == 0 || cfg.outlier_sketch_dim > 0,
-                    "config.outlier_sketch_dim is 0 but config.outlier_channels is %u: outlier channels need "
-                    "an outlier sketch",
-                    cfg.outlier_channels);
-      QJLKV_REQUIRE(cfg.initial_layers <= cfg.num_layers, "config.initial_layers is %u, must be <= num_layers (%u)",
-                    cfg.initial_layers, cfg.num_layers);
-      if (cfg.initial_layers > 0) {
-        check_sketch_dim("config.initial_key_sketch_dim", cfg.initial_key_sketch_dim, false);
-        check_sketch_dim("config.initial_outlier_sketch_dim", cfg.initial_outlier_sketch_dim, true);
-        QJLKV_REQUIRE(cfg.outlier_channels == 0 || cfg.initial_outlier_sketch_dim > 0,
-                      "config.initial_outlier_sketch_dim is 0 but config.outlier_channels is %u",
-                      cfg.outlier_channels);
-      }
-      break;
-    }
-    case QJLKV_KEYS_OTT:
-      // A block must keep at least one token to take the mean of.
-      QJLKV_REQUIRE(cfg.outlier_tokens < cfg.block_tokens,
-                    "config.outlier_tokens is %u, must be below block_tokens (%u)", cfg.outlier_tokens,
-                    cfg.block_tokens);
-      QJLKV_REQUIRE(cfg.outlier_spill_tokens <= QJLKV_MAX_SPILL_TOKENS,
-                    "config.outlier_spill_tokens is %u, must be <= %u", cfg.outlier_spill_tokens,
-                    QJLKV_MAX_SPILL_TOKENS);
-      QJLKV_REQUIRE(cfg.outlier_skip_layers <= cfg.num_layers,
-                    "config.outlier_skip_layers is %u, must be <= num_layers (%u)", cfg.outlier_skip_layers,
-                    cfg.num_layers);
-      [[fallthrough]];
-    case QJLKV_KEYS_KIVI:
-      QJLKV_REQUIRE(is_bits(cfg.key_bits), "config.key_bits is %u, must be 2, 3, 4 or 8", cfg.key_bits);
-      break;
-    case QJLKV_KEYS_EXACT:
-      break;
-  }
-  switch (cfg.value_method) {
-    case QJLKV_VALUES_UNIFORM:
-      QJLKV_REQUIRE(is_bits(cfg.value_bits) || cfg.value_bits == 16,
-                    "config.value_bits is %u, must be 2, 3, 4, 8 or 16", cfg.value_bits);
-      QJLKV_REQUIRE(cfg.value_group_size >= 1 && d % cfg.value_group_size == 0,
-                    "config.value_group_size is %u, must divide head_dim (%u)", cfg.value_group_size, d);
-      break;
-    case QJLKV_VALUES_ROTATED_LLOYD_MAX:
-      QJLKV_REQUIRE(cfg.value_bits >= 2 && cfg.value_bits <= 4,
-                    "config.value_bits is %u, must be 2, 3 or 4 with config.value_method "
-                    "QJLKV_VALUES_ROTATED_LLOYD_MAX",
-                    cfg.value_bits);
-      break;
-    default:
-      fail(QJLKV_ERROR_INVALID_ARGUMENT, "config.value_method is %u, must be a qjlkv_value_method", cfg.value_method);
-  }
+  with_key_method(cfg.key_method, [&](auto keys) { keys.validate(cfg); });
+  QJLKV_REQUIRE(cfg.value_method == QJLKV_VALUES_UNIFORM || cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX,
+                "config.value_method is %u, must be a qjlkv_value_method", cfg.value_method);
+  with_value_method(cfg.value_method, [&](auto values) { values.validate(cfg); });
   QJLKV_REQUIRE(cfg.sink_tokens <= QJLKV_MAX_RESIDUAL_TOKENS, "config.sink_tokens is %u, must be <= %u", cfg.sink_tokens,
                 QJLKV_MAX_RESIDUAL_TOKENS);
   QJLKV_REQUIRE(cfg.num_threads <= QJLKV_MAX_THREADS, "config.num_threads is %u, must be <= %u (0 = cores available)",
@@ -259,77 +197,17 @@ namespace {
 
 BlockLayout make_layout(const qjlkv_config &cfg, const LayerSpec &layer) {
   BlockLayout l;
-  const size_t B = cfg.block_tokens, d = cfg.head_dim;
-  size_t at = 0;
-  const auto take = [&at](size_t bytes) {
-    const size_t offset = at;
-    at += bytes;
-    return offset;
-  };
-  switch (key_method_of(cfg)) {
-    case QJLKV_KEYS_QJL:
-      l.key_bytes_per_token_bits_in = layer.m / 8;
-      l.key_bytes_per_token_bits_out = layer.m_out / 8;
-      l.key_norm_in = take(2 * B);
-      l.key_norm_out = take(layer.m_out ? 2 * B : 0);
-      l.key_bits_in = take(B * l.key_bytes_per_token_bits_in);
-      l.key_bits_out = take(B * l.key_bytes_per_token_bits_out);
-      l.key_outlier_idx = take(layer.m_out ? cfg.outlier_channels : 0);
-      break;
-    case QJLKV_KEYS_KIVI:
-    case QJLKV_KEYS_OTT:
-      l.key_bytes_per_token_codes = d * cfg.key_bits / 8;
-      l.key_scale = take(2 * d);
-      l.key_min = take(2 * d);
-      l.key_codes = take(B * l.key_bytes_per_token_codes);
-      l.key_mask = take(cfg.key_method == QJLKV_KEYS_OTT ? B / 8 : 0);
-      break;
-    case QJLKV_KEYS_EXACT:
-      l.key_bytes_per_token_codes = 2 * d;
-      l.key_codes = take(B * l.key_bytes_per_token_codes);
-      break;
-  }
-  l.key_bytes = at;
-  at = (at + 7) & ~size_t(7);
-  const size_t value_start = at;
-  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) {
-    l.value_bytes_per_token_codes = d * cfg.value_bits / 8;
-    l.value_scale = take(2 * B);
-  } else if (cfg.value_bits == 16) {
-    l.value_bytes_per_token_codes = 2 * d;
-  } else {
-    const size_t groups = d / cfg.value_group_size;
-    l.value_bytes_per_token_codes = d * cfg.value_bits / 8;
-    l.value_scale = take(2 * B * groups);
-    l.value_min = take(2 * B * groups);
-  }
-  l.value_codes = take(B * l.value_bytes_per_token_codes);
-  l.value_bytes = at - value_start;
-  l.stride = (at + 7) & ~size_t(7);
+  LayoutCursor at;
+  with_key_method(cfg.key_method, [&](auto keys) { keys.layout(cfg, layer, at, l); });
+  l.key_bytes = at.at;
+  at.at = (at.at + 7) & ~size_t(7);
+  const size_t value_start = at.at;
+  with_value_method(cfg.value_method, [&](auto values) { values.layout(cfg, at, l); });
+  l.value_bytes = at.at - value_start;
+  l.stride = (at.at + 7) & ~size_t(7);
   return l;
 }
 
-}  // namespace
-
-namespace {
-// Every QJL layer owns a sketch (and the CPU backend a transposed copy). A valid config can ask
-// for terabytes of them (65536 layers of 65536 x 256): fail before generating any rather than
-// spend hours and be killed by the kernel's out-of-memory handler.
-void check_sketch_memory(const qjlkv_config &cfg) {
-  const auto rows = [&](uint32_t m, uint32_t m_out) { return double(std::max(m, cfg.outlier_channels ? m_out : 0u)); };
-  const double initial = cfg.initial_layers;
-  const double sketch_rows = initial * rows(cfg.initial_key_sketch_dim, cfg.initial_outlier_sketch_dim) +
-                             (cfg.num_layers - initial) * rows(cfg.key_sketch_dim, cfg.outlier_sketch_dim);
-  const double bytes = 2.0 * sketch_rows * cfg.head_dim * sizeof(float);
-  const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page_size <= 0) return;  // unknown: let the allocations decide
-  const double physical = double(pages) * double(page_size);
-  if (bytes > physical)
-    fail(QJLKV_ERROR_OUT_OF_MEMORY,
-         "the sketches of %u layers (key_sketch_dim %u, head_dim %u) need %.3g GiB, more than this machine's "
-         "%.3g GiB of memory",
-         cfg.num_layers, cfg.key_sketch_dim, cfg.head_dim, bytes / 1073741824.0, physical / 1073741824.0);
-}
 }  // namespace
 
 void fail_bad_element(const char *name, size_t index, float x, float limit) {
@@ -347,42 +225,31 @@ CacheSpec make_cache_spec(const qjlkv_config &caller_cfg) {
   validate_config(caller_cfg);
   CacheSpec spec;
   spec.created_with = complete_config(caller_cfg);
-  // Validation ignores the fields of other key methods, so nothing downstream may read them.
+  // Validation ignores the fields of other methods, so nothing downstream may read them: the
+  // fields a method owns are 0 unless it is the configuration's method (its copy_fields()).
   qjlkv_config cfg = spec.created_with;
-  if (cfg.key_method != QJLKV_KEYS_QJL) {
-    cfg.key_sketch_dim = cfg.outlier_channels = cfg.outlier_sketch_dim = 0;
-    cfg.initial_layers = cfg.initial_key_sketch_dim = cfg.initial_outlier_sketch_dim = 0;
-  }
-  if (cfg.key_method != QJLKV_KEYS_KIVI && cfg.key_method != QJLKV_KEYS_OTT) cfg.key_bits = 0;
-  if (cfg.key_method != QJLKV_KEYS_OTT) cfg.outlier_tokens = cfg.outlier_spill_tokens = cfg.outlier_skip_layers = 0;
-  const bool rotated_values = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX;
-  if (rotated_values) cfg.value_group_size = 0;
+  cfg.key_sketch_dim = cfg.outlier_channels = cfg.outlier_sketch_dim = 0;
+  cfg.initial_layers = cfg.initial_key_sketch_dim = cfg.initial_outlier_sketch_dim = 0;
+  cfg.key_bits = cfg.outlier_tokens = cfg.outlier_spill_tokens = cfg.outlier_skip_layers = 0;
+  cfg.value_group_size = 0;
+  with_methods(cfg, [&](auto keys, auto values) {
+    keys.copy_fields(spec.created_with, cfg);
+    values.copy_fields(spec.created_with, cfg);
+  });
   spec.cfg = cfg;
   spec.group_size = cfg.num_q_heads / cfg.num_kv_heads;
   spec.io_elem = dtype_size(dtype_of(cfg));
   spec.stored_dtype = cfg.dtype == QJLKV_DTYPE_BF16 ? QJLKV_DTYPE_BF16 : QJLKV_DTYPE_F16;
   spec.tail_elem = spec.io_elem;
-  const bool orthogonal = cfg.sketch_flags & QJLKV_SKETCH_ORTHOGONAL;
-  spec.qjl_constant = float(qjl_constant(cfg.head_dim, orthogonal));
-  const bool exact_keys_in_bf16 = cfg.key_method == QJLKV_KEYS_EXACT && spec.stored_dtype == QJLKV_DTYPE_BF16;
-  spec.key_limit = exact_keys_in_bf16 ? std::numeric_limits<float>::max() : kHalfMax;
-  spec.value_limit = cfg.value_bits == 16 && spec.stored_dtype == QJLKV_DTYPE_BF16 ? kSummableMax : kHalfMax;
-  if (cfg.key_method == QJLKV_KEYS_QJL) check_sketch_memory(cfg);
+  spec.qjl_constant = float(qjl_constant(cfg.head_dim, (cfg.sketch_flags & QJLKV_SKETCH_ORTHOGONAL) != 0));
   spec.layers.resize(cfg.num_layers);
-  for (uint32_t l = 0; l < cfg.num_layers; ++l) {
-    LayerSpec &layer = spec.layers[l];
-    if (cfg.key_method == QJLKV_KEYS_QJL) {
-      const bool initial = l < cfg.initial_layers;
-      layer.m = initial ? cfg.initial_key_sketch_dim : cfg.key_sketch_dim;
-      layer.m_out = cfg.outlier_channels ? (initial ? cfg.initial_outlier_sketch_dim : cfg.outlier_sketch_dim) : 0;
-      layer.sketch_rows = std::max(layer.m, layer.m_out);
-      layer.sketch = std::make_unique<qjlkv_sketch>(
-          qjlkv_sketch{make_sketch(cfg.head_dim, layer.sketch_rows, cfg.seed, l, orthogonal)});
-    }
-    layer.traced = cfg.key_method == QJLKV_KEYS_OTT && l >= cfg.outlier_skip_layers && cfg.outlier_tokens > 0;
-    layer.layout = make_layout(cfg, layer);
-    if (rotated_values) layer.value_signs = value_rotation_signs(cfg.head_dim, cfg.seed, l);
-  }
+  with_methods(cfg, [&](auto keys, auto values) {
+    spec.key_limit = keys.element_limit(cfg, spec.stored_dtype);
+    spec.value_limit = values.element_limit(cfg, spec.stored_dtype);
+    keys.init_layers(cfg, spec.layers);
+    values.init_layers(cfg, spec.layers);
+  });
+  for (LayerSpec &layer : spec.layers) layer.layout = make_layout(cfg, layer);
   return spec;
 }
 

@@ -21,6 +21,7 @@
 #include "crc32c.hpp"
 #include "error.hpp"
 #include "half.hpp"
+#include "methods/methods.hpp"
 #include "qjlkv/qjlkv.h"
 #include "quant_math.hpp"
 
@@ -57,14 +58,14 @@ struct StoredConfig {
 };
 
 // From a cache's spec().cfg, whose fields of other key or value methods are already zero. The
-// seed matters to QJL (the sketch) and to rotated values (the rotation's signs), the sketch
-// flags only to QJL.
+// seed matters to sketched keys (QJL) and seeded values (the rotation's signs), the sketch
+// flags only to sketched keys.
 StoredConfig stored_config(const qjlkv_config &cfg) {
-  const bool qjl = cfg.key_method == QJLKV_KEYS_QJL;
-  const bool seeded = qjl || cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX;
+  const bool sketched = with_key_method(cfg.key_method, [](auto keys) { return keys.kSketched; });
+  const bool seeded = sketched || with_value_method(cfg.value_method, [](auto values) { return values.kSeeded; });
   return {seeded ? cfg.seed : 0,
           {uint32_t(cfg.dtype), uint32_t(cfg.key_method), cfg.num_kv_heads, cfg.head_dim, cfg.block_tokens,
-           cfg.residual_tokens, qjl ? cfg.sketch_flags : 0, cfg.key_sketch_dim, cfg.outlier_channels,
+           cfg.residual_tokens, sketched ? cfg.sketch_flags : 0, cfg.key_sketch_dim, cfg.outlier_channels,
            cfg.outlier_sketch_dim, cfg.initial_layers, cfg.initial_key_sketch_dim, cfg.initial_outlier_sketch_dim,
            cfg.key_bits, cfg.outlier_tokens, cfg.outlier_spill_tokens, cfg.outlier_skip_layers, cfg.value_bits,
            cfg.value_group_size, cfg.value_method, cfg.sink_tokens}};
@@ -420,60 +421,43 @@ HeaderInfo read_header(Reader &in, const qjlkv_cache *c, uint32_t seq) {
   return info;
 }
 
-// Checks one block record of one kv head (already placed at its layout offsets in `block`):
-// the numbers the kernels index or divide by, and finiteness of every stored float. Appends the
-// positions OTT moved out of the block to `moved`.
-void check_block(const CacheSpec &spec, uint32_t layer, const uint8_t *block, uint64_t first_position,
-                 std::vector<uint64_t> &moved, uint32_t b, uint32_t h) {
-  const qjlkv_config &cfg = spec.cfg;
-  const LayerSpec &ls = spec.layers[layer];
-  const BlockLayout &l = ls.layout;
-  const uint32_t B = cfg.block_tokens, d = cfg.head_dim;
-  const auto halves = [&](size_t offset, size_t n, bool non_negative, qjlkv_dtype stored, const char *what) {
+// The importer's side of a method's check_stored(): the problems of one block record of one kv
+// head, reported as corrupt data that names the block.
+struct StoredBlockCheck {
+  const uint8_t *block;
+  uint32_t layer, b, h;
+  // n 16-bit numbers at `offset`: finite, and >= 0 (or -0) when non_negative.
+  void halves(size_t offset, size_t n, bool non_negative, qjlkv_dtype stored, const char *what) const {
     for (size_t i = 0; i < n; ++i) {
       const uint16_t x = cpu::at<uint16_t>(block, offset)[i];
       if (!half_finite(x, stored) || (non_negative && (x & 0x8000u) && x != 0x8000u))
         corrupt("layer %u, block %u, kv head %u: %s[%zu] is %g", layer, b, h, what, i,
                 double(cpu::from_16bit(x, stored)));
     }
-  };
-  switch (cfg.key_method) {
-    case QJLKV_KEYS_QJL: {
-      halves(l.key_norm_in, B, true, QJLKV_DTYPE_F16, "the inlier key norm");
-      if (ls.m_out == 0) break;
-      halves(l.key_norm_out, B, true, QJLKV_DTYPE_F16, "the outlier key norm");
-      const uint8_t *idx = block + l.key_outlier_idx;
-      for (uint32_t i = 0; i < cfg.outlier_channels; ++i)
-        if (idx[i] >= d || (i > 0 && idx[i] <= idx[i - 1]))
-          corrupt("layer %u, block %u, kv head %u: the outlier channels are not increasing channels < head_dim "
-                  "(%u): entry %u is %u",
-                  layer, b, h, d, i, idx[i]);
-      break;
-    }
-    case QJLKV_KEYS_KIVI:
-    case QJLKV_KEYS_OTT:
-      halves(l.key_scale, d, true, QJLKV_DTYPE_F16, "the key scale");
-      halves(l.key_min, d, false, QJLKV_DTYPE_F16, "the key minimum");
-      if (cfg.key_method == QJLKV_KEYS_OTT)
-        for (uint32_t t = 0; t < B; ++t)
-          if (block[l.key_mask + t / 8] >> (t % 8) & 1u) moved.push_back(first_position + t);
-      break;
-    case QJLKV_KEYS_EXACT: halves(l.key_codes, size_t(B) * d, false, spec.stored_dtype, "the exact key"); break;
   }
-  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) {
-    // Any code is a level; the per-token scale is what the decoding multiplies by.
-    halves(l.value_scale, B, true, QJLKV_DTYPE_F16, "the rotated value scale");
-  } else if (cfg.value_bits == 16) {
-    halves(l.value_codes, size_t(B) * d, false, spec.stored_dtype, "the exact value");
-    if (spec.stored_dtype == QJLKV_DTYPE_BF16)
-      for (size_t i = 0; i < size_t(B) * d; ++i)
-        if (std::fabs(bf16_to_float(cpu::at<uint16_t>(block, l.value_codes)[i])) > spec.value_limit)
-          corrupt("layer %u, block %u, kv head %u: an exact value exceeds 2^95", layer, b, h);
-  } else {
-    const size_t groups = size_t(B) * (d / cfg.value_group_size);
-    halves(l.value_scale, groups, true, QJLKV_DTYPE_F16, "the value scale");
-    halves(l.value_min, groups, false, QJLKV_DTYPE_F16, "the value minimum");
+  [[noreturn, gnu::format(printf, 2, 3)]] void fail(const char *format, ...) const {
+    char message[384];
+    va_list args;
+    va_start(args, format);
+    std::vsnprintf(message, sizeof message, format, args);
+    va_end(args);
+    corrupt("layer %u, block %u, kv head %u: %s", layer, b, h, message);
   }
+};
+
+// Checks one block record of one kv head (already placed at its layout offsets in `block`): the
+// numbers the kernels index or divide by, and finiteness of every stored float (the methods'
+// check_stored). Appends the positions OTT moved out of the block to `moved`.
+void check_block(const CacheSpec &spec, uint32_t layer, const uint8_t *block, uint64_t first_position,
+                 std::vector<uint64_t> &moved, uint32_t b, uint32_t h) {
+  const LayerSpec &ls = spec.layers[layer];
+  const StoredBlockCheck check{block, layer, b, h};
+  with_methods(spec.cfg, [&](auto keys, auto values) {
+    keys.check_stored(spec, ls, block, check);
+    values.check_stored(spec, ls, block, check);
+    for (uint32_t t = 0; t < spec.cfg.block_tokens; ++t)
+      if (keys.moved(ls.layout, block, t)) moved.push_back(first_position + t);
+  });
 }
 
 // Exact key (or value) rows of head_dim elements in the I/O dtype: finite and within the limits
@@ -483,10 +467,7 @@ void check_rows(const CacheSpec &spec, const uint8_t *data, size_t rows, bool va
   const uint32_t d = spec.cfg.head_dim;
   const float limit = values ? spec.value_limit : spec.key_limit;
   const char *what = values ? "value" : "key";
-  // Rotated Lloyd-Max values: the norm below which the fp16 per-token scale stays finite.
-  const bool rotated = values && spec.cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX;
-  const double norm_limit =
-      rotated ? double(kHalfMax) * lloyd_max_smallest_level(spec.cfg.value_bits) * std::sqrt(double(d)) : 0.0;
+  const double norm_limit = values ? value_norm_limit(spec.cfg) : key_norm_limit(spec.cfg);  // 0: none
   for (size_t r = 0; r < rows; ++r) {
     double norm2 = 0.0;
     for (uint32_t j = 0; j < d; ++j) {
@@ -495,11 +476,9 @@ void check_rows(const CacheSpec &spec, const uint8_t *data, size_t rows, bool va
         corrupt("layer %u: %s %s row %zu holds %g", layer, where, what, r, double(x));
       norm2 += double(x) * x;
     }
-    if (!values && spec.cfg.key_method == QJLKV_KEYS_QJL && std::sqrt(norm2) > kHalfMax)
-      corrupt("layer %u: %s key row %zu has L2 norm %g > 65504", layer, where, r, std::sqrt(norm2));
-    if (rotated && std::sqrt(norm2) > norm_limit)
-      corrupt("layer %u: %s value row %zu has L2 norm %g > %g, more than rotated values of %u bits store", layer,
-              where, r, std::sqrt(norm2), norm_limit, spec.cfg.value_bits);
+    if (norm_limit > 0.0 && std::sqrt(norm2) > norm_limit)
+      corrupt("layer %u: %s %s row %zu has L2 norm %g > %g, more than this configuration's %ss store", layer, where,
+              what, r, std::sqrt(norm2), norm_limit, what);
   }
 }
 

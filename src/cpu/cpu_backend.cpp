@@ -10,7 +10,10 @@
 
 #include "../cache.hpp"
 #include "../error.hpp"
+#include "../methods/methods.hpp"
+#include "../positions.hpp"
 #include "../threads.hpp"
+#include "codec.hpp"
 #include "kernels.hpp"
 #include "simd.hpp"
 
@@ -45,13 +48,6 @@ struct Sequence {
   std::vector<uint8_t> tail_keys, tail_values;  // [tail_tokens][Hkv][d], I/O dtype
   std::vector<uint8_t> sink_keys, sink_values;  // [sink_tokens][Hkv][d], I/O dtype
   std::vector<OutlierTokens> outliers;          // per kv head, OTT-traced layers only
-};
-
-// What the fast kernels need about one layer.
-struct LayerKernels {
-  std::vector<float> sketch_t;  // QJL: the sketch transposed, [d][qjl.sketch_t_stride]
-  QjlArgs qjl;
-  CodesArgs keys, values;
 };
 
 // One attend call: per (sequence, kv head) its query rows (and projected queries), split into
@@ -129,10 +125,16 @@ class CpuCache final : public qjlkv_cache {
   friend class CpuImport;
   // Refuses non-finite elements and those beyond `limit` (a CacheSpec limit, or FLT_MAX).
   void check_data(const char *name, const void *data, size_t elems, float limit) const;
-  void check_key_norms(const void *keys, size_t tokens) const;
-  // Rotated Lloyd-Max values: refuses value vectors whose fp16 scale would overflow.
-  void check_value_norms(const void *values, size_t tokens) const;
-  // Fills plan (whose seq is set) with the blocks to quantize and every buffer they need.
+  // Refuses vectors of `tokens` tokens whose L2 norm exceeds `limit` (a method's norm_limit,
+  // 0: none) with the method's fail_norm.
+  template <class Method>
+  void check_norms(Method method, const void *data, size_t tokens, double limit) const;
+  // What the methods' CPU entries see of one layer.
+  CpuLayer layer_context(uint32_t layer) const {
+    return CpuLayer{*kernels_, spec(), spec().layers[layer], layer_kernels_[layer]};
+  }
+  // Fills plan (whose seq, new_blocks and new_tail_tokens are set) with every buffer the new
+  // blocks and tail need.
   void plan_append(AppendPlan &plan, uint32_t layer, uint32_t n_new, const uint8_t *keys,
                    const uint8_t *values) const;
   void create_heads(Sequence &seq, uint32_t layer) const;
@@ -147,17 +149,12 @@ class CpuCache final : public qjlkv_cache {
   void quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, const uint8_t *keys, const uint8_t *values,
                      float *scratch) const;
   size_t quantize_scratch_floats() const;
-  // qjl_quantize_block of kernels.hpp with the projections by the fast kernels (same bits).
-  void qjl_quantize_fast(uint32_t layer, const float *keys, uint8_t *block, float *scratch) const;
   void make_layer_kernels();
   // The query rows r = i * G + g (query i, head g of the group) of one kv head, zero-padded to
   // padded_dim(d), and for QJL their projections.
   void load_queries(uint32_t layer, const uint8_t *queries, uint32_t queries_per_seq, uint32_t head, float *q,
                     float *sq) const;
   size_t head_query_floats(uint32_t layer, uint32_t rows) const;
-  // Raw scores of one block into out[r * out_stride + t] (OTT's moved slots: -inf).
-  void score_block(uint32_t layer, const uint8_t *block, const float *q, const float *sq, uint32_t rows,
-                   float *out, size_t out_stride, float *scratch) const;
   size_t attend_worker_floats(uint32_t layer, uint32_t rows) const;
   // One task into its partial state: acc [rows][padded d], then the rows' SoftmaxRow.
   void attend_task(uint32_t layer, const AttendCall &call, const AttendTask &task, float *partial,
@@ -198,41 +195,20 @@ void CpuCache::check_data(const char *name, const void *data, size_t elems, floa
   }
 }
 
-void CpuCache::check_key_norms(const void *keys, size_t tokens) const {
-  const uint32_t d = spec().cfg.head_dim;
-  const float clearly_within = 0.98f * kHalfMax * kHalfMax;  // far beyond the float sum's rounding error
-  for (size_t v = 0; v < tokens * spec().cfg.num_kv_heads; ++v) {
-    if (kernels_->sum_squares(keys, dtype_of(spec().cfg), v * d, d) < clearly_within) continue;
-    double norm2 = 0.0;
-    for (uint32_t j = 0; j < d; ++j) {
-      const double x = load_element(keys, v * d + j, dtype_of(spec().cfg));
-      norm2 += x * x;
-    }
-    if (std::sqrt(norm2) > kHalfMax)
-      fail(QJLKV_ERROR_INVALID_ARGUMENT, "keys: the key vector of token %zu, kv head %zu has L2 norm %g > 65504, "
-           "which QJL cannot store (norms are fp16)", v / spec().cfg.num_kv_heads, v % spec().cfg.num_kv_heads,
-           std::sqrt(norm2));
-  }
-}
-
-void CpuCache::check_value_norms(const void *values, size_t tokens) const {
+template <class Method>
+void CpuCache::check_norms(Method method, const void *data, size_t tokens, double limit) const {
+  if (limit == 0.0) return;
   const qjlkv_config &cfg = spec().cfg;
   const uint32_t d = cfg.head_dim;
-  // scale = ‖v‖ / ‖levels‖ with ‖levels‖ >= smallest |level|·sqrt(d): below this norm the fp16
-  // scale stays finite.
-  const double limit = double(kHalfMax) * lloyd_max_smallest_level(cfg.value_bits) * std::sqrt(double(d));
-  const float clearly_within = float(0.98 * limit * limit);
+  const float clearly_within = float(0.98 * limit * limit);  // far beyond the float sum's rounding error
   for (size_t v = 0; v < tokens * cfg.num_kv_heads; ++v) {
-    if (kernels_->sum_squares(values, dtype_of(cfg), v * d, d) < clearly_within) continue;
+    if (kernels_->sum_squares(data, dtype_of(cfg), v * d, d) < clearly_within) continue;
     double norm2 = 0.0;
     for (uint32_t j = 0; j < d; ++j) {
-      const double x = load_element(values, v * d + j, dtype_of(cfg));
+      const double x = load_element(data, v * d + j, dtype_of(cfg));
       norm2 += x * x;
     }
-    if (std::sqrt(norm2) > limit)
-      fail(QJLKV_ERROR_INVALID_ARGUMENT, "values: the value vector of token %zu, kv head %zu has L2 norm %g > %g, "
-           "which rotated Lloyd-Max values of %u bits cannot store (their per-token scale is fp16)",
-           v / cfg.num_kv_heads, v % cfg.num_kv_heads, std::sqrt(norm2), limit, cfg.value_bits);
+    if (std::sqrt(norm2) > limit) method.fail_norm(cfg, v, std::sqrt(norm2));
   }
 }
 
@@ -332,12 +308,7 @@ void CpuCache::plan_append(AppendPlan &plan, uint32_t layer, uint32_t n_new, con
   const qjlkv_config &cfg = spec().cfg;
   const size_t stride = spec().layers[layer].layout.stride;
   const Sequence &seq = *plan.seq;
-  const uint64_t total = uint64_t(seq.tail_tokens) + n_new;
-  const uint64_t blocks = total >= uint64_t(cfg.residual_tokens) + cfg.block_tokens
-                              ? (total - cfg.residual_tokens) / cfg.block_tokens
-                              : 0;
-  plan.new_blocks = uint32_t(blocks);
-  plan.new_tail_tokens = uint32_t(total - blocks * cfg.block_tokens);
+  const uint64_t blocks = plan.new_blocks;
   if (blocks > 0) {
     const size_t needed = (size_t(seq.blocks) + blocks) * stride;
     plan.grown_heads.resize(cfg.num_kv_heads);
@@ -372,25 +343,9 @@ void CpuCache::make_layer_kernels() {
   for (uint32_t l = 0; l < cfg.num_layers; ++l) {
     const LayerSpec &ls = spec().layers[l];
     LayerKernels &lk = layer_kernels_[l];
-    lk.keys = CodesArgs{&ls.layout, cfg.block_tokens, d, cfg.key_bits, 0, spec().stored_dtype};
     lk.values = CodesArgs{&ls.layout,          cfg.block_tokens,     d, cfg.value_bits, cfg.value_group_size,
                           spec().stored_dtype, cfg.value_method, ls.value_signs.data()};
-    if (cfg.key_method != QJLKV_KEYS_QJL) continue;
-    const size_t stride = padded_sketch_rows(ls.sketch_rows);
-    const float *S = ls.sketch->matrix.data.data();  // [sketch_rows][d]
-    lk.sketch_t.assign(d * stride, 0.0f);
-    for (uint32_t i = 0; i < ls.sketch_rows; ++i)
-      for (uint32_t j = 0; j < d; ++j) lk.sketch_t[j * stride + i] = S[size_t(i) * d + j];
-    lk.qjl = QjlArgs{&ls.layout,
-                     cfg.block_tokens,
-                     d,
-                     ls.m,
-                     ls.m_out,
-                     cfg.outlier_channels,
-                     lk.sketch_t.data(),
-                     stride,
-                     spec().qjl_constant / float(ls.m),
-                     ls.m_out ? spec().qjl_constant / float(ls.m_out) : 0.0f};
+    with_key_method(cfg.key_method, [&](auto key_method) { key_method.prepare(spec(), ls, lk); });
   }
 }
 
@@ -402,35 +357,12 @@ size_t CpuCache::trace_scratch_floats() const {
 size_t CpuCache::quantize_scratch_floats() const {
   const qjlkv_config &cfg = spec().cfg;
   const size_t B = cfg.block_tokens, d = cfg.head_dim;
-  // block keys and values, then qjl_quantize_fast (inlier keys, outlier keys, energies, order)
-  // or OTT's tracing; a multiple of 16 floats keeps every worker's part 64-byte aligned.
-  const size_t kernel = std::max(B * d + B * cfg.outlier_channels + 2 * d, trace_scratch_floats());
+  // block keys and values, then the key method's quantizer or OTT's tracing; a multiple of 16
+  // floats keeps every worker's part 64-byte aligned.
+  const size_t keys =
+      with_key_method(cfg.key_method, [&](auto key_method) { return key_method.quantize_scratch_floats(cfg); });
+  const size_t kernel = std::max(keys, trace_scratch_floats());
   return (2 * B * d + kernel + 15) / 16 * 16;
-}
-
-void CpuCache::qjl_quantize_fast(uint32_t layer, const float *keys, uint8_t *block, float *scratch) const {
-  const qjlkv_config &cfg = spec().cfg;
-  const LayerSpec &ls = spec().layers[layer];
-  const LayerKernels &lk = layer_kernels_[layer];
-  const BlockLayout &l = ls.layout;
-  const uint32_t B = cfg.block_tokens, d = cfg.head_dim, c = ls.m_out ? cfg.outlier_channels : 0;
-  float *inlier_keys = scratch;                            // [B][d]: outlier channels zeroed
-  float *outlier_keys = inlier_keys + size_t(B) * d;       // [B][c]
-  float *energy = outlier_keys + size_t(B) * c;            // [d]
-  auto *order = reinterpret_cast<uint32_t *>(energy + d);  // [d]
-  uint8_t *outlier_idx = block + l.key_outlier_idx;
-  if (c) select_outlier_channels(keys, B, d, c, energy, order, outlier_idx);
-  for (uint32_t t = 0; t < B; ++t)
-    qjl_split_key(l, keys + size_t(t) * d, d, outlier_idx, c, t, inlier_keys + size_t(t) * d,
-                  outlier_keys + size_t(t) * c, block);
-  // The projections S·k_in and S_out·k_out as blocked products with the reference's sums.
-  const float *columns[256];
-  for (uint32_t j = 0; j < d; ++j) columns[j] = lk.sketch_t.data() + j * lk.qjl.sketch_t_stride;
-  kernels_->qjl_sign_bits(inlier_keys, d, B, columns, d, ls.m, block + l.key_bits_in, l.key_bytes_per_token_bits_in);
-  if (!c) return;
-  for (uint32_t i = 0; i < c; ++i) columns[i] = lk.sketch_t.data() + outlier_idx[i] * lk.qjl.sketch_t_stride;
-  kernels_->qjl_sign_bits(outlier_keys, c, B, columns, c, ls.m_out, block + l.key_bits_out,
-                          l.key_bytes_per_token_bits_out);
 }
 
 void CpuCache::quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, const uint8_t *keys,
@@ -439,6 +371,7 @@ void CpuCache::quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, co
   const LayerSpec &ls = spec().layers[layer];
   const BlockLayout &layout = ls.layout;
   const uint32_t B = cfg.block_tokens, d = cfg.head_dim;
+  const CpuLayer context = layer_context(layer);
   Sequence &seq = *plan.seq;
   std::vector<uint8_t> &bytes = seq.heads[head];
   if (plan.grown_heads[head].capacity()) bytes.swap(plan.grown_heads[head]);
@@ -462,15 +395,10 @@ void CpuCache::quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, co
     if (ls.traced && seq.outliers[head].tracing)
       trace_outliers(seq.outliers[head], cfg.sink_tokens + (uint64_t(seq.blocks) + b) * B, block_keys, block_values,
                      block + layout.key_mask, kernel_scratch);
-    switch (key_method_of(cfg)) {
-      case QJLKV_KEYS_QJL: qjl_quantize_fast(layer, block_keys, block, kernel_scratch); break;
-      case QJLKV_KEYS_KIVI:
-      case QJLKV_KEYS_OTT: kernels_->kivi_quantize(layer_kernels_[layer].keys, block_keys, block); break;
-      case QJLKV_KEYS_EXACT:
-        kernels_->store_16bit(block_keys, size_t(B) * d, spec().stored_dtype, at<uint16_t>(block, layout.key_codes));
-        break;
-    }
-    kernels_->values_quantize(layer_kernels_[layer].values, block_values, block);
+    with_methods(cfg, [&](auto key_method, auto value_method) {
+      key_method.quantize(context, block_keys, block, kernel_scratch);
+      value_method.quantize(context, block_values, block);
+    });
   }
 }
 
@@ -480,8 +408,10 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   const size_t tokens = size_t(n_seqs) * tokens_per_seq;
   check_data("keys", keys, tokens * token_elems_, spec().key_limit);
   check_data("values", values, tokens * token_elems_, spec().value_limit);
-  if (cfg.key_method == QJLKV_KEYS_QJL) check_key_norms(keys, tokens);
-  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) check_value_norms(values, tokens);
+  with_methods(cfg, [&](auto key_method, auto value_method) {
+    check_norms(key_method, keys, tokens, key_method.norm_limit(cfg));
+    check_norms(value_method, values, tokens, value_method.norm_limit(cfg));
+  });
 
   const auto *key_bytes = static_cast<const uint8_t *>(keys);
   const auto *value_bytes = static_cast<const uint8_t *>(values);
@@ -499,7 +429,10 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
       plan.created = created;
       if (created) create_heads(it->second, layer);
       const Sequence &seq = it->second;
-      plan.new_sinks = std::min(cfg.sink_tokens - seq.sink_tokens, tokens_per_seq);
+      const AppendSplit split = split_append(cfg, seq.sink_tokens, seq.tail_tokens, tokens_per_seq);
+      plan.new_sinks = split.new_sinks;
+      plan.new_blocks = uint32_t(split.new_blocks);
+      plan.new_tail_tokens = uint32_t(split.tail_tokens);
       if (plan.new_sinks) {
         const size_t bytes = size_t(plan.new_sinks) * token_bytes_;
         for (auto [dst, old, input] : {std::tuple{&plan.new_sink_keys, &seq.sink_keys, key_bytes},
@@ -555,7 +488,9 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
 }
 
 size_t CpuCache::head_query_floats(uint32_t layer, uint32_t rows) const {
-  const size_t sq = spec().cfg.key_method == QJLKV_KEYS_QJL ? layer_kernels_[layer].qjl.sketch_t_stride : 0;
+  const size_t sq = with_key_method(spec().cfg.key_method, [&](auto key_method) {
+    return key_method.projected_query_floats(layer_kernels_[layer]);
+  });
   return size_t(rows) * (padded_dim(spec().cfg.head_dim) + sq);
 }
 
@@ -570,32 +505,9 @@ void CpuCache::load_queries(uint32_t layer, const uint8_t *queries, uint32_t que
       load_row(queries, i * q_row_elems + size_t(head * G + g) * d, d, dtype_of(cfg), row);
       std::fill(row + d, row + dp, 0.0f);
     }
-  if (cfg.key_method == QJLKV_KEYS_QJL)
-    kernels_->qjl_project(layer_kernels_[layer].qjl, q, queries_per_seq * G, sq);
-}
-
-void CpuCache::score_block(uint32_t layer, const uint8_t *block, const float *q, const float *sq, uint32_t rows,
-                           float *out, size_t out_stride, float *scratch) const {
-  const qjlkv_config &cfg = spec().cfg;
-  const LayerKernels &lk = layer_kernels_[layer];
-  const BlockLayout &layout = spec().layers[layer].layout;
-  switch (key_method_of(cfg)) {
-    case QJLKV_KEYS_QJL:
-      kernels_->qjl_scores(lk.qjl, block, q, sq, rows, out, out_stride, scratch);
-      break;
-    case QJLKV_KEYS_KIVI:
-    case QJLKV_KEYS_OTT: kernels_->kivi_scores(lk.keys, block, q, rows, out, out_stride, scratch); break;
-    case QJLKV_KEYS_EXACT:
-      kernels_->dense_scores(block + layout.key_codes, spec().stored_dtype, cfg.head_dim, cfg.block_tokens,
-                             cfg.head_dim, q, rows, out, out_stride);
-      break;
-  }
-  if (cfg.key_method != QJLKV_KEYS_OTT) return;
-  // Slots whose token moved to the outlier pool must not be counted twice.
-  const uint8_t *mask = block + layout.key_mask;
-  for (uint32_t t = 0; t < cfg.block_tokens; ++t)
-    if (mask[t / 8] >> (t % 8) & 1u)
-      for (uint32_t r = 0; r < rows; ++r) out[size_t(r) * out_stride + t] = kNegInf;
+  with_key_method(cfg.key_method, [&](auto key_method) {
+    key_method.project_queries(layer_context(layer), q, queries_per_seq * G, sq);
+  });
 }
 
 size_t CpuCache::attend_worker_floats(uint32_t layer, uint32_t rows) const {
@@ -632,14 +544,17 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
   };
   if (!task.exact) {
     const uint8_t *blocks = seq.heads[head].data();
-    for (uint32_t b = task.first_block; b < task.first_block + task.blocks; ++b) {
-      const uint8_t *block = blocks + size_t(b) * lk.values.layout->stride;
-      score_block(layer, block, q, sq, rows, weights, Bp, kernel_scratch);
-      const uint64_t first = seq.sink_tokens + uint64_t(b) * B;
-      if (first + B - 1 > first_query_position) mask_causal(B, [first](uint32_t t) { return first + t; });
-      if (K.softmax_fold(state, weights, Bp, rows, B, call.scale, acc, d))
-        K.values_accumulate(lk.values, block, weights, Bp, rows, acc, kernel_scratch);
-    }
+    const CpuLayer context = layer_context(layer);
+    with_methods(cfg, [&](auto key_method, auto value_method) {
+      for (uint32_t b = task.first_block; b < task.first_block + task.blocks; ++b) {
+        const uint8_t *block = blocks + size_t(b) * lk.values.layout->stride;
+        key_method.score(context, block, q, sq, rows, weights, Bp, kernel_scratch);
+        const uint64_t first = seq.sink_tokens + uint64_t(b) * B;
+        if (first + B - 1 > first_query_position) mask_causal(B, [first](uint32_t t) { return first + t; });
+        if (K.softmax_fold(state, weights, Bp, rows, B, call.scale, acc, d))
+          value_method.accumulate(context, block, weights, Bp, rows, acc, kernel_scratch);
+      }
+    });
     return;
   }
   // Exact tokens in chunks of B: row t of keys/values starts at element t * row_stride.
@@ -725,7 +640,7 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   pool_.parallel_for(heads, [&](size_t index, unsigned worker) {
     float *merged = worker_scratch + worker * worker_floats;
     float *merged_rotated = merged + dp;  // rotated Lloyd-Max values: Σ p·v̂_rot, rotated back once
-    const bool rotated = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX;
+    const bool rotated = with_value_method(cfg.value_method, [](auto value_method) { return value_method.kRotated; });
     const uint32_t head = uint32_t(index % Hkv), first = attend_first_task_[index], end = attend_first_task_[index + 1];
     for (uint32_t r = 0; r < rows; ++r) {
       float top = kNegInf;
@@ -788,11 +703,14 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
       kernels_->dense_scores(seq.sink_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
                              seq.sink_tokens, d, q, G, head_out, L);
     float *blocks_out = head_out + seq.sink_tokens;
-    for (uint32_t b = 0; b < seq.blocks; ++b) {
-      score_block(layer, seq.heads[head].data() + size_t(b) * spec().layers[layer].layout.stride, q,
-                  q + size_t(G) * dp, G, weights, Bp, kernel_scratch);
-      for (uint32_t g = 0; g < G; ++g) std::copy_n(weights + size_t(g) * Bp, B, blocks_out + g * L + size_t(b) * B);
-    }
+    with_key_method(cfg.key_method, [&](auto key_method) {
+      const size_t stride = spec().layers[layer].layout.stride;
+      for (uint32_t b = 0; b < seq.blocks; ++b) {
+        key_method.score(layer_context(layer), seq.heads[head].data() + size_t(b) * stride, q, q + size_t(G) * dp, G,
+                         weights, Bp, kernel_scratch);
+        for (uint32_t g = 0; g < G; ++g) std::copy_n(weights + size_t(g) * Bp, B, blocks_out + g * L + size_t(b) * B);
+      }
+    });
     if (seq.tail_tokens > 0)
       kernels_->dense_scores(seq.tail_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
                              seq.tail_tokens, d, q, G, blocks_out + size_t(seq.blocks) * B, L);
@@ -801,55 +719,25 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
 
 void CpuCache::reconstruct(uint32_t layer, uint32_t seq_id, uint64_t first, uint64_t count, float *keys_out,
                            float *values_out) {
-  const qjlkv_config &cfg = spec().cfg;
-  const LayerSpec &ls = spec().layers[layer];
-  const uint32_t d = cfg.head_dim, B = cfg.block_tokens, Hkv = cfg.num_kv_heads;
   const Sequence &seq = find(layer, seq_id);
-  const uint64_t sinks = seq.sink_tokens, quantized = sinks + uint64_t(seq.blocks) * B;
-  for (uint64_t p = first; p < first + count; ++p) {
-    for (uint32_t h = 0; h < Hkv; ++h) {
-      float *k = keys_out ? keys_out + ((p - first) * Hkv + h) * d : nullptr;
-      float *v = values_out ? values_out + ((p - first) * Hkv + h) * d : nullptr;
-      if (p < sinks) {
-        const size_t element = size_t(p) * token_elems_ + size_t(h) * d;
-        if (k) load_row(seq.sink_keys.data(), element, d, dtype_of(cfg), k);
-        if (v) load_row(seq.sink_values.data(), element, d, dtype_of(cfg), v);
-        continue;
-      }
-      if (p >= quantized) {
-        const size_t element = size_t(p - quantized) * token_elems_ + size_t(h) * d;
-        if (k) load_row(seq.tail_keys.data(), element, d, dtype_of(cfg), k);
-        if (v) load_row(seq.tail_values.data(), element, d, dtype_of(cfg), v);
-        continue;
-      }
-      const uint8_t *block = seq.heads[h].data() + size_t((p - sinks) / B) * ls.layout.stride;
-      const uint32_t t = uint32_t((p - sinks) % B);
-      if (cfg.key_method == QJLKV_KEYS_OTT && (block[ls.layout.key_mask + t / 8] >> (t % 8) & 1u)) {
-        // The token lives on, exact, in the pool or the spill area.
-        const OutlierTokens &ott = seq.outliers[h];
-        const uint32_t P = cfg.outlier_tokens;
-        for (uint32_t slot = 0; slot < P + ott.spilled; ++slot) {
-          if (slot >= ott.pool && slot < P) continue;
-          if (ott.positions[slot] != p) continue;
-          if (k) load_row(ott.keys.data(), size_t(slot) * d, d, dtype_of(cfg), k);
-          if (v) load_row(ott.values.data(), size_t(slot) * d, d, dtype_of(cfg), v);
-        }
-        continue;
-      }
-      if (k) {
-        switch (key_method_of(cfg)) {
-          case QJLKV_KEYS_QJL: qjl_reconstruct_key(ls, cfg, spec().qjl_constant, block, t, k); break;
-          case QJLKV_KEYS_KIVI:
-          case QJLKV_KEYS_OTT: kivi_dequantize_token(cfg, ls.layout, block, t, k); break;
-          case QJLKV_KEYS_EXACT:
-            for (uint32_t j = 0; j < d; ++j)
-              k[j] = from_16bit(at<uint16_t>(block, ls.layout.key_codes)[size_t(t) * d + j], spec().stored_dtype);
-            break;
-        }
-      }
-      if (v) values_dequantize_token(cfg, spec().stored_dtype, ls.layout, ls.value_signs.data(), block, t, v);
+  const size_t stride = spec().layers[layer].layout.stride, token_bytes = token_bytes_;
+  struct Rows {
+    const Sequence &seq;
+    size_t stride, token_bytes;
+    uint32_t pool_tokens;
+    const uint8_t *sink(uint64_t p, bool values) const {
+      return (values ? seq.sink_values : seq.sink_keys).data() + size_t(p) * token_bytes;
     }
-  }
+    const uint8_t *tail(uint64_t i, bool values) const {
+      return (values ? seq.tail_values : seq.tail_keys).data() + size_t(i) * token_bytes;
+    }
+    const uint8_t *block(uint64_t b, uint32_t h) const { return seq.heads[h].data() + size_t(b) * stride; }
+    OutlierRows outliers(uint32_t h) const {
+      const OutlierTokens &ott = seq.outliers[h];
+      return {ott.pool, ott.spilled, pool_tokens, ott.positions.data(), ott.keys.data(), ott.values.data()};
+    }
+  } rows{seq, stride, token_bytes, spec().cfg.outlier_tokens};
+  reconstruct_positions(spec(), layer, seq.sink_tokens, seq.blocks, first, count, rows, keys_out, values_out);
 }
 
 void CpuCache::stats(qjlkv_stats &out) const {
@@ -926,16 +814,14 @@ void CpuCache::read_outliers(uint32_t layer, uint32_t seq_id, uint32_t head, Por
   }
 }
 
-// The layers of one imported sequence, each in a map node of its own so that commit() only links
-// nodes into maps whose buckets were reserved beforehand: it cannot allocate, hence cannot fail.
+// The layers of one imported sequence, staged (StagedLayers) until commit().
 class CpuImport final : public PortableImport {
  public:
-  CpuImport(CpuCache &cache, uint32_t seq) : cache_(cache), seq_(seq) {}
+  CpuImport(CpuCache &cache, uint32_t seq) : cache_(cache), layers_(seq) {}
 
   void add_layer(uint32_t layer, const PortableCounts &counts) override {
     const CacheSpec &spec = cache_.spec();
-    std::unordered_map<uint32_t, Sequence> holder;
-    Sequence &seq = holder[seq_];
+    Sequence &seq = layers_.add(layer);
     seq.length = counts.length;
     seq.blocks = counts.blocks;
     seq.tail_tokens = counts.tail_tokens;
@@ -954,7 +840,6 @@ class CpuImport final : public PortableImport {
     seq.sink_keys.resize(size_t(counts.sink_tokens) * cache_.token_bytes_);
     seq.sink_values.resize(seq.sink_keys.size());
     cache_.layers_[layer].reserve(cache_.layers_[layer].size() + 1);
-    layers_.push_back({layer, holder.extract(seq_)});
   }
   void write_block(uint32_t block, uint32_t head, const uint8_t *bytes) override {
     const size_t stride = cache_.spec().layers[layers_.back().layer].layout.stride;
@@ -980,24 +865,14 @@ class CpuImport final : public PortableImport {
     }
   }
   void commit() noexcept override {
-    for (StagedLayer &staged : layers_) {
-      auto &map = cache_.layers_[staged.layer];
-      map.erase(seq_);  // an empty record, if any: the C layer checked that the layer holds no tokens
-      map.insert(std::move(staged.node));
-    }
-    layers_.clear();
+    layers_.commit([this](uint32_t layer) -> auto & { return cache_.layers_[layer]; });
   }
 
  private:
-  struct StagedLayer {
-    uint32_t layer;
-    std::unordered_map<uint32_t, Sequence>::node_type node;
-  };
   Sequence &current() { return layers_.back().node.mapped(); }
 
   CpuCache &cache_;
-  uint32_t seq_;
-  std::vector<StagedLayer> layers_;
+  StagedLayers<Sequence> layers_;
 };
 
 std::unique_ptr<PortableImport> CpuCache::begin_import(uint32_t seq) { return std::make_unique<CpuImport>(*this, seq); }

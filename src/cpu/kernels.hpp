@@ -1,5 +1,5 @@
-// CPU kernels: small functions over one block of one kv head, apart from the cache logic that
-// dispatches them (cpu_backend.cpp). They define the results; fast paths must match them.
+// CPU reference kernels: small functions over one block of one kv head, named by the methods of
+// src/methods/ that own them. They define the results; fast paths must match them.
 #pragma once
 #include <algorithm>
 #include <cmath>

@@ -1,0 +1,81 @@
+// What every key and value method provides (docs/DESIGN.md, "Methods"). A method is a policy type
+// with static members only, one home per method in this folder (exact_keys.hpp, qjl_keys.hpp,
+// kivi_keys.hpp, uniform_values.hpp, lloyd_max_values.hpp); methods.hpp lists them and dispatches a
+// configuration to its types once per call (per block at most, never per token).
+//
+// Definition (config.cpp and both backends' host code):
+//   validate(cfg)                  throws INVALID_ARGUMENT naming the first wrong field it reads
+//   copy_fields(from, to)          the config fields the method reads (the others stay 0)
+//   kSketched / kSeeded            whether it reads config.seed (and, keys, config.sketch_flags)
+//   init_layers(cfg, layers)       per-layer state of the method (sketches, tracing)
+//   layout(cfg, layer, at, l)      its arrays of one block of one kv head (BlockLayout)
+//   element_limit(cfg, stored)     the largest |x| an input element may have
+//   norm_limit(cfg), fail_norm(..) the largest L2 norm of one input vector (0: none) and its message
+//   check_stored(spec, layer, block, check)  an imported block's arrays (check: serialize.cpp's
+//                                  halves(offset, n, non_negative, stored, what) and fail(format, ...))
+// Reading stored blocks (both backends' reconstruct, the reference kernels):
+//   moved(layout, block, t)        keys: token t left the block (OTT's pool holds it)
+//   dequantize_token(..)           the dense fp32 key (value) of token t of a block
+// CPU (src/cpu/): the reference kernels of kernels.hpp and the fast ones of simd.hpp that they
+// name: quantize / quantize_reference, score / score_reference (keys), accumulate (values).
+// CUDA (cuda/): the policy types of cuda/keys.cuh and cuda/values.cuh implement the same formats.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "../config.hpp"
+#include "../cpu/codec.hpp"
+#include "../cpu/kernels.hpp"
+#include "../error.hpp"
+
+namespace qjlkv {
+
+// Hands out the byte offsets of a block's arrays in order.
+struct LayoutCursor {
+  size_t at = 0;
+  size_t take(size_t bytes) {
+    const size_t offset = at;
+    at += bytes;
+    return offset;
+  }
+};
+
+// The defaults of a key method: what a method without the feature does.
+struct KeyMethodDefaults {
+  static constexpr bool kSketched = false;  // reads config.seed and config.sketch_flags
+  static void copy_fields(const qjlkv_config &, qjlkv_config &) {}
+  static void init_layers(const qjlkv_config &, std::vector<LayerSpec> &) {}
+  static float element_limit(const qjlkv_config &, qjlkv_dtype) { return kHalfMax; }
+  static double norm_limit(const qjlkv_config &) { return 0.0; }
+  [[noreturn]] static void fail_norm(const qjlkv_config &, size_t, double) { unreachable(); }
+  static bool moved(const BlockLayout &, const uint8_t *, uint32_t) { return false; }
+  // CPU: per-layer kernel arguments, the floats of quantize()'s scratch beyond the block's keys
+  // and values, and the projected queries that score() reads after the padded queries.
+  static void prepare(const CacheSpec &, const LayerSpec &, cpu::LayerKernels &) {}
+  static size_t quantize_scratch_floats(const qjlkv_config &) { return 0; }
+  static size_t projected_query_floats(const cpu::LayerKernels &) { return 0; }
+  static void project_queries(const cpu::CpuLayer &, const float *, uint32_t, float *) {}
+};
+
+struct ValueMethodDefaults {
+  static constexpr bool kSeeded = false;  // reads config.seed
+  static void copy_fields(const qjlkv_config &, qjlkv_config &) {}
+  static void init_layers(const qjlkv_config &, std::vector<LayerSpec> &) {}
+  static float element_limit(const qjlkv_config &, qjlkv_dtype) { return kHalfMax; }
+  static double norm_limit(const qjlkv_config &) { return 0.0; }
+  [[noreturn]] static void fail_norm(const qjlkv_config &, size_t, double) { unreachable(); }
+  // CPU fast paths: the kernel table's entries (they dispatch on CodesArgs::method inside).
+  static void quantize(const cpu::CpuLayer &c, const float *values, uint8_t *block) {
+    c.kernels.values_quantize(c.args.values, values, block);
+  }
+  static void accumulate(const cpu::CpuLayer &c, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
+                         float *acc, float *scratch) {
+    c.kernels.values_accumulate(c.args.values, block, w, w_stride, rows, acc, scratch);
+  }
+  static void quantize_reference(const CacheSpec &spec, const LayerSpec &layer, const float *values, uint8_t *block) {
+    cpu::values_quantize_block(spec.cfg, spec.stored_dtype, layer.layout, layer.value_signs.data(), values, block);
+  }
+};
+
+}  // namespace qjlkv

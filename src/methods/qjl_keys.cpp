@@ -1,0 +1,115 @@
+#include "qjl_keys.hpp"
+
+#include <algorithm>
+
+#include <unistd.h>
+
+namespace qjlkv {
+namespace {
+
+void check_sketch_dim(const char *field, uint32_t value, bool allow_zero) {
+  QJLKV_REQUIRE(value % 8 == 0 && value <= QJLKV_MAX_SKETCH_DIM && (allow_zero || value > 0),
+                "%s is %u, must be a multiple of 8 in [%u, %u]", field, value, allow_zero ? 0u : 8u,
+                QJLKV_MAX_SKETCH_DIM);
+}
+
+// Every QJL layer owns a sketch (and the CPU backend a transposed copy). A valid config can ask
+// for terabytes of them (65536 layers of 65536 x 256): fail before generating any rather than
+// spend hours and be killed by the kernel's out-of-memory handler.
+void check_sketch_memory(const qjlkv_config &cfg) {
+  const auto rows = [&](uint32_t m, uint32_t m_out) { return double(std::max(m, cfg.outlier_channels ? m_out : 0u)); };
+  const double initial = cfg.initial_layers;
+  const double sketch_rows = initial * rows(cfg.initial_key_sketch_dim, cfg.initial_outlier_sketch_dim) +
+                             (cfg.num_layers - initial) * rows(cfg.key_sketch_dim, cfg.outlier_sketch_dim);
+  const double bytes = 2.0 * sketch_rows * cfg.head_dim * sizeof(float);
+  const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_size <= 0) return;  // unknown: let the allocations decide
+  const double physical = double(pages) * double(page_size);
+  if (bytes > physical)
+    fail(QJLKV_ERROR_OUT_OF_MEMORY,
+         "the sketches of %u layers (key_sketch_dim %u, head_dim %u) need %.3g GiB, more than this machine's "
+         "%.3g GiB of memory",
+         cfg.num_layers, cfg.key_sketch_dim, cfg.head_dim, bytes / 1073741824.0, physical / 1073741824.0);
+}
+
+}  // namespace
+
+void QjlKeys::validate(const qjlkv_config &cfg) {
+  check_sketch_dim("config.key_sketch_dim", cfg.key_sketch_dim, false);
+  QJLKV_REQUIRE(cfg.outlier_channels < cfg.head_dim, "config.outlier_channels is %u, must be below head_dim (%u)",
+                cfg.outlier_channels, cfg.head_dim);
+  check_sketch_dim("config.outlier_sketch_dim", cfg.outlier_sketch_dim, true);
+  QJLKV_REQUIRE(cfg.outlier_channels == 0 || cfg.outlier_sketch_dim > 0,
+                "config.outlier_sketch_dim is 0 but config.outlier_channels is %u: outlier channels need "
+                "an outlier sketch",
+                cfg.outlier_channels);
+  QJLKV_REQUIRE(cfg.initial_layers <= cfg.num_layers, "config.initial_layers is %u, must be <= num_layers (%u)",
+                cfg.initial_layers, cfg.num_layers);
+  if (cfg.initial_layers > 0) {
+    check_sketch_dim("config.initial_key_sketch_dim", cfg.initial_key_sketch_dim, false);
+    check_sketch_dim("config.initial_outlier_sketch_dim", cfg.initial_outlier_sketch_dim, true);
+    QJLKV_REQUIRE(cfg.outlier_channels == 0 || cfg.initial_outlier_sketch_dim > 0,
+                  "config.initial_outlier_sketch_dim is 0 but config.outlier_channels is %u", cfg.outlier_channels);
+  }
+}
+
+void QjlKeys::init_layers(const qjlkv_config &cfg, std::vector<LayerSpec> &layers) {
+  check_sketch_memory(cfg);
+  const bool orthogonal = cfg.sketch_flags & QJLKV_SKETCH_ORTHOGONAL;
+  for (uint32_t l = 0; l < cfg.num_layers; ++l) {
+    LayerSpec &layer = layers[l];
+    const bool initial = l < cfg.initial_layers;
+    layer.m = initial ? cfg.initial_key_sketch_dim : cfg.key_sketch_dim;
+    layer.m_out = cfg.outlier_channels ? (initial ? cfg.initial_outlier_sketch_dim : cfg.outlier_sketch_dim) : 0;
+    layer.sketch_rows = std::max(layer.m, layer.m_out);
+    layer.sketch = std::make_unique<qjlkv_sketch>(
+        qjlkv_sketch{make_sketch(cfg.head_dim, layer.sketch_rows, cfg.seed, l, orthogonal)});
+  }
+}
+
+void QjlKeys::prepare(const CacheSpec &spec, const LayerSpec &layer, cpu::LayerKernels &args) {
+  const qjlkv_config &cfg = spec.cfg;
+  const uint32_t d = cfg.head_dim;
+  const size_t stride = cpu::padded_sketch_rows(layer.sketch_rows);
+  const float *S = layer.sketch->matrix.data.data();  // [sketch_rows][d]
+  args.sketch_t.assign(d * stride, 0.0f);
+  for (uint32_t i = 0; i < layer.sketch_rows; ++i)
+    for (uint32_t j = 0; j < d; ++j) args.sketch_t[j * stride + i] = S[size_t(i) * d + j];
+  args.qjl = cpu::QjlArgs{&layer.layout,
+                          cfg.block_tokens,
+                          d,
+                          layer.m,
+                          layer.m_out,
+                          cfg.outlier_channels,
+                          args.sketch_t.data(),
+                          stride,
+                          spec.qjl_constant / float(layer.m),
+                          layer.m_out ? spec.qjl_constant / float(layer.m_out) : 0.0f};
+}
+
+void QjlKeys::quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block, float *scratch) {
+  const qjlkv_config &cfg = c.spec.cfg;
+  const LayerSpec &ls = c.layer;
+  const cpu::LayerKernels &lk = c.args;
+  const BlockLayout &l = ls.layout;
+  const uint32_t B = cfg.block_tokens, d = cfg.head_dim, ch = ls.m_out ? cfg.outlier_channels : 0;
+  float *inlier_keys = scratch;                            // [B][d]: outlier channels zeroed
+  float *outlier_keys = inlier_keys + size_t(B) * d;       // [B][c]
+  float *energy = outlier_keys + size_t(B) * ch;           // [d]
+  auto *order = reinterpret_cast<uint32_t *>(energy + d);  // [d]
+  uint8_t *outlier_idx = block + l.key_outlier_idx;
+  if (ch) cpu::select_outlier_channels(keys, B, d, ch, energy, order, outlier_idx);
+  for (uint32_t t = 0; t < B; ++t)
+    cpu::qjl_split_key(l, keys + size_t(t) * d, d, outlier_idx, ch, t, inlier_keys + size_t(t) * d,
+                       outlier_keys + size_t(t) * ch, block);
+  // The projections S·k_in and S_out·k_out as blocked products with the reference's sums.
+  const float *columns[256];
+  for (uint32_t j = 0; j < d; ++j) columns[j] = lk.sketch_t.data() + j * lk.qjl.sketch_t_stride;
+  c.kernels.qjl_sign_bits(inlier_keys, d, B, columns, d, ls.m, block + l.key_bits_in, l.key_bytes_per_token_bits_in);
+  if (!ch) return;
+  for (uint32_t i = 0; i < ch; ++i) columns[i] = lk.sketch_t.data() + outlier_idx[i] * lk.qjl.sketch_t_stride;
+  c.kernels.qjl_sign_bits(outlier_keys, ch, B, columns, ch, ls.m_out, block + l.key_bits_out,
+                          l.key_bytes_per_token_bits_out);
+}
+
+}  // namespace qjlkv

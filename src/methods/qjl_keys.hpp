@@ -1,0 +1,94 @@
+// QJL keys (QJLKV_KEYS_QJL, SPEC §3): per token the sign bits of the sketched key without its
+// block's outlier channels and of the sketched outlier part, and the fp16 norms of both parts.
+// Block: norm_in fp16[B], norm_out fp16[B], bits_in [B][m/8], bits_out [B][m_out/8], outlier
+// channel indices uint8[c] (the outlier arrays only when the layer has an outlier sketch).
+#pragma once
+#include "method.hpp"
+
+namespace qjlkv {
+
+struct QjlKeys : KeyMethodDefaults {
+  static constexpr qjlkv_key_method kMethod = QJLKV_KEYS_QJL;
+  static constexpr bool kSketched = true;
+
+  static void validate(const qjlkv_config &cfg);
+  static void copy_fields(const qjlkv_config &from, qjlkv_config &to) {
+    to.key_sketch_dim = from.key_sketch_dim;
+    to.outlier_channels = from.outlier_channels;
+    to.outlier_sketch_dim = from.outlier_sketch_dim;
+    to.initial_layers = from.initial_layers;
+    to.initial_key_sketch_dim = from.initial_key_sketch_dim;
+    to.initial_outlier_sketch_dim = from.initial_outlier_sketch_dim;
+  }
+  // Every layer's sketch sizes and sketch; fails OUT_OF_MEMORY before generating sketches that
+  // cannot fit this machine's memory.
+  static void init_layers(const qjlkv_config &cfg, std::vector<LayerSpec> &layers);
+  static void layout(const qjlkv_config &cfg, const LayerSpec &layer, LayoutCursor &at, BlockLayout &l) {
+    const size_t B = cfg.block_tokens;
+    l.key_bytes_per_token_bits_in = layer.m / 8;
+    l.key_bytes_per_token_bits_out = layer.m_out / 8;
+    l.key_norm_in = at.take(2 * B);
+    l.key_norm_out = at.take(layer.m_out ? 2 * B : 0);
+    l.key_bits_in = at.take(B * l.key_bytes_per_token_bits_in);
+    l.key_bits_out = at.take(B * l.key_bytes_per_token_bits_out);
+    l.key_outlier_idx = at.take(layer.m_out ? cfg.outlier_channels : 0);
+  }
+  // The norms are fp16.
+  static double norm_limit(const qjlkv_config &) { return kHalfMax; }
+  [[noreturn]] static void fail_norm(const qjlkv_config &cfg, size_t vector, double norm) {
+    fail(QJLKV_ERROR_INVALID_ARGUMENT,
+         "keys: the key vector of token %zu, kv head %zu has L2 norm %g > 65504, which QJL cannot store (norms are "
+         "fp16)",
+         vector / cfg.num_kv_heads, vector % cfg.num_kv_heads, norm);
+  }
+  // The norms, and the outlier channels: increasing channels below head_dim.
+  template <class Check>
+  static void check_stored(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block, const Check &check) {
+    const qjlkv_config &cfg = spec.cfg;
+    const BlockLayout &l = layer.layout;
+    check.halves(l.key_norm_in, cfg.block_tokens, true, QJLKV_DTYPE_F16, "the inlier key norm");
+    if (layer.m_out == 0) return;
+    check.halves(l.key_norm_out, cfg.block_tokens, true, QJLKV_DTYPE_F16, "the outlier key norm");
+    const uint8_t *idx = block + l.key_outlier_idx;
+    for (uint32_t i = 0; i < cfg.outlier_channels; ++i)
+      if (idx[i] >= cfg.head_dim || (i > 0 && idx[i] <= idx[i - 1]))
+        check.fail("the outlier channels are not increasing channels < head_dim (%u): entry %u is %u", cfg.head_dim,
+                   i, idx[i]);
+  }
+  // The dense k̂ whose dot product with any query equals the block's estimate.
+  static void dequantize_token(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block, uint32_t t,
+                               float *out) {
+    cpu::qjl_reconstruct_key(layer, spec.cfg, spec.qjl_constant, block, t, out);
+  }
+
+  // CPU: the transposed sketch and the fast kernels' arguments.
+  static void prepare(const CacheSpec &spec, const LayerSpec &layer, cpu::LayerKernels &args);
+  // Inlier keys [B][d], outlier keys [B][c], channel energies [d] and order [d].
+  static size_t quantize_scratch_floats(const qjlkv_config &cfg) {
+    const size_t B = cfg.block_tokens, d = cfg.head_dim;
+    return B * d + B * cfg.outlier_channels + 2 * d;
+  }
+  // qjl_quantize_block with the projections by the fast kernels (the same bits).
+  static void quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block, float *scratch);
+  static size_t projected_query_floats(const cpu::LayerKernels &args) { return args.qjl.sketch_t_stride; }
+  static void project_queries(const cpu::CpuLayer &c, const float *q, uint32_t rows, float *sq) {
+    c.kernels.qjl_project(c.args.qjl, q, rows, sq);
+  }
+  static void score(const cpu::CpuLayer &c, const uint8_t *block, const float *q, const float *sq, uint32_t rows,
+                    float *out, size_t out_stride, float *scratch) {
+    c.kernels.qjl_scores(c.args.qjl, block, q, sq, rows, out, out_stride, scratch);
+  }
+  // Scratch: 3·d floats.
+  static void quantize_reference(const CacheSpec &spec, const LayerSpec &layer, const float *keys, uint8_t *block,
+                                 float *scratch) {
+    cpu::qjl_quantize_block(layer, spec.cfg, keys, block, scratch);
+  }
+  // projected: [rows][sketch_rows] from qjl_project_query. Scratch: 2·sketch_rows floats.
+  static void score_reference(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block,
+                              const float *queries, const float *projected, uint32_t rows, float *out,
+                              float *scratch) {
+    cpu::qjl_score_block(layer, spec.cfg, spec.qjl_constant, block, queries, projected, rows, out, scratch);
+  }
+};
+
+}  // namespace qjlkv

@@ -1,0 +1,64 @@
+// Uniform per-token values (QJLKV_VALUES_UNIFORM, SPEC §4): groups of value_group_size channels
+// of one token, each with an fp16 scale and minimum and value_bits codes; value_bits = 16 stores
+// every value as a 16-bit number instead (fp16, or bf16 for bf16 inputs).
+// Block: scale fp16[B][d/g], min fp16[B][d/g], codes [B][d·value_bits/8]; or 16-bit [B][d].
+#pragma once
+#include <cmath>
+
+#include "method.hpp"
+
+namespace qjlkv {
+
+struct UniformValues : ValueMethodDefaults {
+  static constexpr qjlkv_value_method kMethod = QJLKV_VALUES_UNIFORM;
+  static constexpr bool kRotated = false;
+
+  static void validate(const qjlkv_config &cfg) {
+    const uint32_t b = cfg.value_bits;
+    QJLKV_REQUIRE(b == 2 || b == 3 || b == 4 || b == 8 || b == 16, "config.value_bits is %u, must be 2, 3, 4, 8 or 16",
+                  b);
+    QJLKV_REQUIRE(cfg.value_group_size >= 1 && cfg.head_dim % cfg.value_group_size == 0,
+                  "config.value_group_size is %u, must divide head_dim (%u)", cfg.value_group_size, cfg.head_dim);
+  }
+  static void copy_fields(const qjlkv_config &from, qjlkv_config &to) { to.value_group_size = from.value_group_size; }
+  static void layout(const qjlkv_config &cfg, LayoutCursor &at, BlockLayout &l) {
+    const size_t B = cfg.block_tokens, d = cfg.head_dim;
+    if (cfg.value_bits == 16) {
+      l.value_bytes_per_token_codes = 2 * d;
+    } else {
+      const size_t groups = d / cfg.value_group_size;
+      l.value_bytes_per_token_codes = d * cfg.value_bits / 8;
+      l.value_scale = at.take(2 * B * groups);
+      l.value_min = at.take(2 * B * groups);
+    }
+    l.value_codes = at.take(B * l.value_bytes_per_token_codes);
+  }
+  // 16-bit copies in bf16 hold any float whose sums stay finite; everything else is fp16.
+  static float element_limit(const qjlkv_config &cfg, qjlkv_dtype stored) {
+    return cfg.value_bits == 16 && stored == QJLKV_DTYPE_BF16 ? kSummableMax : kHalfMax;
+  }
+  // Any code is valid; 16-bit values in bf16 stay within the element limit.
+  template <class Check>
+  static void check_stored(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block, const Check &check) {
+    const qjlkv_config &cfg = spec.cfg;
+    const BlockLayout &l = layer.layout;
+    const size_t B = cfg.block_tokens, d = cfg.head_dim;
+    if (cfg.value_bits == 16) {
+      check.halves(l.value_codes, B * d, false, spec.stored_dtype, "the exact value");
+      if (spec.stored_dtype == QJLKV_DTYPE_BF16)
+        for (size_t i = 0; i < B * d; ++i)
+          if (std::fabs(bf16_to_float(cpu::at<uint16_t>(block, l.value_codes)[i])) > spec.value_limit)
+            check.fail("an exact value exceeds 2^95");
+      return;
+    }
+    const size_t groups = B * (d / cfg.value_group_size);
+    check.halves(l.value_scale, groups, true, QJLKV_DTYPE_F16, "the value scale");
+    check.halves(l.value_min, groups, false, QJLKV_DTYPE_F16, "the value minimum");
+  }
+  static void dequantize_token(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block, uint32_t t,
+                               float *out) {
+    cpu::values_decode_token(spec.cfg, spec.stored_dtype, layer.layout, block, t, out);
+  }
+};
+
+}  // namespace qjlkv
