@@ -106,6 +106,11 @@ class CudaCache final : public qjlkv_cache {
   void clear(uint32_t seq) override;
   void stats(qjlkv_stats &out) const override;
   void set_stream(void *stream) override;
+  void set_workers(std::shared_ptr<ThreadPool> workers) override {
+    if (workers)
+      fail(QJLKV_ERROR_UNSUPPORTED, "workers must be NULL on a CUDA cache (config.backend = QJLKV_BACKEND_CUDA): "
+           "its work runs on the device");
+  }
 
   // Serialization (src/serialize.cpp writes and reads the stream): the stored bytes come to the
   // host and go back as they are.

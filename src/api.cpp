@@ -10,6 +10,7 @@
 #include "config.hpp"
 #include "error.hpp"
 #include "qjlkv/qjlkv.h"
+#include "threads.hpp"
 
 using qjlkv::fail;
 using qjlkv::guarded;
@@ -166,6 +167,27 @@ qjlkv_status qjlkv_cache_set_stream(qjlkv_cache *c, void *cuda_stream) {
   return guarded([&] {
     require_pointer(c, "c");
     c->set_stream(cuda_stream);
+  });
+}
+
+qjlkv_status qjlkv_workers_create(uint32_t num_threads, qjlkv_workers **out) {
+  if (out) *out = nullptr;
+  return guarded([&] {
+    require_pointer(out, "out");
+    QJLKV_REQUIRE(num_threads <= QJLKV_MAX_THREADS, "num_threads is %u, must be <= %u (0 = cores available)",
+                  num_threads, QJLKV_MAX_THREADS);
+    auto workers = std::make_unique<qjlkv_workers>();
+    workers->pool = std::make_shared<qjlkv::ThreadPool>(num_threads, "num_threads");
+    *out = workers.release();
+  });
+}
+
+void qjlkv_workers_destroy(qjlkv_workers *workers) { delete workers; }
+
+qjlkv_status qjlkv_cache_set_workers(qjlkv_cache *c, qjlkv_workers *workers) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    c->set_workers(workers ? workers->pool : nullptr);
   });
 }
 

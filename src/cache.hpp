@@ -13,6 +13,8 @@
 
 namespace qjlkv {
 
+class ThreadPool;
+
 // Serialization (src/serialize.cpp, docs/FORMAT.md) sees one (layer, seq) of a backend through
 // these: the portable state, independent of how a backend stores it.
 struct PortableCounts {
@@ -123,6 +125,8 @@ struct qjlkv_cache {
   // bytes_used, bytes_fp16_equivalent and bits_per_number from them.
   virtual void stats(qjlkv_stats &out) const = 0;
   virtual void set_stream(void *stream) = 0;
+  // CPU caches: run the parallel work of later calls on `workers` (null: the cache's own threads).
+  virtual void set_workers(std::shared_ptr<qjlkv::ThreadPool> workers) = 0;
 
   // Serialization (src/serialize.cpp): the portable view of (layer, seq); both backends have it.
   virtual qjlkv::PortableCounts portable_counts(uint32_t layer, uint32_t seq) const = 0;

@@ -7,7 +7,7 @@
 
 namespace qjlkv {
 
-ThreadPool::ThreadPool(unsigned threads) {
+ThreadPool::ThreadPool(unsigned threads, const char *argument) {
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
   try {
     workers_.reserve(threads - 1);
@@ -16,8 +16,8 @@ ThreadPool::ThreadPool(unsigned threads) {
     // The system is out of threads (or memory for their stacks): a resource the caller can
     // free, like memory, not a bug of the library.
     stop();
-    fail(QJLKV_ERROR_OUT_OF_MEMORY, "starting worker thread %zu of %u failed (%s); lower config.num_threads",
-         workers_.size() + 1, threads, e.what());
+    fail(QJLKV_ERROR_OUT_OF_MEMORY, "starting worker thread %zu of %u failed (%s); lower %s",
+         workers_.size() + 1, threads, e.what(), argument);
   } catch (...) {
     stop();
     throw;
@@ -57,7 +57,8 @@ void ThreadPool::worker_loop() {
 }
 
 void ThreadPool::parallel_for(size_t n, TaskRef task) {
-  if (workers_.empty() || n <= 1) {
+  std::unique_lock serving(serving_, std::defer_lock);
+  if (workers_.empty() || n <= 1 || !serving.try_lock()) {
     for (size_t i = 0; i < n; ++i) task(i, 0);
     return;
   }

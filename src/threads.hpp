@@ -1,10 +1,12 @@
-// A small persistent worker pool owned by one cache (no global state). The calling thread
-// works too, so a pool of size 1 runs everything inline.
+// A small persistent worker pool, owned by one cache or shared by several through a
+// qjlkv_workers handle (no global state). The calling thread works too, so a pool of size 1
+// runs everything inline.
 #pragma once
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -14,8 +16,9 @@ namespace qjlkv {
 
 class ThreadPool {
  public:
-  // threads = total workers including the caller; 0 = the cores available.
-  explicit ThreadPool(unsigned threads);
+  // threads = total workers including the caller; 0 = the cores available. `argument` names
+  // where the count came from, for the error when the threads cannot be started.
+  ThreadPool(unsigned threads, const char *argument);
   ~ThreadPool();
   ThreadPool(const ThreadPool &) = delete;
   ThreadPool &operator=(const ThreadPool &) = delete;
@@ -43,6 +46,8 @@ class ThreadPool {
   // are done (the task it refers to must live until then). worker in [0, size()) names the
   // thread (0 = the caller), for per-thread scratch. task must not throw. Each index is handled
   // by exactly one thread, so results do not depend on the number of threads.
+  // Several threads may call it at once (caches sharing the pool): the workers serve one call
+  // at a time, and a call that finds them busy runs on its calling thread alone (worker 0).
   void parallel_for(size_t n, TaskRef task);
 
  private:
@@ -51,6 +56,7 @@ class ThreadPool {
   void run_tasks(unsigned worker);
 
   std::vector<std::thread> workers_;
+  std::mutex serving_;  // held by the parallel_for call the workers serve
   std::mutex mutex_;
   std::condition_variable wake_, done_;
   const TaskRef *task_ = nullptr;
@@ -63,3 +69,9 @@ class ThreadPool {
 };
 
 }  // namespace qjlkv
+
+// The C API's shared worker threads (qjlkv_workers_create): each cache that uses them, and the
+// handle itself, holds a reference, so the threads stop when the last of them is gone.
+struct qjlkv_workers {
+  std::shared_ptr<qjlkv::ThreadPool> pool;
+};

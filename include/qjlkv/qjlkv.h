@@ -49,7 +49,8 @@
  *   serializes); distinct handles are fully independent. A sketch is immutable
  *   and may be shared by any number of threads. qjlkv_last_error_message() is
  *   thread-local. A cache may use several worker threads internally
- *   (config.num_threads); results do not depend on their number.
+ *   (config.num_threads, or threads shared with other caches:
+ *   qjlkv_workers_create); results do not depend on their number.
  * Memory. All memory is owned by the handles; a failed allocation returns
  *   QJLKV_ERROR_OUT_OF_MEMORY and leaves the cache unchanged.
  * Enums. Every enumerator has a fixed number that never changes meaning; new
@@ -131,7 +132,7 @@ extern "C" {
  * Version
  * ======================================================================== */
 #define QJLKV_VERSION_MAJOR 0
-#define QJLKV_VERSION_MINOR 2
+#define QJLKV_VERSION_MINOR 3
 #define QJLKV_VERSION_PATCH 0
 /* MAJOR*10000 + MINOR*100 + PATCH, as zstd does. */
 #define QJLKV_VERSION_NUMBER \
@@ -414,6 +415,43 @@ QJLKV_API qjlkv_status qjlkv_cache_config(const qjlkv_cache *c, qjlkv_config *ou
  * reject them).
  * Errors: INVALID_ARGUMENT (c == NULL), UNSUPPORTED (non-NULL on CPU). */
 QJLKV_API qjlkv_status qjlkv_cache_set_stream(qjlkv_cache *c, void *cuda_stream);
+
+/* ---- Shared worker threads (since 0.3) ----
+ * By default every CPU cache starts config.num_threads threads of its own. An
+ * engine with many caches can start one set and let every cache use it:
+ *
+ *   qjlkv_workers *w;  qjlkv_workers_create(0, &w);    // all cores
+ *   cfg.num_threads = 1;                                // no threads of its own
+ *   qjlkv_cache_create(&cfg, &c);  qjlkv_cache_set_workers(c, w);
+ *   ...
+ *   qjlkv_workers_destroy(w);  // any time: each cache using w keeps it alive
+ *
+ * Caches that share workers may be used from different threads at the same
+ * time: the workers serve one call at a time, and a call that finds them busy
+ * runs on its calling thread alone. Results never depend on which threads ran
+ * a call. */
+typedef struct qjlkv_workers qjlkv_workers;
+
+/* Starts num_threads - 1 worker threads (the calling thread of each call is
+ * the num_threads-th); 0 = the cores available. num_threads <=
+ * QJLKV_MAX_THREADS. Errors: INVALID_ARGUMENT (out == NULL, num_threads too
+ * large), OUT_OF_MEMORY (the system could not start the threads). On failure
+ * *out is set to NULL (when out != NULL). Thread-safe. */
+QJLKV_API qjlkv_status qjlkv_workers_create(uint32_t num_threads,
+                                            qjlkv_workers **out);
+
+/* Drops the caller's reference; the threads stop once no cache uses them.
+ * NULL is a no-op. Must not be called while another thread passes the same
+ * handle to qjlkv_cache_set_workers. */
+QJLKV_API void qjlkv_workers_destroy(qjlkv_workers *workers);
+
+/* From the next call on, runs the parallel work of CPU cache c (appends and
+ * attention) on `workers` instead of its own config.num_threads threads;
+ * NULL goes back to its own. c holds a reference to the workers until it is
+ * destroyed or set to other workers. On a CUDA cache only NULL is accepted (a
+ * no-op). Errors: INVALID_ARGUMENT (c == NULL), UNSUPPORTED (non-NULL on CUDA). */
+QJLKV_API qjlkv_status qjlkv_cache_set_workers(qjlkv_cache *c,
+                                               qjlkv_workers *workers);
 
 /* Appends n_tokens tokens to sequence seq of layer `layer`.
  * keys, values: [n_tokens][num_kv_heads][head_dim] in cfg.dtype.

@@ -89,7 +89,8 @@ class CpuCache final : public qjlkv_cache {
   explicit CpuCache(CacheSpec spec)
       : qjlkv_cache(std::move(spec)),
         kernels_(&kernel_table(select_isa())),
-        pool_(this->spec().cfg.num_threads),
+        own_pool_(this->spec().cfg.num_threads, "config.num_threads"),
+        pool_(&own_pool_),
         layers_(this->spec().cfg.num_layers) {
     const qjlkv_config &cfg = this->spec().cfg;
     token_elems_ = size_t(cfg.num_kv_heads) * cfg.head_dim;
@@ -115,6 +116,10 @@ class CpuCache final : public qjlkv_cache {
   void stats(qjlkv_stats &out) const override;
   void set_stream(void *stream) override {
     if (stream) fail(QJLKV_ERROR_UNSUPPORTED, "cuda_stream must be NULL on a CPU cache (config.backend = QJLKV_BACKEND_CPU)");
+  }
+  void set_workers(std::shared_ptr<ThreadPool> workers) override {
+    shared_pool_ = std::move(workers);
+    pool_ = shared_pool_ ? shared_pool_.get() : &own_pool_;
   }
   PortableCounts portable_counts(uint32_t layer, uint32_t seq) const override;
   void read_block(uint32_t layer, uint32_t seq, uint32_t block, uint32_t head, uint8_t *out) const override;
@@ -170,7 +175,9 @@ class CpuCache final : public qjlkv_cache {
   }
 
   const KernelTable *kernels_;  // the instruction set chosen when the cache was created
-  ThreadPool pool_;
+  ThreadPool own_pool_;                      // config.num_threads threads
+  std::shared_ptr<ThreadPool> shared_pool_;  // qjlkv_cache_set_workers, or null
+  ThreadPool *pool_;                         // the one that runs the parallel work
   std::vector<std::unordered_map<uint32_t, Sequence>> layers_;
   std::vector<LayerKernels> layer_kernels_;
   size_t token_elems_ = 0;  // Hkv * d
@@ -448,8 +455,8 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
       plan_append(plan, layer, tokens_per_seq - plan.new_sinks, key_bytes + i * seq_input_bytes + skip,
                   value_bytes + i * seq_input_bytes + skip);
     }
-    scratch.resize(quantize_scratch_floats() * pool_.size());
-    quantize = [&, per_worker = scratch.size() / pool_.size()](size_t index, unsigned worker) {
+    scratch.resize(quantize_scratch_floats() * pool_->size());
+    quantize = [&, per_worker = scratch.size() / pool_->size()](size_t index, unsigned worker) {
       const uint32_t i = uint32_t(index / cfg.num_kv_heads), head = uint32_t(index % cfg.num_kv_heads);
       if (plans[i].new_blocks == 0) return;
       const size_t skip = size_t(plans[i].new_sinks) * token_bytes_;
@@ -464,7 +471,7 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   }
 
   // From here on nothing can fail: quantize every (sequence, head) in parallel, then commit.
-  pool_.parallel_for(size_t(n_seqs) * cfg.num_kv_heads, quantize);
+  pool_->parallel_for(size_t(n_seqs) * cfg.num_kv_heads, quantize);
   for (uint32_t i = 0; i < n_seqs; ++i) {
     AppendPlan &plan = plans[i];
     Sequence &seq = *plan.seq;
@@ -628,17 +635,17 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   const size_t worker_floats = (attend_worker_floats(layer, rows) + 15) / 16 * 16;
   float *head_buffers = aligned_floats(attend_heads_, head_floats * heads);
   float *partials = aligned_floats(attend_partials_, partial_floats * attend_tasks_.size());
-  float *worker_scratch = aligned_floats(attend_scratch_, worker_floats * pool_.size());
+  float *worker_scratch = aligned_floats(attend_scratch_, worker_floats * pool_->size());
   const auto *query_bytes = static_cast<const uint8_t *>(queries);
   const size_t q_seq_bytes = q_seq_elems * spec().io_elem;
   // 1: queries (and projections) per head; 2: the tasks; 3: per head, merge the tasks in order.
-  pool_.parallel_for(heads, [&](size_t index, unsigned) {
+  pool_->parallel_for(heads, [&](size_t index, unsigned) {
     float *q = head_buffers + index * head_floats;
     load_queries(layer, query_bytes + (index / Hkv) * q_seq_bytes, queries_per_seq, uint32_t(index % Hkv), q,
                  q + size_t(rows) * dp);
   });
   const AttendCall call{&found, rows, queries_per_seq, scale, head_buffers, head_floats};
-  pool_.parallel_for(attend_tasks_.size(), [&](size_t index, unsigned worker) {
+  pool_->parallel_for(attend_tasks_.size(), [&](size_t index, unsigned worker) {
     attend_task(layer, call, attend_tasks_[index], partials + index * partial_floats,
                 worker_scratch + worker * worker_floats);
   });
@@ -646,7 +653,7 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   // Logits beyond the float range (huge queries or scale) give inf − inf: refuse rather than
   // return NaN, naming the first such row.
   std::atomic<uint64_t> overflow{~uint64_t(0)};
-  pool_.parallel_for(heads, [&](size_t index, unsigned worker) {
+  pool_->parallel_for(heads, [&](size_t index, unsigned worker) {
     float *merged = worker_scratch + worker * worker_floats;
     float *merged_rotated = merged + dp;  // rotated Lloyd-Max values: Σ p·v̂_rot, rotated back once
     const bool rotated = with_value_method(cfg.value_method, [](auto value_method) { return value_method.kRotated; });

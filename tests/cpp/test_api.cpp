@@ -273,6 +273,11 @@ TEST(Device, DeviceOrdinalWithoutGpuFailsCleanly) {
     EXPECT_EQ(back.backend, uint32_t(QJLKV_BACKEND_CUDA));
     EXPECT_EQ(back.device_ordinal, 0u);
     QT_EXPECT_OK(qjlkv_cache_set_stream(cache, nullptr));
+    qjlkv_workers *workers = nullptr;
+    QT_EXPECT_OK(qjlkv_workers_create(1, &workers));
+    QT_EXPECT_FAIL(qjlkv_cache_set_workers(cache, workers), QJLKV_ERROR_UNSUPPORTED, "workers");
+    QT_EXPECT_OK(qjlkv_cache_set_workers(cache, nullptr));
+    qjlkv_workers_destroy(workers);
     qjlkv_cache_destroy(cache);
     return;
   }

@@ -29,6 +29,9 @@ C_FUNCTIONS = {
     "qjlkv_cache_destroy": qjlkv.Cache.close,
     "qjlkv_cache_config": qjlkv.Cache.config,
     "qjlkv_cache_set_stream": qjlkv.Cache.set_stream,
+    "qjlkv_workers_create": qjlkv.Workers,
+    "qjlkv_workers_destroy": qjlkv.Workers,  # when the Workers object is collected
+    "qjlkv_cache_set_workers": qjlkv.Cache.set_workers,
     "qjlkv_cache_append": qjlkv.Cache.append,
     "qjlkv_cache_attend": qjlkv.Cache.attend,
     "qjlkv_cache_append_batch": qjlkv.Cache.append_batch,
@@ -223,7 +226,7 @@ def test_public_callables_have_docstrings():
         if callable(obj) and not isinstance(obj, type(qjlkv.Status.OK)):
             assert obj.__doc__, name
     for name in ("append", "attend", "append_batch", "attend_batch", "scores", "reconstruct", "length", "clear",
-                 "stats", "sketch", "set_stream"):
+                 "stats", "sketch", "set_stream", "set_workers"):
         assert getattr(qjlkv.Cache, name).__doc__, name
 
 

@@ -80,6 +80,9 @@ CONFIG_CASES = [
     (lambda: qjlkv.Config("qjl", **SHAPE, num_threads=5000).validate(), IA, ["config.num_threads is 5000"]),
     (lambda: qjlkv.Config("qjl", **SHAPE, device=-2).validate(), IA, ["config.device is -2"]),
     (lambda: qjlkv.Config("qjl", **SHAPE, seed=-5).validate(), IA, ["config.seed is -5"]),
+    (lambda: qjlkv.Workers(5000), IA, ["num_threads is 5000"]),
+    (lambda: qjlkv.Workers(-1), IA, ["num_threads is -1"]),
+    (lambda: qjlkv.Workers("2"), IT, ["num_threads", "str"]),
     (lambda: qjlkv.Cache({"num_layers": 1}), IT, ["config", "dict"]),
     (lambda: qjlkv.Cache(qjlkv.Config("qjl", **SHAPE, value_bits=5)), IA, ["config.value_bits is 5"]),
     (lambda: qjlkv.Cache(qjlkv.Config("qjl", **SHAPE, device=0)), UN, ["QJLKV_BACKEND_CUDA", "config.device_ordinal 0"]),
@@ -165,6 +168,7 @@ def cache_cases():
         (lambda c: c.sketch(2), IA, ["layer is 2"]),
         (lambda c: c.set_stream(5), UN, ["stream"]),
         (lambda c: c.set_stream("s"), IT, ["stream", "str"]),
+        (lambda c: c.set_workers("w"), IT, ["workers", "str"]),
     ]
 
 

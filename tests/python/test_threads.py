@@ -150,3 +150,35 @@ def test_close_from_many_threads_at_once():
     cache = qjlkv.Cache(small_config())
     run_threads(lambda i: cache.close())
     assert cache.closed and repr(cache) == "qjlkv.Cache(closed)"
+
+
+def test_caches_sharing_workers_from_many_threads(rng: np.random.Generator):
+    """Caches on one qjlkv.Workers, each driven by its own thread at once, store and compute what
+    a cache on its own threads does (qjlkv_cache_set_workers)."""
+    keys = [randn(rng, 300, 2, 64) for _ in range(THREADS)]
+    queries = [randn(rng, 1, 8, 64) for _ in range(THREADS)]
+
+    def workload(cache, i):
+        cache.append(0, 0, keys[i], keys[i])
+        return cache.attend(0, 0, queries[i]), cache.export_bytes(0)
+
+    expected = [workload(qjlkv.Cache(small_config("q3")), i) for i in range(THREADS)]
+    workers = qjlkv.Workers(2)
+    caches = [qjlkv.Cache(small_config("q3", num_threads=1)) for _ in range(THREADS)]
+    for cache in caches:
+        cache.set_workers(workers)
+    del workers  # the caches keep the threads alive
+    got = [None] * THREADS
+
+    def body(i):
+        for _ in range(3):
+            caches[i].clear(0)
+            got[i] = workload(caches[i], i)
+
+    run_threads(body)
+    for (out, stream), (want_out, want_stream) in zip(got, expected):
+        np.testing.assert_array_equal(out, want_out)
+        assert stream == want_stream
+    caches[0].set_workers(None)  # back to its own thread
+    caches[0].clear(0)
+    np.testing.assert_array_equal(workload(caches[0], 0)[0], expected[0][0])

@@ -433,6 +433,25 @@ static_assert(sizeof(qjlkv_stats) == round_up(offsetof(qjlkv_stats, bytes_metada
 // ---------------------------------------------------------------------------
 // Sketch
 // ---------------------------------------------------------------------------
+// qjlkv_workers: worker threads several caches can share (Cache.set_workers). The library keeps
+// them alive for every cache that uses them, so this object may go first.
+class Workers {
+ public:
+  explicit Workers(py::handle num_threads_obj) {
+    const uint32_t num_threads = to_u32(num_threads_obj, "num_threads");
+    qjlkv_workers *w = nullptr;
+    call_nogil([&] { return qjlkv_workers_create(num_threads, &w); });
+    workers_ = w;
+  }
+  Workers(const Workers &) = delete;
+  Workers &operator=(const Workers &) = delete;
+  ~Workers() { qjlkv_workers_destroy(workers_); }
+  qjlkv_workers *get() const { return workers_; }
+
+ private:
+  qjlkv_workers *workers_ = nullptr;
+};
+
 class Sketch {
  public:
   Sketch(py::handle head_dim_obj, py::handle sketch_dim_obj, py::handle seed_obj, bool orthogonal) {
@@ -524,6 +543,16 @@ class Cache {
     check(qjlkv_cache_set_stream(session.cache(), reinterpret_cast<void *>(handle)));
     // DLPack wants the consumer's stream: 1 stands for the legacy default stream.
     dlpack_stream_ = handle == 0 ? py::object(py::int_(1)) : py::object(py::int_(handle));
+  }
+
+  // workers: a Workers object or None (the cache's own threads). The argument keeps the object,
+  // hence the handle, alive while the cache's lock is awaited.
+  void set_workers(py::object workers) {
+    if (!workers.is_none() && !py::isinstance<Workers>(workers))
+      fail_type("workers must be a qjlkv.Workers or None, got " + type_name(workers));
+    qjlkv_workers *w = workers.is_none() ? nullptr : workers.cast<const Workers &>().get();
+    const Session session(*handle_);
+    check(qjlkv_cache_set_workers(session.cache(), w));
   }
 
   void append(py::handle layer, py::handle seq, py::handle keys, py::handle values) {
@@ -970,12 +999,19 @@ PYBIND11_MODULE(_qjlkv, m) {
       .def_property_readonly("shape", &Sketch::shape, "(m, d).")
       .def_property_readonly("owned", &Sketch::owned, "False for a cache's borrowed layer sketch.");
 
+  py::class_<Workers>(m, "Workers",
+                     "Workers(num_threads=0): CPU worker threads that several caches can share\n"
+                     "(qjlkv_workers_create; 0 = the cores available). Pass it to Cache.set_workers; each\n"
+                     "cache keeps the threads alive as long as it uses them.")
+      .def(py::init<py::handle>(), py::arg("num_threads") = 0);
+
   py::class_<Cache>(m, "Cache", "qjlkv_cache: low-level handle; see qjlkv.Cache.")
       .def(py::init<const py::dict &>(), py::arg("config"))
       .def("close", &Cache::close)
       .def_property_readonly("closed", &Cache::closed)
       .def("config", &Cache::config)
       .def("set_stream", &Cache::set_stream, py::arg("stream"))
+      .def("set_workers", &Cache::set_workers, py::arg("workers"))
       .def("append", &Cache::append, py::arg("layer"), py::arg("seq"), py::arg("keys"), py::arg("values"))
       .def("attend", &Cache::attend, py::arg("layer"), py::arg("seq"), py::arg("queries"), py::arg("scale"),
            py::arg("out"))

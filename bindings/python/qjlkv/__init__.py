@@ -15,7 +15,7 @@ they must already be contiguous, of the cache's dtype and on its device; otherwi
 library works; one ``Cache`` may be shared by threads (its calls run one at a time).
 ``qjlkv.hf.QJLCache`` plugs the cache into Hugging Face transformers.
 
-The API: ``Config``, ``Cache``, ``Sketch``, ``PRESETS``, the error classes (``Error`` and
+The API: ``Config``, ``Cache``, ``Sketch``, ``Workers``, ``PRESETS``, the error classes (``Error`` and
 its subclasses), the enums ``Status``/``DType``/``KeyMethod`` and the C library's
 ``version_number``/``version_string``/``status_string``/``last_error_message``.
 """
@@ -60,6 +60,7 @@ __all__ = [
     "Status",
     "Unsupported",
     "ValueMethod",
+    "Workers",
     "status_string",
     "last_error_message",
     "version_number",
@@ -215,6 +216,10 @@ class Config:
 #: The QJL sketch (``qjlkv_sketch``): ``Sketch(head_dim, sketch_dim, seed=0, orthogonal=True)``.
 Sketch = _qjlkv.Sketch
 
+#: CPU worker threads several caches can share (``qjlkv_workers_create``):
+#: ``Workers(num_threads=0)``, 0 = the cores available; see :meth:`Cache.set_workers`.
+Workers = _qjlkv.Workers
+
 
 def _new_like(tensor: _Any) -> _Any:
     """An uninitialized array of ``tensor``'s kind, shape, dtype and device."""
@@ -259,7 +264,8 @@ class Cache:
     Threads: the GIL is released while the library works. Calls on one cache from several
     threads are serialized (each waits for the one in flight); different caches run in
     parallel. ``close()`` waits for a call in flight, and any call after it raises
-    ``InvalidArgument("the cache is closed")``.
+    ``InvalidArgument("the cache is closed")``. Caches may share one set of worker
+    threads (:class:`Workers`, :meth:`set_workers`).
 
     Memory: ``stats()`` is the library's own count of every stored byte.
     """
@@ -389,6 +395,13 @@ class Cache:
         """Orders a CUDA cache's work on ``stream`` (``qjlkv_cache_set_stream``): a
         torch.cuda.Stream, an integer cudaStream_t, or None for the default stream."""
         self._handle.set_stream(getattr(stream, "cuda_stream", stream))
+
+    def set_workers(self, workers: Workers | None) -> None:
+        """Runs this CPU cache's parallel work on shared ``workers`` from the next call on
+        (``qjlkv_cache_set_workers``); None goes back to its own ``num_threads`` threads. Give
+        caches that will share workers ``num_threads=1`` so they start no threads of their own.
+        Raises qjlkv.Unsupported for workers on a CUDA cache."""
+        self._handle.set_workers(workers)
 
     @property
     def closed(self) -> bool:

@@ -8,6 +8,7 @@ use crate::config::{Config, Shape};
 use crate::element::{Dtype, Element};
 use crate::error::{check, Error, Status};
 use crate::sketch::Sketch;
+use crate::workers::Workers;
 
 /// Memory statistics of a cache (`qjlkv_stats`): every stored byte is counted.
 #[non_exhaustive]
@@ -352,6 +353,16 @@ impl Cache {
         // SAFETY: the sketch lives as long as the cache, which the lifetime borrows; it is
         // not owned, so never destroyed here.
         unsafe { Sketch::from_ptr(ptr, false) }
+    }
+
+    /// Runs this CPU cache's parallel work (appends, attention) on shared `workers` from the
+    /// next call on; `None` goes back to its own `num_threads` threads. The cache keeps the
+    /// workers alive while it uses them. A CUDA cache refuses workers with `Unsupported`.
+    pub fn set_workers(&mut self, workers: Option<&Workers>) -> Result<(), Error> {
+        let raw = workers.map_or(ptr::null_mut(), Workers::as_ptr);
+        // SAFETY: the cache is live and used by this thread alone (&mut); raw is null or a
+        // live workers handle that the borrow keeps alive for the call.
+        check(unsafe { sys::qjlkv_cache_set_workers(self.ptr.as_ptr(), raw) })
     }
 
     /// The C handle, for calls through `qjlkv-sys` (e.g. `qjlkv_cache_set_stream`). The

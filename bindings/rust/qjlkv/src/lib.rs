@@ -6,6 +6,7 @@
 //!   with builder methods.
 //! - [`Cache`]: append keys/values per (layer, sequence), attend queries, read statistics.
 //! - [`Sketch`]: the QJL projection matrix, standalone or borrowed from a cache.
+//! - [`Workers`]: CPU worker threads several caches can share.
 //! - [`Error`]: a [`Status`] and the library's message, which names the wrong argument.
 //!
 //! Tensors are plain slices of `f32`, [`F16`] or [`Bf16`] (bit patterns); see [`Cache`] for
@@ -56,6 +57,7 @@ mod element;
 mod error;
 mod serialize;
 mod sketch;
+mod workers;
 
 use std::ffi::CStr;
 
@@ -64,6 +66,7 @@ pub use config::{Backend, Config, KeyMethod, Shape};
 pub use element::{Bf16, Dtype, Element, F16};
 pub use error::{Error, Status};
 pub use sketch::Sketch;
+pub use workers::Workers;
 
 // The README's example runs as a doctest too.
 #[cfg(doctest)]

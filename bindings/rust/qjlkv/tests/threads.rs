@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::thread;
 
 use common::*;
-use qjlkv::{Cache, Config, Sketch};
+use qjlkv::{Cache, Config, Sketch, Workers};
 
 fn assert_send<T: Send>() {}
 fn assert_send_sync<T: Send + Sync>() {}
@@ -19,6 +19,7 @@ fn marker_traits() {
     assert_send_sync::<Sketch<'static>>();
     assert_send_sync::<Sketch<'_>>();
     assert_send_sync::<qjlkv::Error>();
+    assert_send_sync::<Workers>();
     // Cache is not Sync: checked by a compile_fail doctest on Cache.
 }
 
@@ -137,5 +138,32 @@ fn error_messages_belong_to_their_thread() {
         .collect();
     for worker in workers {
         worker.join().unwrap();
+    }
+}
+
+/// Caches on one set of shared workers, each driven by its own thread at once, compute what a
+/// cache on its own thread does; the workers may be dropped while the caches use them.
+#[test]
+fn caches_share_workers_across_threads() {
+    let config = Config::preset("q3", 1, 8, 2, 64).unwrap().num_threads(1);
+    let expected: Vec<Vec<f32>> = (0..4)
+        .map(|i| decode(&mut Cache::new(&config).unwrap(), i, 200 + u64::from(i), 200))
+        .collect();
+    let workers = Workers::new(2).unwrap();
+    let caches: Vec<Cache> = (0..4)
+        .map(|_| {
+            let mut cache = Cache::new(&config).unwrap();
+            cache.set_workers(Some(&workers)).unwrap();
+            cache
+        })
+        .collect();
+    drop(workers);
+    let handles: Vec<_> = caches
+        .into_iter()
+        .zip(0u32..)
+        .map(|(mut cache, i)| thread::spawn(move || decode(&mut cache, i, 200 + u64::from(i), 200)))
+        .collect();
+    for (handle, want) in handles.into_iter().zip(&expected) {
+        assert_eq!(&handle.join().unwrap(), want);
     }
 }
