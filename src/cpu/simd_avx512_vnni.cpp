@@ -1,5 +1,5 @@
-// AVX-512 kernels with integer decode paths (VNNI vpdpbusd, VBMI vpermb/vpmultishiftqb): the
-// AVX-512 table with KIVI/OTT key scores and rotated Lloyd-Max value sums computed in integers,
+// AVX-512 kernels with integer decode paths (VNNI vpdpbusd/vpdpwssd, VBMI vpermb/vpmultishiftqb):
+// the AVX-512 table with QJL and KIVI/OTT key scores and rotated Lloyd-Max value sums in integers,
 // within the error budget of SPEC §9 (docs/DESIGN.md, "Integer decode paths"). Every other
 // kernel is the AVX-512 one.
 // The target pragma comes after every include, as in simd_avx512.cpp.
@@ -343,6 +343,264 @@ void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w,
   avx512_kernels().values_accumulate(a, block, w, w_stride, rows, acc, scratch);
 }
 
+
+// ---- QJL keys -------------------------------------------------------------------------------------
+// Per block and query row, the projected query parts x = S·q_in (m sketch rows) and v = S·q_out
+// (m_out rows) become int16 X = round(x / step), |X| <= kProjectionCodeMax, step = max|x| /
+// kProjectionCodeMax; Σ_i x_i·(±1) = step·(2·Σ_i X_i·b_i − Σ_i X_i) with b_i the sign bits.
+// Σ X_i·b_i is taken FastScan-style: every byte of a token's sign bits (two nibbles, 8 sketch
+// rows) indexes an int16 pair table (vpermw: words 0-15 the 16 subset sums of the low nibble's 4
+// X, words 16-31 the high nibble's), and vpdpwssd adds the pair into the token's int32 sum, 16
+// tokens per instruction; the 4 query rows of a GQA group share each index vector. Tables are
+// exact in int16 (4·kProjectionCodeMax < 2^15), so the only error is the rounding of X:
+// Σ_i ρ_i·(±1) with |ρ_i| <= step/2, about 1/(2·8191·sqrt(3)) of max|x| per sketch row.
+constexpr float kProjectionCodeMax = 8191.0f;
+
+// Constant index vectors of the QJL kernel.
+struct QjlConstants {
+  // vpmultishiftqb: from dwords holding 4 sign-bit bytes of a token, byte i's low nibble into the
+  // low byte of word 0 and its high nibble into the low byte of word 1 (upper bits cleared after).
+  alignas(64) uint8_t nibbles[4][64];
+  // Subset-sum halves of a group of 4 nibble positions (16 X, in the low words of 16 dwords):
+  // words 8p..8p+3 of position p hold {0, x0, x1, x0 + x1}, words 8p+4..8p+7 {0, x2, x3,
+  // x2 + x3}, as the sum of two masked vpermw.
+  alignas(64) uint16_t first[32], second[32];
+  uint32_t first_mask = 0, second_mask = 0;
+  // Pair tables from those halves: table[e] = low[e & 3] + high[e >> 2] for positions 2l, 2l+1.
+  alignas(64) uint16_t low[2][32], high[2][32];
+};
+constexpr QjlConstants make_qjl_constants() {
+  QjlConstants c{};
+  for (uint32_t i = 0; i < 4; ++i)
+    for (uint32_t qword = 0; qword < 8; ++qword)
+      for (uint32_t b = 0; b < 8; ++b) {
+        const uint32_t dword = b / 4, word = (b / 2) % 2;
+        c.nibbles[i][8 * qword + b] = uint8_t(32 * dword + 8 * i + 4 * word);
+      }
+  for (uint32_t w = 0; w < 32; ++w) {
+    const uint32_t p = w / 8, half = (w % 8) / 4, sub = w % 4;
+    c.first[w] = uint16_t(2 * (4 * p + 2 * half + (sub == 2 ? 1 : 0)));
+    c.second[w] = uint16_t(2 * (4 * p + 2 * half + 1));
+    if (sub != 0) c.first_mask |= 1u << w;
+    if (sub == 3) c.second_mask |= 1u << w;
+  }
+  for (uint32_t l = 0; l < 2; ++l)
+    for (uint32_t w = 0; w < 32; ++w) {
+      const uint32_t p = 2 * l + w / 16, e = w % 16;
+      c.low[l][w] = uint16_t(8 * p + (e & 3));
+      c.high[l][w] = uint16_t(8 * p + 4 + (e >> 2));
+    }
+  return c;
+}
+constexpr QjlConstants kQjl = make_qjl_constants();
+
+// Dword k of the R-dword sign rows of 16 tokens from `rows` (tokens past `valid` read as 0):
+// out[k] lane t = dword k of token t. log2(R) rounds of even/odd dword splits of the row-major
+// 16×R matrix; each round moves the lowest bit of k to the top of the vector index, so the
+// vectors end in the order of k.
+template <uint32_t R>
+void transpose_sign_rows(const uint8_t *rows, uint32_t valid, __m512i *out) {
+  const uint32_t valid_dwords = std::min(valid, 16u) * R;
+  __m512i z[R];
+  for (uint32_t j = 0; j < R; ++j) {
+    const uint32_t first = 16 * j;
+    const __mmask16 mask = first + 16 <= valid_dwords ? __mmask16(0xffff)
+                           : first < valid_dwords     ? __mmask16((1u << (valid_dwords - first)) - 1u)
+                                                      : __mmask16(0);
+    z[j] = _mm512_maskz_loadu_epi32(mask, rows + 64 * size_t(j));
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (uint32_t n = R; n > 1; n /= 2) {
+    __m512i y[R];
+    for (uint32_t i = 0; i < R / 2; ++i) {
+      y[i] = _mm512_permutex2var_epi32(z[2 * i], even, z[2 * i + 1]);
+      y[R / 2 + i] = _mm512_permutex2var_epi32(z[2 * i], odd, z[2 * i + 1]);
+    }
+    for (uint32_t i = 0; i < R; ++i) z[i] = y[i];
+  }
+  for (uint32_t k = 0; k < R; ++k) out[k] = z[k];
+}
+
+void transpose_sign_rows(uint32_t R, const uint8_t *rows, uint32_t valid, __m512i *out) {
+  switch (R) {
+    case 1: transpose_sign_rows<1>(rows, valid, out); break;
+    case 2: transpose_sign_rows<2>(rows, valid, out); break;
+    case 4: transpose_sign_rows<4>(rows, valid, out); break;
+    case 8: transpose_sign_rows<8>(rows, valid, out); break;
+    default: transpose_sign_rows<16>(rows, valid, out); break;
+  }
+}
+
+// X = round(x / step) over n (a multiple of 16) values whose largest magnitude is `largest`,
+// kept only as the subset-sum halves (QjlConstants::first/second) of every group of 4
+// positions; returns Σ X, sets *step.
+int32_t quantize_projection(const float *x, uint32_t n, float largest, __m512i *halves, float *step) {
+  const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? kProjectionCodeMax / largest : 0.0f);
+  *step = largest / kProjectionCodeMax;
+  const __m512i first = _mm512_load_si512(kQjl.first), second = _mm512_load_si512(kQjl.second);
+  __m512i sum = _mm512_setzero_si512();
+  for (uint32_t i = 0; i < n; i += 16) {
+    const __m512i Q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inverse));  // nearest even
+    sum = _mm512_add_epi32(sum, Q);
+    _mm512_store_si512(halves + i / 16, _mm512_add_epi16(_mm512_maskz_permutexvar_epi16(kQjl.first_mask, first, Q),
+                                                         _mm512_maskz_permutexvar_epi16(kQjl.second_mask, second, Q)));
+  }
+  return _mm512_reduce_add_epi32(sum);
+}
+
+// acc[r][h] (lane t: token 16h + t of the span) = Σ_i X_ri·b_ti over the `bytes` sign bytes of a
+// row; dwords[2k + h]: dword k of the span's chunk h; halves: [R][groups], groups apart.
+template <uint32_t R>
+void sign_sums(const __m512i *dwords, uint32_t bytes, const __m512i *halves, uint32_t groups, __m512i acc[R][2]) {
+  const __m512i clear = _mm512_set1_epi32(0x000F000F), tag = _mm512_set1_epi32(0x00100000);
+  const __m512i ones = _mm512_set1_epi16(1);
+  for (uint32_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  for (uint32_t k = 0; k < bytes / 4; ++k) {
+    const __m512i d0 = _mm512_load_si512(dwords + 2 * k), d1 = _mm512_load_si512(dwords + 2 * k + 1);
+#pragma GCC unroll 4
+    for (uint32_t i = 0; i < 4; ++i) {
+      const __m512i control = _mm512_load_si512(kQjl.nibbles[i]);
+      // (x & clear) | tag: the low nibble indexes words 0-15, the high one words 16-31.
+      const __m512i index0 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(control, d0), clear, tag, 0xEA);
+      const __m512i index1 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(control, d1), clear, tag, 0xEA);
+      const uint32_t pair = 4 * k + i, group = pair / 2;
+      const __m512i low = _mm512_load_si512(kQjl.low[pair % 2]), high = _mm512_load_si512(kQjl.high[pair % 2]);
+      for (uint32_t r = 0; r < R; ++r) {
+        const __m512i h = _mm512_load_si512(halves + size_t(r) * groups + group);
+        const __m512i table = _mm512_add_epi16(_mm512_permutexvar_epi16(low, h), _mm512_permutexvar_epi16(high, h));
+        acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], _mm512_permutexvar_epi16(index0, table), ones);
+        acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], _mm512_permutexvar_epi16(index1, table), ones);
+      }
+    }
+  }
+}
+
+// out[r][t] (+)= factor·norm_t·step_r·(2·acc − Σ X_r) for the span's 32 tokens from t0.
+template <uint32_t R>
+void sign_scores(__m512i acc[R][2], const uint8_t *norms, uint32_t B, uint32_t t0, float factor,
+                 const float *step, const int32_t *sum, bool add, float *out, size_t out_stride) {
+  for (uint32_t h = 0; h < 2; ++h) {
+    const uint32_t t = t0 + 16 * h;
+    const __mmask16 valid = t + 16 <= B ? __mmask16(0xffff) : t < B ? __mmask16((1u << (B - t)) - 1u) : __mmask16(0);
+    const __m512 norm = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, norms + 2 * size_t(t))),
+                                      _mm512_set1_ps(factor));
+    for (uint32_t r = 0; r < R; ++r) {
+      const __m512i signed_sum = _mm512_sub_epi32(_mm512_slli_epi32(acc[r][h], 1), _mm512_set1_epi32(sum[r]));
+      const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(signed_sum), _mm512_set1_ps(step[r]));
+      float *o = out + size_t(r) * out_stride + t;
+      _mm512_storeu_ps(o, add ? _mm512_fmadd_ps(norm, dot, _mm512_loadu_ps(o)) : _mm512_mul_ps(norm, dot));
+    }
+  }
+}
+
+bool qjl_integer_rows(uint32_t m) {
+  const uint32_t R = m / 32;
+  return m % 32 == 0 && R >= 1 && R <= 16 && (R & (R - 1)) == 0;
+}
+
+template <uint32_t R>
+void qjl_span_scores(const QjlArgs &a, const uint8_t *block, uint32_t t0, bool outliers, const __m512i *halves_in,
+                     const __m512i *halves_out, const float *step_in, const int32_t *sum_in, const float *step_out,
+                     const int32_t *sum_out, __m512i *dwords, float *out, size_t out_stride) {
+  const BlockLayout &l = *a.layout;
+  const uint32_t B = a.block_tokens, m = a.m, m_out = a.m_out;
+  __m512i acc[R][2];
+  for (uint32_t h = 0; h < 2; ++h) {
+    const uint32_t t = t0 + 16 * h, valid = t < B ? B - t : 0;
+    __m512i rows_in[16];
+    transpose_sign_rows(m / 32, block + l.key_bits_in + size_t(t) * (m / 8), valid, rows_in);
+    for (uint32_t k = 0; k < m / 32; ++k) _mm512_store_si512(dwords + 2 * k + h, rows_in[k]);
+  }
+  sign_sums<R>(dwords, m / 8, halves_in, m / 16, acc);
+  sign_scores<R>(acc, block + l.key_norm_in, B, t0, a.in_factor, step_in, sum_in, false, out, out_stride);
+  if (!outliers) return;
+  for (uint32_t h = 0; h < 2; ++h) {
+    const uint32_t t = t0 + 16 * h, valid = t < B ? B - t : 0;
+    __m512i rows_out[16];
+    transpose_sign_rows(m_out / 32, block + l.key_bits_out + size_t(t) * (m_out / 8), valid, rows_out);
+    for (uint32_t k = 0; k < m_out / 32; ++k) _mm512_store_si512(dwords + 2 * k + h, rows_out[k]);
+  }
+  sign_sums<R>(dwords, m_out / 8, halves_out, m_out / 16, acc);
+  sign_scores<R>(acc, block + l.key_norm_out, B, t0, a.out_factor, step_out, sum_out, true, out, out_stride);
+}
+
+void qjl_scores(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, uint32_t rows, float *out,
+                size_t out_stride, float *scratch) {
+  const BlockLayout &l = *a.layout;
+  const uint32_t B = a.block_tokens, d = a.head_dim, dp = padded_dim(d), m = a.m, m_out = a.m_out;
+  const uint32_t c = m_out ? a.outlier_channels : 0;
+  if (!qjl_integer_rows(m) || (c && !qjl_integer_rows(m_out))) {
+    avx512_kernels().qjl_scores(a, block, q, sq, rows, out, out_stride, scratch);
+    return;
+  }
+  const size_t SR = a.sketch_t_stride;
+  const uint32_t v_len = (std::max(m, m_out) + 31) / 32 * 32, Bp = padded_tokens(B);
+  // Scratch (64-byte aligned pieces): v and x rows, the subset-sum halves of their X, the
+  // span's transposed sign dwords.
+  float *v = scratch, *x = v + 4 * size_t(v_len);
+  auto *halves_in = reinterpret_cast<__m512i *>(x + 4 * size_t(v_len));
+  __m512i *halves_out = halves_in + 4 * size_t(m / 16);
+  __m512i *dwords = halves_out + 4 * size_t(m_out / 16);
+  const uint8_t *outliers = block + l.key_outlier_idx;
+  const float *columns[256];  // S's columns of the block's outlier channels
+  for (uint32_t j = 0; j < c; ++j) columns[j] = a.sketch_t + outliers[j] * SR;
+  for (uint32_t r0 = 0; r0 < rows; r0 += 4) {
+    const uint32_t R = std::min(4u, rows - r0);
+    float step_in[4] = {}, step_out[4] = {};
+    int32_t sum_in[4] = {}, sum_out[4] = {};
+    if (c) {
+      // v = S·q_out over the block's outlier channels and x = S·q_in = S·q − v, all rows at once
+      // (rows past R get q_out = 0), with their largest magnitudes.
+      float q_out[4][256];
+      for (uint32_t rr = 0; rr < 4; ++rr)
+        for (uint32_t j = 0; j < c; ++j) q_out[rr][j] = rr < R ? q[size_t(r0 + rr) * dp + outliers[j]] : 0.0f;
+      __m512 top_x[4], top_v[4];
+      for (uint32_t rr = 0; rr < 4; ++rr) top_x[rr] = top_v[rr] = _mm512_setzero_ps();
+      for (uint32_t i = 0; i < v_len; i += 16) {
+        __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (uint32_t j = 0; j < c; ++j) {
+          const __m512 column = _mm512_loadu_ps(columns[j] + i);
+          for (uint32_t rr = 0; rr < 4; ++rr) sum[rr] = _mm512_fmadd_ps(_mm512_set1_ps(q_out[rr][j]), column, sum[rr]);
+        }
+        for (uint32_t rr = 0; rr < R; ++rr) {
+          if (i < m_out) {
+            _mm512_storeu_ps(v + size_t(rr) * v_len + i, sum[rr]);
+            top_v[rr] = _mm512_max_ps(top_v[rr], _mm512_abs_ps(sum[rr]));
+          }
+          if (i < m) {
+            const __m512 xi = _mm512_sub_ps(_mm512_loadu_ps(sq + size_t(r0 + rr) * SR + i), sum[rr]);
+            _mm512_storeu_ps(x + size_t(rr) * v_len + i, xi);
+            top_x[rr] = _mm512_max_ps(top_x[rr], _mm512_abs_ps(xi));
+          }
+        }
+      }
+      for (uint32_t rr = 0; rr < R; ++rr) {
+        sum_out[rr] = quantize_projection(v + size_t(rr) * v_len, m_out, _mm512_reduce_max_ps(top_v[rr]),
+                                          halves_out + size_t(rr) * (m_out / 16), &step_out[rr]);
+        sum_in[rr] = quantize_projection(x + size_t(rr) * v_len, m, _mm512_reduce_max_ps(top_x[rr]),
+                                         halves_in + size_t(rr) * (m / 16), &step_in[rr]);
+      }
+    } else {
+      for (uint32_t rr = 0; rr < R; ++rr) {
+        const float *xr = sq + size_t(r0 + rr) * SR;
+        __m512 top = _mm512_setzero_ps();
+        for (uint32_t i = 0; i < m; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(xr + i)));
+        sum_in[rr] = quantize_projection(xr, m, _mm512_reduce_max_ps(top), halves_in + size_t(rr) * (m / 16), &step_in[rr]);
+      }
+    }
+    float *o = out + size_t(r0) * out_stride;
+    for (uint32_t t0 = 0; t0 < Bp; t0 += 32) {
+      switch (R) {
+        case 1: qjl_span_scores<1>(a, block, t0, c > 0, halves_in, halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
+        case 2: qjl_span_scores<2>(a, block, t0, c > 0, halves_in, halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
+        case 3: qjl_span_scores<3>(a, block, t0, c > 0, halves_in, halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
+        default: qjl_span_scores<4>(a, block, t0, c > 0, halves_in, halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace qjlkv::cpu::avx512_vnni
 
@@ -357,6 +615,7 @@ const KernelTable &avx512_vnni_kernels() {
   static const KernelTable table = [] {
     KernelTable t = avx512_kernels();
     t.isa = Isa::Avx512Vnni;
+    t.qjl_scores = &avx512_vnni::qjl_scores;
     t.kivi_scores = &avx512_vnni::kivi_scores;
     t.values_accumulate = &avx512_vnni::values_accumulate;
     return t;

@@ -68,3 +68,16 @@ def require_cuda() -> None:
         reason = "needs a CUDA device and a libqjlkv built with QJLKV_CUDA=ON"
         print(f"SKIP: {reason}")
         pytest.skip(reason)
+
+
+@pytest.fixture
+def fp32_kernels(monkeypatch):
+    """Caches created in the test run the fp32 CPU kernels where the CPU has AVX-512 (else the
+    default path is fp32 already): tests that hold QJL scores to the estimator's formula within
+    float rounding use it. The integer path (avx512vnni) is held to SPEC §9's error budget by
+    tests/cpu_paths instead."""
+    monkeypatch.setenv("QJLKV_CPU_ISA", "avx512")
+    try:
+        qjlkv.Cache(small_config()).close()
+    except qjlkv.Unsupported:
+        monkeypatch.delenv("QJLKV_CPU_ISA")

@@ -69,7 +69,7 @@ QJL_SHAPES = [
 
 
 @pytest.mark.parametrize("fields", QJL_SHAPES)
-def test_qjl_scores_equal_reference_estimator(rng, fields):
+def test_qjl_scores_equal_reference_estimator(rng, fields, fp32_kernels):
     cfg = small_config(num_layers=2, initial_layers=1, initial_key_sketch_dim=128, initial_outlier_sketch_dim=64,
                        **fields)
     cache = qjlkv.Cache(cfg)
@@ -90,7 +90,7 @@ def test_qjl_scores_equal_reference_estimator(rng, fields):
             assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
 
 
-def test_qjl_reconstruction_is_the_dense_form(rng):
+def test_qjl_reconstruction_is_the_dense_form(rng, fp32_kernels):
     cfg = small_config()
     cache = qjlkv.Cache(cfg)
     keys, values = keys_with_outlier_channels(rng, 100, 2, 64), randn(rng, 100, 2, 64)
