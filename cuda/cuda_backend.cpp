@@ -976,6 +976,7 @@ class CudaImport final : public PortableImport {
   // the device copy runs asynchronously (the ring waits only when a whole ring is in flight);
   // flush() waits for all of them.
   void upload(void *device, const void *host, size_t bytes) const {
+    if (bytes == 0) return;  // host may be the NULL data() of an empty vector (no blocks)
     uint8_t *pinned = cache_.upload_->acquire(bytes, cache_.stream_);
     std::memcpy(pinned, host, bytes);
     check_cuda(cudaMemcpyAsync(device, pinned, bytes, cudaMemcpyHostToDevice, cache_.stream_), "cudaMemcpyAsync");
