@@ -116,6 +116,7 @@ class CudaCache final : public qjlkv_cache {
   // host and go back as they are.
   PortableCounts portable_counts(uint32_t layer, uint32_t seq) const override;
   void read_block(uint32_t layer, uint32_t seq, uint32_t block, uint32_t head, uint8_t *out) const override;
+  void read_blocks(uint32_t layer, uint32_t seq, uint32_t first, uint32_t count, uint8_t *out) const override;
   void read_exact(uint32_t layer, uint32_t seq, ExactRows which, uint32_t first, uint32_t count, bool values,
                   uint8_t *out) const override;
   void read_outliers(uint32_t layer, uint32_t seq, uint32_t head, PortableOutliers &out) const override;
@@ -760,6 +761,24 @@ void CudaCache::read_block(uint32_t layer_index, uint32_t seq_id, uint32_t block
   download(out, slot + size_t(head) * layer.shape.head_stride, spec().layers[layer_index].layout.stride);
 }
 
+// A run of blocks in one synchronization: one strided copy per block (its Hkv heads) into pinned
+// memory borrowed from the upload ring (read only after the wait), then to the caller's buffer.
+void CudaCache::read_blocks(uint32_t layer_index, uint32_t seq_id, uint32_t first, uint32_t count, uint8_t *out) const {
+  DeviceGuard guard(device_);
+  const LayerState &layer = layers_[layer_index];
+  const SeqState &seq = find(layer_index, seq_id);
+  const size_t stride = spec().layers[layer_index].layout.stride, heads = layer.shape.Hkv;
+  const size_t bytes = size_t(count) * heads * stride;
+  uint8_t *pinned = upload_->acquire(bytes, stream_);
+  for (uint32_t b = 0; b < count; ++b)
+    check_cuda(cudaMemcpy2DAsync(pinned + size_t(b) * heads * stride, stride,
+                                 reinterpret_cast<const void *>(seq.table[first + b]), layer.shape.head_stride, stride,
+                                 heads, cudaMemcpyDeviceToHost, stream_),
+               "cudaMemcpy2DAsync (export)");
+  check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (export)");
+  std::memcpy(out, pinned, bytes);
+}
+
 void CudaCache::read_exact(uint32_t layer_index, uint32_t seq_id, ExactRows which, uint32_t first, uint32_t count,
                            bool values, uint8_t *out) const {
   DeviceGuard guard(device_);
@@ -894,6 +913,10 @@ class CudaImport final : public PortableImport {
     upload(cache_.ott_state(cache_.layers_[layers_.back().layer], seq, 0) + size_t(head) * o.bytes, state.data(),
            state.size());
   }
+  void flush() override {
+    DeviceGuard guard(cache_.device_);
+    check_cuda(cudaStreamSynchronize(cache_.stream_), "cudaStreamSynchronize (import)");
+  }
   // The C layer checked that the layers hold no tokens: no record with slots is replaced.
   void commit() noexcept override {
     layers_.commit([this](uint32_t layer) -> auto & { return cache_.layers_[layer].seqs; });
@@ -902,10 +925,14 @@ class CudaImport final : public PortableImport {
  private:
   using StagedLayer = StagedLayers<SeqState>::Layer;
   SeqState &current() { return layers_.back().node.mapped(); }
-  // Host to device, complete when it returns (the caller's buffer may go away).
+  // Host to device through the pinned upload ring: the caller's buffer is copied when this returns,
+  // the device copy runs asynchronously (the ring waits only when a whole ring is in flight);
+  // flush() waits for all of them.
   void upload(void *device, const void *host, size_t bytes) const {
-    check_cuda(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, cache_.stream_), "cudaMemcpyAsync");
-    check_cuda(cudaStreamSynchronize(cache_.stream_), "cudaStreamSynchronize (import)");
+    if (bytes == 0) return;  // host may be the NULL data() of an empty vector (no blocks)
+    uint8_t *pinned = cache_.upload_->acquire(bytes, cache_.stream_);
+    std::memcpy(pinned, host, bytes);
+    check_cuda(cudaMemcpyAsync(device, pinned, bytes, cudaMemcpyHostToDevice, cache_.stream_), "cudaMemcpyAsync");
   }
 
   CudaCache &cache_;

@@ -32,43 +32,25 @@ __device__ __forceinline__ void accumulate_signs(uint32_t word, const float *v, 
   }
 }
 
-// Σ_c qs_r[c]·code_c over the 32/BITS codes of one word, for every query row r.
-template <uint32_t BITS, uint32_t ROWS>
-__device__ __forceinline__ void accumulate_codes(uint32_t word, const float *qs, uint32_t stride, float (&acc)[ROWS]) {
-  constexpr uint32_t kPerWord = 32 / BITS, kMask = (1u << BITS) - 1u;
-#pragma unroll
-  for (uint32_t c = 0; c < kPerWord; c += 4) {
-    const float f0 = code_to_float((word >> (c * BITS)) & kMask);
-    const float f1 = code_to_float((word >> ((c + 1) * BITS)) & kMask);
-    const float f2 = code_to_float((word >> ((c + 2) * BITS)) & kMask);
-    const float f3 = code_to_float((word >> ((c + 3) * BITS)) & kMask);
-#pragma unroll
-    for (uint32_t r = 0; r < ROWS; ++r) {
-      const float4 x = *reinterpret_cast<const float4 *>(qs + r * stride + c);
-      acc[r] = fmaf(x.x, f0, fmaf(x.y, f1, fmaf(x.z, f2, fmaf(x.w, f3, acc[r]))));
-    }
-  }
-}
-
-// Σ_c qs_r[c]·code_c over the 32 3-bit codes of three words (96 bits), for every query row r.
-template <uint32_t ROWS>
-__device__ __forceinline__ void accumulate_codes3(uint32_t w0, uint32_t w1, uint32_t w2, const float *qs,
-                                                  uint32_t stride, float (&acc)[ROWS]) {
-  const uint64_t lo = uint64_t(w0) | uint64_t(w1) << 32;  // codes 0..20 and the low bit of code 21
-  const uint64_t hi = uint64_t(w1) | uint64_t(w2) << 32;  // from bit 32: codes 11 (partly) .. 31
-#pragma unroll
-  for (uint32_t c = 0; c < 32; c += 4) {
-    float f[4];
+// The codes of group g of a staged KIVI row (see kivi_unpacked_channel) as words of four 8-bit
+// codes. 8-bit codes are biased by -128 (int8 for dp4a); the scorer adds 128·Σ Q back.
+template <uint32_t BITS>
+__device__ __forceinline__ void unpack_codes(const uint8_t *row, uint32_t g, bool aligned,
+                                             uint32_t (&u)[kivi_group_codes(BITS) / 4]) {
+  if constexpr (BITS == 3) {
+    const uint8_t *p = row + 12 * g;  // the last group of a row reads into the next row or the stage's slack
+    const uint32_t w0 = load_word(p, aligned), w1 = load_word(p + 4, aligned), w2 = load_word(p + 8, aligned);
+    const uint32_t chunk[4] = {w0, w0 >> 24 | w1 << 8, w1 >> 16 | w2 << 16, w2 >> 8};  // 8 codes each
 #pragma unroll
     for (uint32_t k = 0; k < 4; ++k) {
-      const uint32_t bit = 3 * (c + k);
-      f[k] = code_to_float(uint32_t(bit + 3 <= 64 ? lo >> bit : hi >> (bit - 32)) & 7u);
+      u[2 * k] = spread3(chunk[k]);
+      u[2 * k + 1] = spread3(chunk[k] >> 3);
     }
+  } else {
+    const uint32_t word = load_word(row + 4 * g, aligned);
+    constexpr uint32_t kMask = 0x01010101u * ((1u << BITS) - 1u);
 #pragma unroll
-    for (uint32_t r = 0; r < ROWS; ++r) {
-      const float4 x = *reinterpret_cast<const float4 *>(qs + r * stride + c);
-      acc[r] = fmaf(x.x, f[0], fmaf(x.y, f[1], fmaf(x.z, f[2], fmaf(x.w, f[3], acc[r]))));
-    }
+    for (uint32_t k = 0; k < 32 / BITS / 4; ++k) u[k] = BITS == 8 ? word ^ 0x80808080u : word >> (k * BITS) & kMask;
   }
 }
 
@@ -196,7 +178,8 @@ struct QjlKeys {
 };
 
 // KIVI / OTT keys: per-channel fp16 scale and minimum per block, 2/3/4/8-bit codes per token; OTT
-// blocks also mask the slots whose token moved to the outlier pool.
+// blocks also mask the slots whose token moved to the outlier pool. Scores in integers: dp4a of
+// the unpacked codes with the query's two int8 digits (layout.hpp, kQueryCodeMax).
 struct KiviKeys {
   static constexpr KeyKind kKind = KeyKind::kivi;
   static constexpr bool kTwoSums = false;
@@ -208,32 +191,61 @@ struct KiviKeys {
     uint8_t *smem;
     const float *q;
     uint32_t d32;
-    float *qs, *key_offset;
+    uint2 *digits;  // {hi, lo} [ROWS][d32 / 4]
+    float *key_offset, *key_step;
     __device__ Scorer(const KernelShape &shape, const AttendSmem &layout, uint8_t *shared)
         : s(shape), L(layout), smem(shared), q(reinterpret_cast<const float *>(shared + layout.q)),
-          d32(round_up(shape.d, 32)), qs(reinterpret_cast<float *>(shared + layout.qs)),
-          key_offset(reinterpret_cast<float *>(shared + layout.koff)) {}
+          d32(round_up(shape.d, 32)), digits(reinterpret_cast<uint2 *>(shared + layout.qdigits)),
+          key_offset(reinterpret_cast<float *>(shared + layout.koff)), key_step(key_offset + ROWS) {}
 
     __device__ void init() {}
-    // q_c·scale_c for the codes and Σ_c q_c·min_c for the offset shared by the block's tokens.
+    // The query digits of this block (layout.hpp, kQueryCodeMax) and per row the step and the offset
+    // shared by the block's tokens: Σ_c q_c·min_c + mid·Σ_c ρ_c (ρ_c = q'_c − step·Q_c, mid =
+    // (2^bits − 1)/2: the error is Σ_c ρ_c·(code_c − mid), |ρ_c| ≤ step/2), + 128·step·Σ_c Q_c for
+    // the bias of 8-bit codes.
     __device__ void setup_block(const uint8_t *block) {
-      const uint32_t tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
-      float *products = reinterpret_cast<float *>(smem + L.final_buf);  // [ROWS][d32] scratch
+      const uint32_t tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, bits = s.key_bits;
+      int *Q = reinterpret_cast<int *>(smem + L.final_buf);  // [ROWS][d32] scratch
       const auto *scale16 = reinterpret_cast<const uint16_t *>(block + s.key_scale);
       const auto *min16 = reinterpret_cast<const uint16_t *>(block + s.key_min);
-      for (uint32_t i = tid; i < ROWS * d32; i += kAttendThreads) {
-        const uint32_t j = i % d32;
-        const float scale = j < s.d ? fp16_bits_to_float(scale16[j]) : 0.0f;
-        const float minimum = j < s.d ? fp16_bits_to_float(min16[j]) : 0.0f;
-        qs[i] = q[i] * scale;
-        products[i] = q[i] * minimum;
+      const auto scaled = [&](uint32_t r, uint32_t j) { return j < s.d ? q[r * d32 + j] * fp16_bits_to_float(scale16[j]) : 0.0f; };
+      for (uint32_t r = warp; r < ROWS; r += kParts) {
+        float largest = 0.0f;
+        for (uint32_t j = lane; j < d32; j += 32) largest = fmaxf(largest, fabsf(scaled(r, j)));
+        largest = warp_max(largest);
+        const float inverse = largest > 0.0f ? kQueryCodeMax / largest : 0.0f;
+        const float step = largest > 0.0f ? largest / kQueryCodeMax : 0.0f;
+        float min_sum = 0.0f, residual = 0.0f, code_sum = 0.0f;  // |Σ Q| < 2^24: exact
+        for (uint32_t j = lane; j < d32; j += 32) {
+          const float x = scaled(r, j);
+          const int code = __float2int_rn(x * inverse);
+          Q[r * d32 + j] = code;
+          residual += x - float(code) * step;
+          code_sum += float(code);
+          if (j < s.d) min_sum += q[r * d32 + j] * fp16_bits_to_float(min16[j]);
+        }
+        min_sum = warp_sum(min_sum);
+        residual = warp_sum(residual);
+        code_sum = warp_sum(code_sum);
+        if (lane == 0) {
+          const float mid = float((1u << bits) - 1u) * 0.5f;
+          key_offset[r] = min_sum + residual * mid + (bits == 8 ? 128.0f * step * code_sum : 0.0f);
+          key_step[r] = step;
+        }
       }
       __syncthreads();
-      for (uint32_t r = warp; r < ROWS; r += kParts) {
-        float sum = 0.0f;
-        for (uint32_t j = lane; j < d32; j += 32) sum += products[r * d32 + j];
-        sum = warp_sum(sum);
-        if (lane == 0) key_offset[r] = sum;
+      const uint32_t words = d32 / 4, per_group = kivi_group_codes(bits) / 4;
+      for (uint32_t i = tid; i < ROWS * words; i += kAttendThreads) {
+        const uint32_t r = i / words, w = i % words;
+        uint32_t hi = 0, lo = 0;
+#pragma unroll
+        for (uint32_t b = 0; b < 4; ++b) {
+          const int code = Q[r * d32 + kivi_unpacked_channel(bits, w / per_group, w % per_group, b)];
+          const int high = (code + 128) >> 8;  // |Q| <= 127·256: high in [-127, 127], code - 256·high in [-128, 127]
+          hi |= uint32_t(high & 0xff) << (8 * b);
+          lo |= uint32_t((code - 256 * high) & 0xff) << (8 * b);
+        }
+        digits[i] = make_uint2(hi, lo);
       }
       __syncthreads();
     }
@@ -243,34 +255,41 @@ struct KiviKeys {
     template <bool BF16>
     __device__ void score(const uint8_t *stage_k, uint32_t lane, uint32_t warp, float (&acc)[ROWS],
                           float (&)[ROWS]) const {
-      const uint32_t bytes = s.key_codes_bpt, words = div_up(bytes, 4);
-      const uint8_t *codes = stage_k + lane * bytes;
-      const bool aligned = bytes % 4 == 0;
+      const uint8_t *codes = stage_k + lane * s.key_codes_bpt;
       switch (s.key_bits) {
-        case 2:
-          for (uint32_t k = warp; k < words; k += kParts)
-            accumulate_codes<2, ROWS>(load_word(codes + 4 * k, aligned), qs + 16 * k, d32, acc);
-          break;
-        case 3:
-          // Groups of 32 codes in 12 bytes (the last group of a row whose head_dim is not a multiple
-          // of 32 reads into the next row or the stage's slack, times qs's zeros).
-          for (uint32_t k = warp; k < div_up(s.d, 32); k += kParts)
-            accumulate_codes3<ROWS>(load_word(codes + 12 * k, aligned), load_word(codes + 12 * k + 4, aligned),
-                                    load_word(codes + 12 * k + 8, aligned), qs + 32 * k, d32, acc);
-          break;
-        case 4:
-          for (uint32_t k = warp; k < words; k += kParts)
-            accumulate_codes<4, ROWS>(load_word(codes + 4 * k, aligned), qs + 8 * k, d32, acc);
-          break;
-        default:
-          for (uint32_t k = warp; k < words; k += kParts)
-            accumulate_codes<8, ROWS>(load_word(codes + 4 * k, aligned), qs + 4 * k, d32, acc);
+        case 2: score_bits<2>(codes, warp, acc); break;
+        case 3: score_bits<3>(codes, warp, acc); break;
+        case 4: score_bits<4>(codes, warp, acc); break;
+        default: score_bits<8>(codes, warp, acc);
       }
+    }
+    // Σ_c Q_rc·code_c over this warp's groups of one token's codes, exactly (|Σ| < 2^31: at most
+    // 256 channels of |Q| <= 127·256 and |code| <= 128), as a float per row.
+    template <uint32_t BITS>
+    __device__ void score_bits(const uint8_t *codes, uint32_t warp, float (&acc)[ROWS]) const {
+      constexpr uint32_t kWords = kivi_group_codes(BITS) / 4;
+      const uint32_t groups = BITS == 3 ? div_up(s.d, 32) : div_up(s.key_codes_bpt, 4), words = d32 / 4;
+      const bool aligned = s.key_codes_bpt % 4 == 0;
+      int hi[ROWS] = {}, lo[ROWS] = {};
+      for (uint32_t g = warp; g < groups; g += kParts) {
+        uint32_t u[kWords];
+        unpack_codes<BITS>(codes, g, aligned, u);
+#pragma unroll
+        for (uint32_t r = 0; r < ROWS; ++r)
+#pragma unroll
+          for (uint32_t k = 0; k < kWords; ++k) {
+            const uint2 digit = digits[r * words + g * kWords + k];
+            hi[r] = __dp4a(int(u[k]), int(digit.x), hi[r]);
+            lo[r] = __dp4a(int(u[k]), int(digit.y), lo[r]);
+          }
+      }
+#pragma unroll
+      for (uint32_t r = 0; r < ROWS; ++r) acc[r] = float(hi[r] * 256 + lo[r]);
     }
     __device__ float token_score(const uint8_t *, const uint8_t *block, uint32_t r, uint32_t t0, uint32_t t,
                                  float sum, float) const {
       const bool moved = s.has_mask && (block[s.key_mask + (t0 + t) / 8] >> ((t0 + t) % 8) & 1u);
-      return moved ? kNegInf : sum + key_offset[r];
+      return moved ? kNegInf : fmaf(sum, key_step[r], key_offset[r]);
     }
   };
 };

@@ -57,8 +57,8 @@ struct AttendSmem {
   uint32_t sq_in = 0;      // QJL float [rows][m32]: S·q_in of the current block
   uint32_t sq_out = 0;     // QJL float [rows][mo32]: S_out·q_out of the current block
   uint32_t outlier = 0;    // QJL uint32 [c]: outlier channels of the current block
-  uint32_t qs = 0;         // KIVI float [rows][d32]: q_c · scale_c of the current block
-  uint32_t koff = 0;       // KIVI float [rows]: Σ q_c · min_c of the current block
+  uint32_t qdigits = 0;    // KIVI {hi, lo} int8x4 words [rows][d32 / 4]: the current block's query digits
+  uint32_t koff = 0;       // KIVI float [2][rows]: the current block's score offset, then its step
   uint32_t scores = 0;     // float [rows][kTile]: scores, then softmax weights
   uint32_t red = 0;        // float [2][kParts][rows][kTile]: partial dot products
   uint32_t state = 0;      // float [3][rows]: running max, running sum, rescale factor
@@ -90,8 +90,8 @@ QJLKV_HD AttendSmem attend_smem(const AttendShape &s) {
     o.outlier = take(4 * (s.outlier_channels + 1));
   }
   if (s.kind == KeyKind::kivi) {
-    o.qs = take(4 * s.rows * d32);
-    o.koff = take(4 * s.rows);
+    o.qdigits = take(2 * s.rows * d32);
+    o.koff = take(4 * 2 * s.rows);
   }
   o.scores = take(4 * s.rows * kTile);
   o.red = take(4 * 2 * kParts * s.rows * kTile);
@@ -152,6 +152,27 @@ QJLKV_HD float sign_factor(uint32_t word, uint32_t i) {
 
 // float(code) for code < 2^23 with an OR and a subtraction (2^23 + code is exact in fp32).
 QJLKV_HD float code_to_float(uint32_t code) { return bits_float(0x4b000000u | code) - 8388608.0f; }
+
+// KIVI/OTT key scores in integers (docs/DESIGN.md, "Integer decode paths"): per block and query
+// row, q'_c = q_c·scale_c becomes Q_c = round(q'_c/step), step = max_c |q'_c|/kQueryCodeMax, in
+// two int8 digits Q = 256·hi + lo; dp4a sums them against the codes. A row's codes are read in
+// groups (a 32-bit word of 2/4/8-bit codes, or 12 bytes of 32 3-bit codes), each unpacked into
+// words of four 8-bit codes: byte i of unpacked word u of group g holds the code of channel
+// kivi_unpacked_channel(bits, g, u, i); the digit words follow the same order.
+inline constexpr float kQueryCodeMax = 127.0f * 256.0f;
+QJLKV_HD constexpr uint32_t kivi_group_codes(uint32_t bits) { return bits == 3 ? 32 : 32 / bits; }
+QJLKV_HD uint32_t kivi_unpacked_channel(uint32_t bits, uint32_t g, uint32_t u, uint32_t i) {
+  switch (bits) {
+    case 8: return 4 * g + i;
+    case 4: return 8 * g + 2 * i + u;               // low nibbles, then high nibbles
+    case 2: return 16 * g + 4 * i + u;              // bits 2u.. of each byte
+    default: return 32 * g + 8 * (u / 2) + 2 * i + u % 2;  // 3 bits: per 24-bit chunk, even codes then odd
+  }
+}
+// Four 3-bit codes at bits 0, 6, 12, 18 of x into the four bytes of a word.
+QJLKV_HD uint32_t spread3(uint32_t x) {
+  return (x & 7u) | (x >> 6 & 7u) << 8 | (x >> 12 & 7u) << 16 | (x >> 18 & 7u) << 24;
+}
 
 // Outlier channel selection sorts these keys in descending order: larger energy first, and for
 // equal energies the lower channel (larger complement) first — the CPU backend's order. Energies

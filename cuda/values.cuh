@@ -164,16 +164,81 @@ struct LloydMaxValues {
   static constexpr ValueKind kKind = ValueKind::lloyd_max;
   static constexpr bool kRotated = true;
 
-  // One thread per token, the CPU's per-token encoder (lloyd_max.hpp) as is.
+  // lloyd_max_encode_token (lloyd_max.hpp) with one warp per token: lane l holds channels
+  // [8l, 8l + 8) (head_dim <= 256; d is a multiple of 8, so a lane's channels lie in one rotation
+  // block), the butterflies of stride >= 8 pair lanes l and l ^ (stride/8) (shuffles), and the
+  // two sums the CPU takes in channel order (‖y‖², Σ level²) pass their running value from lane to
+  // lane in that order: the same fp32 operations, so the same bytes.
   template <bool BF16, class Source>
   __device__ static void quantize(const KernelShape &s, const Source &src, uint8_t *block) {
-    const uint32_t d = s.d;
+    const uint32_t d = s.d, bits = s.value_bits, lane = threadIdx.x & 31u, lanes = d / 8, first = 8 * lane;
+    const bool active = lane < lanes;
+    uint32_t start = 0, n = rotation_block(d, 0);  // this lane's rotation block [start, start + n)
+    while (active && first >= start + n) {
+      start += n;
+      n = rotation_block(d, start);
+    }
+    const float block_norm = float(1.0 / sqrt(double(n)));
+    const float sqrt_d = sqrtf(float(d));
+    float sign[8];
+#pragma unroll
+    for (uint32_t c = 0; c < 8; ++c) sign[c] = active ? s.value_signs[first + c] : 0.0f;
+    // The sum over the channels in order of f(c) (this lane's 8 terms), in every lane.
+    const auto ordered_sum = [&](auto term) {
+      float running = 0.0f;
+      for (uint32_t from = 0; from < lanes; ++from) {
+        float mine = running;
+        if (lane == from)
+#pragma unroll
+          for (uint32_t c = 0; c < 8; ++c) mine += term(c);
+        running = __shfl_sync(0xffffffffu, mine, from);
+      }
+      return running;
+    };
     auto *scales = reinterpret_cast<uint16_t *>(block + s.value_scale);
-    for (uint32_t t = threadIdx.x; t < s.B; t += blockDim.x) {
-      float x[kQuantizeThreads], y[kQuantizeThreads];  // head_dim <= 256
-      for (uint32_t j = 0; j < d; ++j) x[j] = src.value(t, j);
-      lloyd_max_encode_token(s.value_signs, d, s.value_bits, x, y, block + s.value_codes + size_t(t) * s.value_codes_bpt,
-                             scales + t);
+    for (uint32_t t = threadIdx.x / 32; t < s.B; t += blockDim.x / 32) {
+      float y[8];
+#pragma unroll
+      for (uint32_t c = 0; c < 8; ++c) y[c] = active ? sign[c] * src.value(t, first + c) : 0.0f;
+#pragma unroll
+      for (uint32_t h = 1; h < 8; h *= 2)  // n >= 8
+#pragma unroll
+        for (uint32_t i = 0; i < 8; i += 2 * h)
+#pragma unroll
+          for (uint32_t j = i; j < i + h; ++j) {
+            const float a = y[j], b = y[j + h];
+            y[j] = a + b;
+            y[j + h] = a - b;
+          }
+      for (uint32_t h = 8; h < d; h *= 2) {  // every lane shuffles; pairs inside a block of n > h combine
+        const uint32_t partner = h / 8;
+        const bool upper = (lane & partner) != 0;
+#pragma unroll
+        for (uint32_t c = 0; c < 8; ++c) {
+          const float other = __shfl_xor_sync(0xffffffffu, y[c], int(partner));
+          if (h < n) y[c] = upper ? other - y[c] : y[c] + other;
+        }
+      }
+#pragma unroll
+      for (uint32_t c = 0; c < 8; ++c) y[c] *= block_norm;
+      const float norm = sqrtf(ordered_sum([&](uint32_t c) { return y[c] * y[c]; }));
+      if (norm == 0.0f) {  // codes 0 (the block is zeroed), scale 0: decodes to zeros
+        if (lane == 0) scales[t] = 0;
+        continue;
+      }
+      uint32_t code[8];
+      uint64_t packed = 0;
+#pragma unroll
+      for (uint32_t c = 0; c < 8; ++c) {
+        code[c] = lloyd_max_code(y[c] / norm * sqrt_d, bits);
+        packed |= uint64_t(code[c]) << (c * bits);
+      }
+      if (active) store_codes8(block + s.value_codes + size_t(t) * s.value_codes_bpt, lane, bits, packed);
+      const float level_norm2 = ordered_sum([&](uint32_t c) {
+        const float level = lloyd_max_level(bits, code[c]);
+        return level * level;
+      });
+      if (lane == 0) scales[t] = float_to_half(norm / sqrtf(level_norm2));
     }
   }
 

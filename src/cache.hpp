@@ -49,6 +49,9 @@ class PortableImport {
   virtual void write_exact(ExactRows which, uint32_t first, uint32_t count, bool values, const uint8_t *rows) = 0;
   // OTT-traced layers: the outlier tokens of kv head h of the layer added last.
   virtual void write_outliers(uint32_t head, const PortableOutliers &outliers) = 0;
+  // Waits for the writes a backend copies asynchronously (their buffers were copied already);
+  // throws like the writes. Called once, after the last write and before commit().
+  virtual void flush() {}
   // Makes every added layer of the sequence visible; the target layers must still be empty.
   virtual void commit() noexcept = 0;
 };
@@ -132,6 +135,13 @@ struct qjlkv_cache {
   virtual qjlkv::PortableCounts portable_counts(uint32_t layer, uint32_t seq) const = 0;
   // Block b of kv head h of (layer, seq): BlockLayout::stride bytes into out.
   virtual void read_block(uint32_t layer, uint32_t seq, uint32_t block, uint32_t head, uint8_t *out) const = 0;
+  // Blocks [first, first + count) of every kv head: [count][Hkv][BlockLayout::stride] bytes into
+  // out. A backend whose reads synchronize (CUDA) reads the run at once.
+  virtual void read_blocks(uint32_t layer, uint32_t seq, uint32_t first, uint32_t count, uint8_t *out) const {
+    const size_t stride = spec().layers[layer].layout.stride, heads = spec().cfg.num_kv_heads;
+    for (uint32_t b = 0; b < count; ++b)
+      for (uint32_t h = 0; h < heads; ++h) read_block(layer, seq, first + b, h, out + (b * heads + h) * stride);
+  }
   // Sink or tail tokens [first, first + count) of (layer, seq): keys (or values) [count][Hkv][d]
   // into out.
   virtual void read_exact(uint32_t layer, uint32_t seq, qjlkv::ExactRows which, uint32_t first, uint32_t count,

@@ -233,6 +233,10 @@ void write_header(Writer &out, const qjlkv_cache *c, uint32_t first_layer, uint3
   out.bytes(h, kHeaderBytes);
 }
 
+// Export reads the blocks of a layer in runs of up to this many bytes (a backend whose reads
+// synchronize, CUDA, waits once per run).
+constexpr size_t kBlockRun = size_t(1) << 18;
+
 void export_stream(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uint32_t num_layers, Writer &out) {
   const CacheSpec &spec = c->spec();
   const qjlkv_config &cfg = spec.cfg;
@@ -271,12 +275,17 @@ void export_stream(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uin
       }
     };
     write_exact(ExactRows::sinks, shape.counts.sink_tokens);
-    block.resize(layout.stride);
-    for (uint32_t b = 0; b < shape.counts.blocks; ++b) {
-      for (uint32_t h = 0; h < cfg.num_kv_heads; ++h) {
-        c->read_block(l, seq, b, h, block.data());
-        out.bytes(block.data(), layout.key_bytes);
-        out.bytes(block.data() + value_offset(layout), layout.value_bytes);
+    // Runs of blocks (all kv heads) of up to kBlockRun bytes, at least one block.
+    const size_t block_bytes = size_t(cfg.num_kv_heads) * layout.stride;
+    const uint32_t run = uint32_t(std::max<size_t>(1, kBlockRun / block_bytes));
+    block.resize(size_t(std::min(run, shape.counts.blocks)) * block_bytes);
+    for (uint32_t b = 0; b < shape.counts.blocks; b += run) {
+      const uint32_t n = std::min(run, shape.counts.blocks - b);
+      c->read_blocks(l, seq, b, n, block.data());
+      for (size_t r = 0; r < size_t(n) * cfg.num_kv_heads; ++r) {
+        const uint8_t *record = block.data() + r * layout.stride;
+        out.bytes(record, layout.key_bytes);
+        out.bytes(record + value_offset(layout), layout.value_bytes);
       }
     }
     write_exact(ExactRows::tail, shape.counts.tail_tokens);
@@ -627,6 +636,7 @@ void import_stream(qjlkv_cache *c, uint32_t seq, Reader &in) {
   in.bytes(trailer, kTrailerBytes, "the checksum");
   if (get32(trailer) != computed)
     corrupt("the checksum is 0x%08x, the stream's bytes give 0x%08x", get32(trailer), computed);
+  staging->flush();
   staging->commit();
 }
 

@@ -3,7 +3,8 @@
 //   Llama-3-8B layer shape
 //   (32 query heads, 8 kv heads, head_dim 128, bf16), contexts 4k..128k, batch 1 and 32;
 //   the effective bandwidth (compressed bytes read per second) next to the device's measured
-//   copy bandwidth; and append throughput (prefill chunks and batched decode steps).
+//   copy bandwidth; append throughput (prefill chunks and batched decode steps); and the time to
+//   export one sequence's layer to host memory and import it back.
 //
 //   bench_gpu [--quick]     --quick: 4k context, batch 1 and 4 (e.g. under compute-sanitizer)
 #include <cuda_runtime.h>
@@ -176,6 +177,25 @@ int main(int argc, char **argv) {
       std::printf("append_batch preset=%s batch=%u context=%u us_per_call=%.1f tokens_per_s=%.0f\n", preset, batch,
                   length, s * 1e6 / steps, double(steps) * batch / s);
       std::fflush(stdout);
+    }
+    // Export of sequence 0 (one layer) to host memory and its import as a new sequence: the
+    // device copies are batched (one wait per run of blocks on export, one per import).
+    {
+      uint64_t size = 0;
+      CHECK_QJLKV(qjlkv_cache_export_size(cache, 0, 0, 1, &size));
+      std::vector<uint8_t> exported(size);
+      auto t = std::chrono::steady_clock::now();
+      CHECK_QJLKV(qjlkv_cache_export(cache, 0, 0, 1, exported.data(), size));
+      const double export_s = seconds_since(t);
+      t = std::chrono::steady_clock::now();
+      CHECK_QJLKV(qjlkv_cache_import(cache, batch, exported.data(), size));
+      const double import_s = seconds_since(t);
+      std::printf("export_import preset=%s tokens=%u bytes=%llu export_ms=%.2f export_GBps=%.2f import_ms=%.2f "
+                  "import_GBps=%.2f\n",
+                  preset, length, (unsigned long long)size, export_s * 1e3, size / (export_s * 1e9), import_s * 1e3,
+                  size / (import_s * 1e9));
+      std::fflush(stdout);
+      CHECK_QJLKV(qjlkv_cache_clear_sequence(cache, batch));
     }
     qjlkv_cache_destroy(cache);
   }

@@ -9,7 +9,8 @@
 #   2. GPU tests: the CUDA backend against the CPU backend (tests/gpu/test_cuda_backend.cpp)
 #   3. compute-sanitizer: memcheck on a short run of the tests, racecheck and synccheck on one test
 #   4. benchmarks: bench_gpu.cu (q3/q4/qjl/kivi/exact, contexts 4k..128k, batch 1 and 32, copy
-#      bandwidth, append throughput) and torch SDPA on a bf16 cache when torch is importable
+#      bandwidth, append throughput, export/import of one layer) and torch SDPA on a bf16 cache
+#      when torch is importable
 #
 # Logs (six files at most): summary.txt, build.log, tests.log, tests.xml, sanitizer.log, bench.log.
 # Exit status 0 when every step passed.
@@ -140,7 +141,7 @@ else
 fi
 {
   echo "---- benchmark lines (time_us per call; read_GBps = compressed bytes read / time) ----"
-  grep -E "^(copy_bandwidth|attend|append|append_batch|sdpa:) " "$OUT/bench.log" || true
+  grep -E "^(copy_bandwidth|attend|append|append_batch|export_import|sdpa:) " "$OUT/bench.log" || true
 } | tee -a "$SUMMARY"
 
 note "total $SECONDS s, $failures failed step(s)"

@@ -323,6 +323,104 @@ INSTANTIATE_TEST_SUITE_P(Corners, CudaVsCpuCorners, testing::ValuesIn(kCorners),
                          [](const testing::TestParamInfo<Corner> &info) { return std::string(info.param.name); });
 
 // Batched decode: append_batch and attend_batch over many sequences of different lengths.
+// SPEC §9's error budget for the GPU's integer key scores (KIVI/OTT: dp4a with the query's int8
+// digits), measured against double-precision references over the cache's own reconstruction k̂,
+// v̂ (the stored bytes, decoded on the host): scores as rms over the quantized positions of
+// (score − q·k̂) / (‖q‖·‖k‖) ≤ 1e-3, attention outputs as rms(output − softmax(q·k̂/√d)·v̂) /
+// rms(reference) ≤ 1e-3 (bf16 outputs: plus their own rounding, 2.3e-3, as in tests/cpu_paths).
+struct BudgetCase {
+  const char *name, *preset;
+  qjlkv_dtype dtype;
+  uint32_t head_dim, key_bits;  // key_bits 0: the preset's
+};
+void PrintTo(const BudgetCase &c, std::ostream *os) { *os << c.name; }
+const BudgetCase kBudgetCases[] = {
+    {"kivi2_f32_d128", "kivi", QJLKV_DTYPE_F32, 128, 0}, {"q3_f32_d128", "q3", QJLKV_DTYPE_F32, 128, 0},
+    {"q4_f16_d64", "q4", QJLKV_DTYPE_F16, 64, 0},         {"kivi8_bf16_d96", "kivi", QJLKV_DTYPE_BF16, 96, 8},
+    {"ott3_f32_d40", "ott", QJLKV_DTYPE_F32, 40, 3},
+};
+
+class CudaErrorBudget : public testing::TestWithParam<BudgetCase> {};
+
+TEST_P(CudaErrorBudget, IntegerScoresAndOutputs) {
+  REQUIRE_CUDA_DEVICE();
+  const BudgetCase &c = GetParam();
+  const uint32_t kv_heads = 2, group = 4, d = c.head_dim, layer = 0, seq = 9;
+  qjlkv_config cfg{};
+  cfg.struct_size = sizeof cfg;
+  QJLKV_OK(qjlkv_config_init(&cfg, c.preset, 1, kv_heads * group, kv_heads, d));
+  cfg.dtype = c.dtype;
+  cfg.seed = 77;
+  cfg.block_tokens = 32;
+  if (c.key_bits) cfg.key_bits = c.key_bits;
+  if (std::string(c.preset) == "ott") cfg.outlier_skip_layers = 0;
+  CachePair pair(cfg);
+  ASSERT_TRUE(pair.ok()) << pair.error();
+  std::mt19937 rng(d + c.key_bits);
+  const uint32_t length = 300, te = kv_heads * d;
+  const auto keys = decode(encode(make_keys(rng, length, kv_heads, d), c.dtype), c.dtype);  // as stored
+  pair.append(layer, seq, keys, make_values(rng, size_t(length) * te));
+  const auto r = pair.reconstruct(layer, seq);  // r[1], r[3]: the GPU's k̂, v̂
+  const auto query = decode(encode(make_values(rng, pair.query_elems()), c.dtype), c.dtype);
+
+  // Scores over the quantized positions [sinks, sinks + blocks·B) (the others are exact).
+  const uint32_t sinks = std::min(length, cfg.sink_tokens), rest = length - sinks;
+  const uint32_t blocks = rest >= cfg.residual_tokens + cfg.block_tokens ? (rest - cfg.residual_tokens) / cfg.block_tokens : 0;
+  ASSERT_GE(blocks, 2u);
+  const auto [s_cpu, s_gpu] = pair.scores(layer, seq, query);
+  const auto norm = [&](const float *x) {
+    double sum = 0.0;
+    for (uint32_t j = 0; j < d; ++j) sum += double(x[j]) * x[j];
+    return std::sqrt(sum);
+  };
+  double squares_gpu = 0.0, squares_cpu = 0.0;
+  size_t counted = 0;
+  for (uint32_t h = 0; h < cfg.num_q_heads; ++h)
+    for (uint32_t p = sinks; p < sinks + blocks * cfg.block_tokens; ++p) {
+      const float *k_hat = &r[1][(size_t(p) * kv_heads + h / group) * d];
+      double dot = 0.0;
+      for (uint32_t j = 0; j < d; ++j) dot += double(query[size_t(h) * d + j]) * k_hat[j];
+      if (std::isinf(s_gpu[size_t(h) * length + p])) continue;  // OTT: a moved token's slot
+      const double unit = norm(&query[size_t(h) * d]) * norm(&keys[(size_t(p) * kv_heads + h / group) * d]);
+      squares_gpu += std::pow((s_gpu[size_t(h) * length + p] - dot) / unit, 2);
+      squares_cpu += std::pow((s_cpu[size_t(h) * length + p] - dot) / unit, 2);
+      ++counted;
+    }
+  const double score_rms = std::sqrt(squares_gpu / double(counted)), score_rms_cpu = std::sqrt(squares_cpu / double(counted));
+  EXPECT_LE(score_rms, 1e-3) << "GPU score rms error / (‖q‖·‖k‖)";
+
+  // One decode query: the output against the double softmax over q·k̂/√d times v̂.
+  const auto [o_cpu, o_gpu] = pair.attend(layer, {seq}, 1, query, 0.0f, false);
+  double error2 = 0.0, size2 = 0.0;
+  for (uint32_t h = 0; h < cfg.num_q_heads; ++h) {
+    std::vector<double> weight(length);
+    double top = -INFINITY, total = 0.0;
+    for (uint32_t p = 0; p < length; ++p) {
+      double dot = 0.0;
+      for (uint32_t j = 0; j < d; ++j) dot += double(query[size_t(h) * d + j]) * r[1][(size_t(p) * kv_heads + h / group) * d + j];
+      weight[p] = dot / std::sqrt(double(d));
+      top = std::max(top, weight[p]);
+    }
+    for (double &w : weight) total += (w = std::exp(w - top));
+    for (uint32_t j = 0; j < d; ++j) {
+      double want = 0.0;
+      for (uint32_t p = 0; p < length; ++p) want += weight[p] * r[3][(size_t(p) * kv_heads + h / group) * d + j];
+      want /= total;
+      error2 += std::pow(o_gpu[size_t(h) * d + j] - want, 2);
+      size2 += want * want;
+    }
+  }
+  const double output_rms = std::sqrt(error2 / size2);
+  EXPECT_LE(output_rms, c.dtype == QJLKV_DTYPE_BF16 ? 1e-3 + 2.3e-3 : 1e-3) << "GPU output rms error / rms output";
+  std::printf("error budget %s: GPU scores rms %.2g (CPU %.2g) of ‖q‖·‖k‖, GPU outputs rms %.2g\n", c.name, score_rms,
+              score_rms_cpu, output_rms);
+  RecordProperty("score_rms", std::to_string(score_rms));
+  RecordProperty("output_rms", std::to_string(output_rms));
+}
+
+INSTANTIATE_TEST_SUITE_P(IntegerKeys, CudaErrorBudget, testing::ValuesIn(kBudgetCases),
+                         [](const testing::TestParamInfo<BudgetCase> &info) { return std::string(info.param.name); });
+
 TEST(CudaBackend, BatchedDecodeMatchesCpu) {
   REQUIRE_CUDA_DEVICE();
   const uint32_t n_seqs = kEmulated ? 6 : 64, steps = kEmulated ? 36 : 40;

@@ -134,6 +134,8 @@ TEST(CudaLayout, AttendSharedMemoryRegionsHoldTheirTiles) {
               EXPECT_GE(m.sq_in - m.sq, 4 * rows * round_up(s.sketch_rows, 32));
             } else if (kind == KeyKind::kivi) {
               key_tile = std::max(key_tile, kTile * d * s.key_bits / 8 + 4);
+              EXPECT_GE(m.koff - m.qdigits, 2 * rows * d32);  // {hi, lo} digit bytes per channel
+              EXPECT_GE(m.scores - m.koff, 4 * 2 * rows);     // offset and step per row
             } else {
               key_tile = std::max(key_tile, 4 * kTile * padded_row_words(2 * d));
             }
@@ -150,6 +152,50 @@ TEST(CudaLayout, AttendSharedMemoryRegionsHoldTheirTiles) {
             const uint32_t lanes = kAttendThreads / (d / kSliceChannels);
             EXPECT_GE(m.total - m.final_buf, 4 * rows * std::max(lanes * d, d32));
           }
+}
+
+// The integer KIVI scores unpack a row's codes in groups (one 32-bit word, or 12 bytes of 3-bit
+// codes) into words of four 8-bit codes, as the kernel does (keys.cuh, unpack_codes): byte i of
+// unpacked word u of group g is the packed code of channel kivi_unpacked_channel(bits, g, u, i),
+// and the channels of a row's groups are each listed once.
+TEST(CudaLayout, KiviUnpackedCodesAreTheDeclaredChannels) {
+  std::mt19937 rng(5);
+  for (uint32_t bits : {2u, 3u, 4u, 8u}) {
+    const uint32_t d = 128, per_group = kivi_group_codes(bits), words = per_group / 4;
+    std::vector<uint8_t> row(d * bits / 8, 0);
+    std::vector<uint32_t> codes(d);
+    for (uint32_t j = 0; j < d; ++j) {
+      codes[j] = rng() & ((1u << bits) - 1u);
+      qjlkv::pack_code(row.data(), j, bits, codes[j]);
+    }
+    const auto word_at = [&](uint32_t byte) {
+      return uint32_t(row[byte]) | uint32_t(row[byte + 1]) << 8 | uint32_t(row[byte + 2]) << 16 |
+             uint32_t(row[byte + 3]) << 24;
+    };
+    std::vector<int> seen(d, 0);
+    for (uint32_t g = 0; g < d / per_group; ++g) {
+      std::vector<uint32_t> u(words);
+      if (bits == 3) {
+        const uint32_t w0 = word_at(12 * g), w1 = word_at(12 * g + 4), w2 = word_at(12 * g + 8);
+        const uint32_t chunk[4] = {w0, w0 >> 24 | w1 << 8, w1 >> 16 | w2 << 16, w2 >> 8};
+        for (uint32_t k = 0; k < 4; ++k) {
+          u[2 * k] = spread3(chunk[k]);
+          u[2 * k + 1] = spread3(chunk[k] >> 3);
+        }
+      } else {
+        for (uint32_t k = 0; k < words; ++k)
+          u[k] = bits == 8 ? word_at(4 * g) : word_at(4 * g) >> (k * bits) & (0x01010101u * ((1u << bits) - 1u));
+      }
+      for (uint32_t k = 0; k < words; ++k)
+        for (uint32_t i = 0; i < 4; ++i) {
+          const uint32_t channel = kivi_unpacked_channel(bits, g, k, i);
+          ASSERT_LT(channel, d);
+          EXPECT_EQ(u[k] >> (8 * i) & 0xffu, codes[channel]) << bits << " bits, group " << g << ", word " << k;
+          ++seen[channel];
+        }
+    }
+    for (uint32_t j = 0; j < d; ++j) EXPECT_EQ(seen[j], 1) << bits << " bits, channel " << j;
+  }
 }
 
 // Rotated Lloyd-Max values stage one fp16 scale per token and the codes; the level table has its

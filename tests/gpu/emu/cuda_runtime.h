@@ -81,6 +81,7 @@ struct alignas(8) float2 {
   float x, y;
 };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 
 // ---- runtime API ------------------------------------------------------------------------------
 const char *cudaGetErrorName(cudaError_t e);
@@ -188,7 +189,23 @@ inline T __shfl_xor_sync(unsigned, T value, int lane_xor) {
   std::memcpy(&value, &bits, sizeof(T));
   return value;
 }
+// __shfl_sync reads lane `source`: an exchange with lane ^ (lane ^ source).
+template <class T>
+inline T __shfl_sync(unsigned mask, T value, int source) {
+  return __shfl_xor_sync(mask, value, int(threadIdx.x % 32) ^ (source & 31));
+}
 inline unsigned __ballot_sync(unsigned, int predicate) { return emu::warp_ballot(predicate != 0); }
+// Σ of the four products of the signed bytes of a and b, plus c.
+inline int __dp4a(int a, int b, int c) {
+  for (int i = 0; i < 32; i += 8) c += int(int8_t(uint32_t(a) >> i)) * int(int8_t(uint32_t(b) >> i));
+  return c;
+}
+// Nearest even (the default rounding mode), saturated, NaN to 0: as cvt.rni.s32.f32.
+inline int __float2int_rn(float x) {
+  if (!(x == x)) return 0;
+  const float r = std::nearbyint(x);
+  return r >= 2147483648.0f ? 2147483647 : r < -2147483648.0f ? -2147483647 - 1 : int(r);
+}
 template <class T>
 inline T __ldg(const T *p) {
   return *p;
