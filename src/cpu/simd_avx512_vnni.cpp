@@ -504,25 +504,22 @@ void qjl_span_scores(const QjlArgs &a, const uint8_t *block, uint32_t t0, bool o
                      const __m512i *halves_out, const float *step_in, const int32_t *sum_in, const float *step_out,
                      const int32_t *sum_out, __m512i *dwords, float *out, size_t out_stride) {
   const BlockLayout &l = *a.layout;
-  const uint32_t B = a.block_tokens, m = a.m, m_out = a.m_out;
+  const uint32_t B = a.block_tokens;
   __m512i acc[R][2];
-  for (uint32_t h = 0; h < 2; ++h) {
-    const uint32_t t = t0 + 16 * h, valid = t < B ? B - t : 0;
-    __m512i rows_in[16];
-    transpose_sign_rows(m / 32, block + l.key_bits_in + size_t(t) * (m / 8), valid, rows_in);
-    for (uint32_t k = 0; k < m / 32; ++k) _mm512_store_si512(dwords + 2 * k + h, rows_in[k]);
-  }
-  sign_sums<R>(dwords, m / 8, halves_in, m / 16, acc);
-  sign_scores<R>(acc, block + l.key_norm_in, B, t0, a.in_factor, step_in, sum_in, false, out, out_stride);
-  if (!outliers) return;
-  for (uint32_t h = 0; h < 2; ++h) {
-    const uint32_t t = t0 + 16 * h, valid = t < B ? B - t : 0;
-    __m512i rows_out[16];
-    transpose_sign_rows(m_out / 32, block + l.key_bits_out + size_t(t) * (m_out / 8), valid, rows_out);
-    for (uint32_t k = 0; k < m_out / 32; ++k) _mm512_store_si512(dwords + 2 * k + h, rows_out[k]);
-  }
-  sign_sums<R>(dwords, m_out / 8, halves_out, m_out / 16, acc);
-  sign_scores<R>(acc, block + l.key_norm_out, B, t0, a.out_factor, step_out, sum_out, true, out, out_stride);
+  // The sign bits of `sketch_rows` rows at `bits` (tokens t0..t0+31) against one projected query.
+  const auto add_scores = [&](size_t bits, uint32_t sketch_rows, const __m512i *halves, size_t norms, float factor,
+                              const float *step, const int32_t *sum, bool outlier_part) {
+    for (uint32_t h = 0; h < 2; ++h) {
+      const uint32_t t = t0 + 16 * h, valid = t < B ? B - t : 0;
+      __m512i rows[16];
+      transpose_sign_rows(sketch_rows / 32, block + bits + size_t(t) * (sketch_rows / 8), valid, rows);
+      for (uint32_t k = 0; k < sketch_rows / 32; ++k) _mm512_store_si512(dwords + 2 * k + h, rows[k]);
+    }
+    sign_sums<R>(dwords, sketch_rows / 8, halves, sketch_rows / 16, acc);
+    sign_scores<R>(acc, block + norms, B, t0, factor, step, sum, outlier_part, out, out_stride);
+  };
+  add_scores(l.key_bits_in, a.m, halves_in, l.key_norm_in, a.in_factor, step_in, sum_in, false);
+  if (outliers) add_scores(l.key_bits_out, a.m_out, halves_out, l.key_norm_out, a.out_factor, step_out, sum_out, true);
 }
 
 void qjl_scores(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, uint32_t rows, float *out,
