@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <math.h>  // lgamma_r (POSIX)
 #include <numbers>
 
 namespace qjlkv {
@@ -47,7 +48,10 @@ double gaussian_entry(uint64_t seed, uint32_t stream, uint64_t index) {
 double qjl_constant(uint32_t head_dim, bool orthogonal) {
   if (!orthogonal) return std::sqrt(std::numbers::pi / 2.0);
   const double d = head_dim;
-  return std::sqrt(std::numbers::pi) * std::exp(std::lgamma((d + 1.0) / 2.0) - std::lgamma(d / 2.0)) /
+  // lgamma_r, not std::lgamma: lgamma writes the global signgam, a data race when threads create
+  // caches at once (ThreadSanitizer found it); both return the same value.
+  int sign = 0;
+  return std::sqrt(std::numbers::pi) * std::exp(lgamma_r((d + 1.0) / 2.0, &sign) - lgamma_r(d / 2.0, &sign)) /
          std::sqrt(d);
 }
 

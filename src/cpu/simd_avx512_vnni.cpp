@@ -446,7 +446,13 @@ int32_t quantize_projection(const float *x, uint32_t n, float largest, __m512i *
     _mm512_store_si512(halves + i / 16, _mm512_add_epi16(_mm512_maskz_permutexvar_epi16(kQjl.first_mask, first, Q),
                                                          _mm512_maskz_permutexvar_epi16(kQjl.second_mask, second, Q)));
   }
-  return _mm512_reduce_add_epi32(sum);
+  // Summed as unsigned: a non-finite projection (a query whose logits overflow) turns codes into
+  // INT_MIN, and _mm512_reduce_add_epi32 would overflow a signed int on them.
+  alignas(64) uint32_t lanes[16];
+  _mm512_store_si512(lanes, sum);
+  uint32_t total = 0;
+  for (uint32_t lane : lanes) total += lane;
+  return int32_t(total);
 }
 
 // acc[r][h] (lane t: token 16h + t of the span) = Σ_i X_ri·b_ti over the `bytes` sign bytes of a
