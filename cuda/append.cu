@@ -14,7 +14,7 @@ namespace {
 // ---- validation -------------------------------------------------------------------------------
 template <class IO>
 __global__ void validate_kernel(const typename IO::type *keys, const typename IO::type *values, size_t elements,
-                                float key_limit, float value_limit, bool check_key_norms,
+                                float key_limit, float value_limit, double key_norm_limit,
                                 double value_norm_limit, uint32_t d, unsigned long long *flags) {
   const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
@@ -23,8 +23,8 @@ __global__ void validate_kernel(const typename IO::type *keys, const typename IO
     if (!(fabsf(IO::load(keys, i)) <= key_limit)) atomicMin(&flags[0], (unsigned long long)i);
     if (values && !(fabsf(IO::load(values, i)) <= value_limit)) atomicMin(&flags[1], (unsigned long long)i);
   }
-  // QJL stores ||k|| as fp16, rotated Lloyd-Max values ||v|| / ||levels||: one warp per vector, in
-  // float64 like the CPU checks.
+  // The methods' norm limits (src/methods/; 0: none), e.g. QJL stores ||k|| as fp16, rotated
+  // Lloyd-Max values ||v|| / ||levels||: one warp per vector, in float64 like the CPU checks.
   const uint32_t lane = threadIdx.x & 31u;
   const auto check_norms = [&](const typename IO::type *x, double limit, unsigned long long *flag) {
     for (size_t v = first / 32; v < elements / d; v += stride / 32) {
@@ -38,7 +38,7 @@ __global__ void validate_kernel(const typename IO::type *keys, const typename IO
       if (lane == 0 && sqrt(sum) > limit) atomicMin(flag, (unsigned long long)v);
     }
   };
-  if (check_key_norms) check_norms(keys, double(kHalfMax), &flags[2]);
+  if (key_norm_limit > 0.0) check_norms(keys, key_norm_limit, &flags[2]);
   if (values && value_norm_limit > 0.0) check_norms(values, value_norm_limit, &flags[3]);
 }
 
@@ -418,31 +418,31 @@ cudaError_t launch_quantize_io(const KernelShape &s, const QuantJob *jobs, uint3
 
 template <class IO>
 cudaError_t launch_validate_io(const KernelShape &s, const void *keys, const void *values, size_t elements,
-                               float key_limit, float value_limit, bool check_key_norms, double value_norm_limit,
+                               float key_limit, float value_limit, double key_norm_limit, double value_norm_limit,
                                unsigned long long *flags, cudaStream_t stream) {
   using T = typename IO::type;
   const size_t wanted = (elements + kThreads - 1) / kThreads;
   const uint32_t blocks = uint32_t(wanted < 1 ? 1 : wanted > 2048 ? 2048 : wanted);
   auto kernel = validate_kernel<IO>;
   QJLKV_LAUNCH(kernel, blocks, kThreads, 0, stream, static_cast<const T *>(keys), static_cast<const T *>(values),
-               elements, key_limit, value_limit, check_key_norms, value_norm_limit, s.d, flags);
+               elements, key_limit, value_limit, key_norm_limit, value_norm_limit, s.d, flags);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t launch_validate(const KernelShape &s, const void *keys, const void *values, size_t elements,
-                            float key_limit, float value_limit, bool check_key_norms, double value_norm_limit,
+                            float key_limit, float value_limit, double key_norm_limit, double value_norm_limit,
                             unsigned long long *flags, cudaStream_t stream) {
   switch (s.dtype) {
     case QJLKV_DTYPE_F32:
-      return launch_validate_io<IoF32>(s, keys, values, elements, key_limit, value_limit, check_key_norms,
+      return launch_validate_io<IoF32>(s, keys, values, elements, key_limit, value_limit, key_norm_limit,
                                        value_norm_limit, flags, stream);
     case QJLKV_DTYPE_F16:
-      return launch_validate_io<IoF16>(s, keys, values, elements, key_limit, value_limit, check_key_norms,
+      return launch_validate_io<IoF16>(s, keys, values, elements, key_limit, value_limit, key_norm_limit,
                                        value_norm_limit, flags, stream);
     case QJLKV_DTYPE_BF16:
-      return launch_validate_io<IoBF16>(s, keys, values, elements, key_limit, value_limit, check_key_norms,
+      return launch_validate_io<IoBF16>(s, keys, values, elements, key_limit, value_limit, key_norm_limit,
                                         value_norm_limit, flags, stream);
   }
   return cudaErrorInvalidValue;  // unreachable: the dtype was validated

@@ -528,8 +528,8 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
     check_cuda(cudaMemsetAsync(flags, 0xff, 4 * sizeof(unsigned long long), stream_), "cudaMemsetAsync");
     check_cuda(cudaMemcpyAsync(blob_dev, blob_host, blob_bytes, cudaMemcpyHostToDevice, stream_),
                "uploading the append jobs");
-    check_cuda(launch_validate(k, keys, values, elements, spec().key_limit, spec().value_limit, k.kind == KeyKind::qjl,
-                               qjlkv::value_norm_limit(cfg), flags, stream_),
+    check_cuda(launch_validate(k, keys, values, elements, spec().key_limit, spec().value_limit,
+                               qjlkv::key_norm_limit(cfg), qjlkv::value_norm_limit(cfg), flags, stream_),
                "the validation kernel");
     if (k.traced)
       check_cuda(launch_ott_quantize(k, reinterpret_cast<const OttJob *>(blob_dev + ott_offset), uint32_t(ott_jobs),
@@ -660,7 +660,7 @@ void CudaCache::scores(uint32_t layer, uint32_t seq, const void *query, float *o
   unsigned long long *flags = device_flags();
   check_cuda(cudaMemsetAsync(flags, 0xff, 3 * sizeof(unsigned long long), stream_), "cudaMemsetAsync");
   check_cuda(launch_validate(layers_[layer].shape, query, nullptr, size_t(cfg.num_q_heads) * cfg.head_dim, FLT_MAX,
-                             FLT_MAX, false, 0.0, flags, stream_),
+                             FLT_MAX, 0.0, 0.0, flags, stream_),
              "the validation kernel");
   check_cuda(cudaMemcpyAsync(flags_host_, flags, sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream_),
              "reading the validation result");

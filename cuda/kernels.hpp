@@ -66,11 +66,11 @@ struct CommitJob {
   uint32_t first_sink, n_sinks;    // ... to sinks first_sink, first_sink + 1, ...
 };
 
-// flags[0], [1], [2], [3] receive the first bad key element, value element, QJL key vector and
-// value vector of L2 norm > value_norm_limit (UINT64_MAX when none; value_norm_limit 0: no such
-// check); values may be null (a query check).
+// flags[0], [1], [2], [3] receive the first bad key element, value element, key vector of L2 norm
+// > key_norm_limit and value vector of L2 norm > value_norm_limit (UINT64_MAX when none; a norm
+// limit of 0: no such check); values may be null (a query check).
 cudaError_t launch_validate(const KernelShape &shape, const void *keys, const void *values, size_t elements,
-                            float key_limit, float value_limit, bool check_key_norms, double value_norm_limit,
+                            float key_limit, float value_limit, double key_norm_limit, double value_norm_limit,
                             unsigned long long *flags, cudaStream_t stream);
 cudaError_t launch_quantize(const KernelShape &shape, const QuantJob *jobs, uint32_t n_jobs, cudaStream_t stream);
 
