@@ -132,10 +132,10 @@ class CpuCache final : public qjlkv_cache {
   friend class CpuImport;
   // Refuses non-finite elements and those beyond `limit` (a CacheSpec limit, or FLT_MAX).
   void check_data(const char *name, const void *data, size_t elems, float limit) const;
-  // Refuses vectors of `tokens` tokens whose L2 norm exceeds `limit` (a method's norm_limit,
-  // 0: none) with the method's fail_norm.
+  // Refuses vectors of `tokens` tokens whose L2 norm exceeds the method's norm_limit (0: none)
+  // with the method's fail_norm.
   template <class Method>
-  void check_norms(Method method, const void *data, size_t tokens, double limit) const;
+  void check_norms(Method method, const void *data, size_t tokens) const;
   // What the methods' CPU entries see of one layer.
   CpuLayer layer_context(uint32_t layer) const {
     return CpuLayer{*kernels_, spec(), spec().layers[layer], layer_kernels_[layer]};
@@ -205,9 +205,10 @@ void CpuCache::check_data(const char *name, const void *data, size_t elems, floa
 }
 
 template <class Method>
-void CpuCache::check_norms(Method method, const void *data, size_t tokens, double limit) const {
-  if (limit == 0.0) return;
+void CpuCache::check_norms(Method method, const void *data, size_t tokens) const {
   const qjlkv_config &cfg = spec().cfg;
+  const double limit = method.norm_limit(cfg);
+  if (limit == 0.0) return;
   const uint32_t d = cfg.head_dim;
   const float clearly_within = float(0.98 * limit * limit);  // far beyond the float sum's rounding error
   for (size_t v = 0; v < tokens * cfg.num_kv_heads; ++v) {
@@ -418,8 +419,8 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   check_data("keys", keys, tokens * token_elems_, spec().key_limit);
   check_data("values", values, tokens * token_elems_, spec().value_limit);
   with_methods(cfg, [&](auto key_method, auto value_method) {
-    check_norms(key_method, keys, tokens, key_method.norm_limit(cfg));
-    check_norms(value_method, values, tokens, value_method.norm_limit(cfg));
+    check_norms(key_method, keys, tokens);
+    check_norms(value_method, values, tokens);
   });
 
   const auto *key_bytes = static_cast<const uint8_t *>(keys);
@@ -721,9 +722,10 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
     float *blocks_out = head_out + seq.sink_tokens;
     with_key_method(cfg.key_method, [&](auto key_method) {
       const size_t stride = spec().layers[layer].layout.stride;
+      const CpuLayer context = layer_context(layer);
       for (uint32_t b = 0; b < seq.blocks; ++b) {
-        key_method.score(layer_context(layer), seq.heads[head].data() + size_t(b) * stride, q, q + size_t(G) * dp, G,
-                         weights, Bp, kernel_scratch);
+        key_method.score(context, seq.heads[head].data() + size_t(b) * stride, q, q + size_t(G) * dp, G, weights, Bp,
+                         kernel_scratch);
         for (uint32_t g = 0; g < G; ++g) std::copy_n(weights + size_t(g) * Bp, B, blocks_out + g * L + size_t(b) * B);
       }
     });
