@@ -50,6 +50,11 @@ constexpr Unpack make_unpack(uint32_t bits) {
 }
 
 // Codes 64h..64h+63 of a packed row as bytes (BITS·8 source bytes at row + 8·BITS·h).
+// The lanes of [first, first + 16) that lie below `end`.
+inline __mmask16 lanes_below(uint32_t first, uint32_t end) {
+  return first + 16 <= end ? __mmask16(0xffff) : first < end ? __mmask16((1u << (end - first)) - 1u) : __mmask16(0);
+}
+
 template <uint32_t BITS>
 inline __m512i unpack64(const uint8_t *src) {
   if constexpr (BITS == 8) {
@@ -288,7 +293,7 @@ void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, 
   float *scales = scratch;  // [P_stride], zero past B; then P: [4][P_stride] int16
   auto *P = reinterpret_cast<int16_t *>(scratch + P_stride);
   for (uint32_t t = 0; t < P_stride; t += 16) {
-    const __mmask16 valid = t + 16 <= B ? __mmask16(0xffff) : t < B ? __mmask16((1u << (B - t)) - 1u) : __mmask16(0);
+    const __mmask16 valid = lanes_below(t, B);
     _mm512_storeu_ps(scales + t, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, block + l.value_scale + 2 * size_t(t))));
   }
   const float largest_level = lloyd_max_level(BITS, (1u << BITS) - 1u);
@@ -305,7 +310,7 @@ void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, 
       const float *wr = w + size_t(r0 + rr) * w_stride;
       // Weights past B are not read (masked): they need not be zero.
       const auto weighted = [&](uint32_t t) {
-        const __mmask16 valid = t + 16 <= B ? __mmask16(0xffff) : t < B ? __mmask16((1u << (B - t)) - 1u) : __mmask16(0);
+        const __mmask16 valid = lanes_below(t, B);
         return _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, wr + t), _mm512_loadu_ps(scales + t));
       };
       __m512 top = _mm512_setzero_ps();
@@ -342,7 +347,6 @@ void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w,
   // measured no faster (the per-block setup costs what the sums save).
   avx512_kernels().values_accumulate(a, block, w, w_stride, rows, acc, scratch);
 }
-
 
 // ---- QJL keys -------------------------------------------------------------------------------------
 // Per block and query row, the projected query parts x = S·q_in (m sketch rows) and v = S·q_out
@@ -402,13 +406,8 @@ template <uint32_t R>
 void transpose_sign_rows(const uint8_t *rows, uint32_t valid, __m512i *out) {
   const uint32_t valid_dwords = std::min(valid, 16u) * R;
   __m512i z[R];
-  for (uint32_t j = 0; j < R; ++j) {
-    const uint32_t first = 16 * j;
-    const __mmask16 mask = first + 16 <= valid_dwords ? __mmask16(0xffff)
-                           : first < valid_dwords     ? __mmask16((1u << (valid_dwords - first)) - 1u)
-                                                      : __mmask16(0);
-    z[j] = _mm512_maskz_loadu_epi32(mask, rows + 64 * size_t(j));
-  }
+  for (uint32_t j = 0; j < R; ++j)
+    z[j] = _mm512_maskz_loadu_epi32(lanes_below(16 * j, valid_dwords), rows + 64 * size_t(j));
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   for (uint32_t n = R; n > 1; n /= 2) {
@@ -488,7 +487,7 @@ void sign_scores(__m512i acc[R][2], const uint8_t *norms, uint32_t B, uint32_t t
                  const float *step, const int32_t *sum, bool add, float *out, size_t out_stride) {
   for (uint32_t h = 0; h < 2; ++h) {
     const uint32_t t = t0 + 16 * h;
-    const __mmask16 valid = t + 16 <= B ? __mmask16(0xffff) : t < B ? __mmask16((1u << (B - t)) - 1u) : __mmask16(0);
+    const __mmask16 valid = lanes_below(t, B);
     const __m512 norm = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, norms + 2 * size_t(t))),
                                       _mm512_set1_ps(factor));
     for (uint32_t r = 0; r < R; ++r) {
