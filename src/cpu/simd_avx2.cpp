@@ -148,8 +148,16 @@ struct V {
       std::memcpy(&bytes, row + first, 8);
       return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(bytes))));
     } else {
-      uint32_t word = 0;
-      std::memcpy(&word, row + first * BITS / 8, W * BITS / 8);
+      uint32_t word;  // loaded whole (load_bytes_le)
+      if constexpr (BITS == 2) {
+        uint16_t half;
+        std::memcpy(&half, row + first / 4, 2);
+        word = half;
+      } else if constexpr (BITS == 3) {
+        word = uint32_t(load_bytes_le<3>(row + first * 3 / 8));
+      } else {
+        std::memcpy(&word, row + first / 2, 4);
+      }
       const I fields = _mm256_srlv_epi32(_mm256_set1_epi32(int(word)), code_shifts<BITS>());
       return _mm256_cvtepi32_ps(_mm256_and_si256(fields, _mm256_set1_epi32((1 << BITS) - 1)));
     }

@@ -135,8 +135,7 @@ struct V {
       return _mm512_permutexvar_ps(fields, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     } else if constexpr (BITS == 3) {
       // 16 codes in 6 bytes: 24-bit half 0 feeds lanes 0-7, half 1 lanes 8-15.
-      uint64_t bytes = 0;
-      std::memcpy(&bytes, row + first * 3 / 8, 6);
+      const uint64_t bytes = load_bytes_le<6>(row + first * 3 / 8);
       const I halves = _mm512_permutexvar_epi32(
           _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
           _mm512_castsi128_si512(_mm_cvtsi64_si128(int64_t((bytes & 0xffffffu) | (bytes >> 24) << 32))));
