@@ -205,6 +205,174 @@ struct V {
 
 #include "simd_impl.inc"
 
+// ---- KIVI/OTT key scores in integers (SPEC §9, docs/DESIGN.md "Integer decode paths") -----------
+// Per block and query row, q'_c = q_c·scale_c becomes Q_c = round(q'_c / step), |Q_c| <=
+// kQueryCodeMax, step = max|q'| / kQueryCodeMax; the codes are unpacked to int16 words and
+// vpmaddwd sums code·Q pairs in int32 (below 2^31: 2·255·16383 per pair, 128 pairs at d = 256).
+// The rounding residuals ρ_c = q'_c − step·Q_c are not lost: Σ ρ_c·code_c is taken as mid·Σ ρ_c
+// (mid = (2^bits − 1)/2), so the error is Σ ρ_c·(code_c − mid), |ρ_c| <= step/2, about
+// 1/(2·16383·sqrt(3)) of max|q'| per channel. One int16 digit, not the AVX-512 kernel's two int8
+// ones: AVX2 has no u8·s8 instruction that does not saturate.
+constexpr float kQueryCodeMax = 16383.0f;
+
+// 16 codes of BITS bits (2·BITS source bytes, broadcast to every qword) as int16 words: word i
+// takes source bytes k, k + 1 (k = BITS·i / 8) by vpshufb and is multiplied by 2^(8 − s) (s =
+// BITS·i mod 8), which puts bits s.. of the pair in its high byte.
+struct CodeUnpack {
+  alignas(32) uint8_t place[32];
+  alignas(32) uint16_t multiplier[16];
+};
+constexpr CodeUnpack make_code_unpack(uint32_t bits) {
+  CodeUnpack u{};
+  for (uint32_t i = 0; i < 16; ++i) {
+    const uint32_t bit = bits * i, lane_word = i % 8;
+    u.place[16 * (i / 8) + 2 * lane_word] = uint8_t(bit / 8);
+    u.place[16 * (i / 8) + 2 * lane_word + 1] = uint8_t(bit / 8 + 1);
+    u.multiplier[i] = uint16_t(1u << (8 - bit % 8));
+  }
+  return u;
+}
+
+template <uint32_t BITS>
+inline __m256i unpack16(const uint8_t *src) {
+  if constexpr (BITS == 8) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(src)));
+  } else {
+    static constexpr CodeUnpack kUnpack = make_code_unpack(BITS);
+    uint64_t bytes;  // exactly the 2·BITS bytes: never past the row
+    if constexpr (BITS == 3) {
+      bytes = load_bytes_le<6>(src);
+    } else if constexpr (BITS == 2) {
+      uint32_t word;
+      std::memcpy(&word, src, 4);
+      bytes = word;
+    } else {
+      std::memcpy(&bytes, src, 8);
+    }
+    const __m256i placed = _mm256_shuffle_epi8(_mm256_set1_epi64x(int64_t(bytes)),
+                                               _mm256_load_si256(reinterpret_cast<const __m256i *>(kUnpack.place)));
+    const __m256i shifted = _mm256_mullo_epi16(placed, _mm256_load_si256(reinterpret_cast<const __m256i *>(kUnpack.multiplier)));
+    return _mm256_and_si256(_mm256_srli_epi16(shifted, 8), _mm256_set1_epi16((1 << BITS) - 1));
+  }
+}
+
+// out[r][t] = step[r]·Σ_c Q_rc·code_tc + offset[r] for the block's B tokens (B even), two tokens
+// at a time; Q: per row and 16-channel chunk, 16 int16.
+template <uint32_t BITS, uint32_t R>
+void codes_scores(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d, const int16_t *Q,
+                  const float *step, const float *offset, float *out, size_t out_stride) {
+  const uint32_t chunks = d / 16;
+  // Lane 2r + p of the sums below is row r, token t + p.
+  alignas(32) float steps[8] = {}, offsets[8] = {};
+  for (uint32_t r = 0; r < R; ++r) {
+    steps[2 * r] = steps[2 * r + 1] = step[r];
+    offsets[2 * r] = offsets[2 * r + 1] = offset[r];
+  }
+  const __m256 step_lanes = _mm256_load_ps(steps), offset_lanes = _mm256_load_ps(offsets);
+  for (uint32_t t = 0; t < B; t += 2) {
+    __m256i acc[4][2];
+    for (uint32_t r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const uint8_t *row0 = codes + size_t(t) * row_bytes, *row1 = row0 + row_bytes;
+    for (uint32_t k = 0; k < chunks; ++k) {
+      const __m256i c0 = unpack16<BITS>(row0 + 2 * BITS * k), c1 = unpack16<BITS>(row1 + 2 * BITS * k);
+      for (uint32_t r = 0; r < R; ++r) {
+        const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i *>(Q + (size_t(r) * chunks + k) * 16));
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(c0, q));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(c1, q));
+      }
+    }
+    // Two rounds of vphaddd leave, per 128-bit lane, (r t, r t+1, r+1 t, r+1 t+1) partial sums;
+    // the lanes are added last.
+    const __m256i quad01 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0][0], acc[0][1]), _mm256_hadd_epi32(acc[1][0], acc[1][1]));
+    const __m256i quad23 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[2][0], acc[2][1]), _mm256_hadd_epi32(acc[3][0], acc[3][1]));
+    const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(quad01, quad23, 0x20),
+                                           _mm256_permute2x128_si256(quad01, quad23, 0x31));
+    alignas(32) float scores[8];
+    _mm256_store_ps(scores, _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), step_lanes, offset_lanes));
+    for (uint32_t r = 0; r < R; ++r) std::memcpy(out + size_t(r) * out_stride + t, scores + 2 * r, 2 * sizeof(float));
+  }
+}
+
+// Per row r < R: the int16 query codes Q (see kQueryCodeMax), step[r] and offset[r] = Σ_c q_c·min_c
+// + mid·Σ_c ρ_c, with Σ_c ρ_c = Σ_c q'_c − step·Σ_c Q_c.
+template <uint32_t BITS>
+void query_codes(const float *q, uint32_t dp, uint32_t R, const float *scale, const float *mins, uint32_t d,
+                 int16_t *Q, float *step, float *offset) {
+  for (uint32_t r = 0; r < R; ++r) {
+    const float *qr = q + size_t(r) * dp;
+    __m256 top = _mm256_setzero_ps(), products = _mm256_setzero_ps(), scaled_sum = _mm256_setzero_ps();
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (uint32_t j = 0; j < d; j += 8) {
+      const __m256 x = _mm256_loadu_ps(qr + j), scaled = _mm256_mul_ps(x, _mm256_load_ps(scale + j));
+      top = _mm256_max_ps(top, _mm256_and_ps(scaled, magnitude));
+      products = _mm256_fmadd_ps(x, _mm256_load_ps(mins + j), products);
+      scaled_sum = _mm256_add_ps(scaled_sum, scaled);
+    }
+    const float largest = V::hmax(top);
+    const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? kQueryCodeMax / largest : 0.0f);
+    step[r] = largest > 0.0f ? largest / kQueryCodeMax : 0.0f;
+    __m256i code_sum = _mm256_setzero_si256();
+    int16_t *row_codes = Q + size_t(r) * d;
+    for (uint32_t j = 0; j < d; j += 16) {
+      const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(qr + j), _mm256_load_ps(scale + j)), inverse));
+      const __m256i high = _mm256_cvtps_epi32(
+          _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(qr + j + 8), _mm256_load_ps(scale + j + 8)), inverse));
+      code_sum = _mm256_add_epi32(code_sum, _mm256_add_epi32(low, high));
+      // vpackssdw packs per 128-bit lane: restore channel order with a qword permutation.
+      _mm256_store_si256(reinterpret_cast<__m256i *>(row_codes + j),
+                         _mm256_permute4x64_epi64(_mm256_packs_epi32(low, high), 0xD8));
+    }
+    alignas(32) int32_t code_lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i *>(code_lanes), code_sum);
+    int64_t codes_total = 0;
+    for (int32_t c : code_lanes) codes_total += c;
+    const float residual = V::hsum(scaled_sum) - step[r] * float(codes_total);
+    offset[r] = V::hsum(products) + residual * (float((1u << BITS) - 1u) * 0.5f);
+  }
+}
+
+template <uint32_t BITS>
+void kivi_scores_bits(const CodesArgs &a, const uint8_t *block, const float *q, uint32_t rows, float *out,
+                      size_t out_stride, float *scratch) {
+  const BlockLayout &l = *a.layout;
+  const uint32_t B = a.block_tokens, d = a.head_dim, dp = padded_dim(d);
+  float *scale = scratch, *mins = scratch + d;  // [d] each (d % 16 == 0), then Q of 4 rows
+  auto *Q = reinterpret_cast<int16_t *>(scratch + 2 * d);
+  for (uint32_t j = 0; j < d; j += 8) {
+    _mm256_store_ps(scale + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(block + l.key_scale + 2 * j))));
+    _mm256_store_ps(mins + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(block + l.key_min + 2 * j))));
+  }
+  const uint8_t *codes = block + l.key_codes;
+  const size_t row_bytes = l.key_bytes_per_token_codes;
+  for (uint32_t r0 = 0; r0 < rows; r0 += 4) {
+    const uint32_t R = std::min(4u, rows - r0);
+    float step[4], offset[4];
+    query_codes<BITS>(q + size_t(r0) * dp, dp, R, scale, mins, d, Q, step, offset);
+    float *o = out + size_t(r0) * out_stride;
+    switch (R) {
+      case 1: codes_scores<BITS, 1>(codes, row_bytes, B, d, Q, step, offset, o, out_stride); break;
+      case 2: codes_scores<BITS, 2>(codes, row_bytes, B, d, Q, step, offset, o, out_stride); break;
+      case 3: codes_scores<BITS, 3>(codes, row_bytes, B, d, Q, step, offset, o, out_stride); break;
+      default: codes_scores<BITS, 4>(codes, row_bytes, B, d, Q, step, offset, o, out_stride); break;
+    }
+  }
+}
+
+// The integer kernel where the codes come in whole 16-channel chunks; the fp32 table kernel else.
+void kivi_scores_integer(const CodesArgs &a, const uint8_t *block, const float *q, uint32_t rows, float *out,
+                         size_t out_stride, float *scratch) {
+  if (a.head_dim % 16 != 0) {
+    kivi_scores(a, block, q, rows, out, out_stride, scratch);
+    return;
+  }
+  switch (a.bits) {
+    case 2: kivi_scores_bits<2>(a, block, q, rows, out, out_stride, scratch); break;
+    case 3: kivi_scores_bits<3>(a, block, q, rows, out, out_stride, scratch); break;
+    case 4: kivi_scores_bits<4>(a, block, q, rows, out, out_stride, scratch); break;
+    default: kivi_scores_bits<8>(a, block, q, rows, out, out_stride, scratch); break;
+  }
+}
+
 }  // namespace
 }  // namespace qjlkv::cpu::avx2
 
@@ -216,7 +384,11 @@ struct V {
 
 namespace qjlkv::cpu {
 const KernelTable &avx2_kernels() {
-  static constexpr KernelTable table = avx2::make_table(Isa::Avx2);
+  static constexpr KernelTable table = [] {
+    KernelTable t = avx2::make_table(Isa::Avx2);
+    t.kivi_scores = &avx2::kivi_scores_integer;
+    return t;
+  }();
   return table;
 }
 }  // namespace qjlkv::cpu

@@ -39,10 +39,11 @@ std::vector<Isa> supported_isas() {
 // Whether a path scores keys of this method in integers (SPEC §9): it is held to the error
 // budget (ScoresWithinErrorBudget), not to float tolerance. (QJL sketches whose rows are not a
 // power-of-two number of 32-bit words fall back to the fp32 kernel; they are held to the budget
-// all the same.)
-bool integer_key_scores(Isa isa, uint32_t key_method) {
-  return isa == Isa::Avx512Vnni &&
-         (key_method == QJLKV_KEYS_KIVI || key_method == QJLKV_KEYS_OTT || key_method == QJLKV_KEYS_QJL);
+// all the same.) AVX2 scores KIVI/OTT keys in integers when head_dim is a multiple of 16.
+bool integer_key_scores(Isa isa, const qjlkv_config &cfg) {
+  const bool codes = cfg.key_method == QJLKV_KEYS_KIVI || cfg.key_method == QJLKV_KEYS_OTT;
+  return (isa == Isa::Avx512Vnni && (codes || cfg.key_method == QJLKV_KEYS_QJL)) ||
+         (isa == Isa::Avx2 && codes && cfg.head_dim % 16 == 0);
 }
 // Likewise for value sums (ValueSumsWithinErrorBudget): rotated Lloyd-Max codes of 2 to 4 bits
 // in 16-channel chunks. (Uniform codes stay in fp32: integer sums measured no faster, as their
@@ -52,7 +53,7 @@ bool integer_value_sums(Isa isa, const qjlkv_config &cfg) {
          cfg.value_bits >= 2 && cfg.value_bits <= 4;
 }
 bool integer_attention(Isa isa, const qjlkv_config &cfg) {
-  return integer_key_scores(isa, cfg.key_method) || integer_value_sums(isa, cfg);
+  return integer_key_scores(isa, cfg) || integer_value_sums(isa, cfg);
 }
 
 // A measured error for the test report (--gtest_output=xml), e.g. "3.1e-05".
@@ -338,7 +339,7 @@ TEST_P(Kernels, ScoresMatchReference) {
     std::vector<float> out_storage;
     float *out = path_scores(kernel_table(isa), out_storage, sq_ref);
     if (HasFailure()) return;
-    if (integer_key_scores(isa, cfg_.key_method)) continue;
+    if (integer_key_scores(isa, cfg_)) continue;
     for (uint32_t r = 0; r < rows; ++r)
       for (uint32_t t = 0; t < B; ++t)
         ASSERT_NEAR(out[size_t(r) * Bp + t], want[size_t(r) * B + t], 2e-6 * scale + 1e-6)
