@@ -141,6 +141,22 @@ struct V {
   }
   static uint32_t positive_bits(F p) { return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(p, zero(), _CMP_GT_OQ))); }
   static F permute(F table, I index) { return _mm256_permutevar8x32_ps(table, index); }
+  // The W integer codes from code index `first` (BITS = 2, 3 or 4).
+  template <uint32_t BITS>
+  static I code_ints(const uint8_t *row, uint32_t first) {
+    uint32_t word;  // loaded whole (load_bytes_le)
+    if constexpr (BITS == 2) {
+      uint16_t half;
+      std::memcpy(&half, row + first / 4, 2);
+      word = half;
+    } else if constexpr (BITS == 3) {
+      word = uint32_t(load_bytes_le<3>(row + first * 3 / 8));
+    } else {
+      std::memcpy(&word, row + first / 2, 4);
+    }
+    const I fields = _mm256_srlv_epi32(_mm256_set1_epi32(int(word)), code_shifts<BITS>());
+    return _mm256_and_si256(fields, _mm256_set1_epi32((1 << BITS) - 1));
+  }
   template <uint32_t BITS>
   static F codes(const uint8_t *row, uint32_t first) {
     if constexpr (BITS == 8) {
@@ -148,19 +164,15 @@ struct V {
       std::memcpy(&bytes, row + first, 8);
       return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(bytes))));
     } else {
-      uint32_t word;  // loaded whole (load_bytes_le)
-      if constexpr (BITS == 2) {
-        uint16_t half;
-        std::memcpy(&half, row + first / 4, 2);
-        word = half;
-      } else if constexpr (BITS == 3) {
-        word = uint32_t(load_bytes_le<3>(row + first * 3 / 8));
-      } else {
-        std::memcpy(&word, row + first / 2, 4);
-      }
-      const I fields = _mm256_srlv_epi32(_mm256_set1_epi32(int(word)), code_shifts<BITS>());
-      return _mm256_cvtepi32_ps(_mm256_and_si256(fields, _mm256_set1_epi32((1 << BITS) - 1)));
+      return _mm256_cvtepi32_ps(code_ints<BITS>(row, first));
     }
+  }
+  // table[code] (16 entries) for W codes: one vpermps where the codes fit 8 entries.
+  template <uint32_t BITS>
+  static F code_levels(const float *table, const uint8_t *row, uint32_t first) {
+    const I code = code_ints<BITS>(row, first);
+    if constexpr (BITS <= 3) return _mm256_permutevar8x32_ps(load(table), code);
+    return lookup16(table, lookup_index(code));
   }
   static Lookup lookup_index(I i) { return {i, _mm256_castsi256_ps(_mm256_slli_epi32(i, 28))}; }
   static F lookup16(const float *table, const Lookup &l) {

@@ -54,6 +54,11 @@ struct V {
   static F permute(F table, I) { return table; }
   template <uint32_t BITS>
   static F codes(const uint8_t *row, uint32_t first) { return float(unpack_code(row, first, BITS)); }
+  // table[code] for the codes codes<BITS> reads; table has 16 entries, entry e = level(e mod 2^BITS).
+  template <uint32_t BITS>
+  static F code_levels(const float *table, const uint8_t *row, uint32_t first) {
+    return table[unpack_code(row, first, BITS)];
+  }
   static I lookup_index(I i) { return i & 15u; }
   static F lookup16(const float *table, I i) { return table[i]; }
   static I srl4(I i) { return i >> 4; }

@@ -39,11 +39,12 @@ std::vector<Isa> supported_isas() {
 // Whether a path scores keys of this method in integers (SPEC §9): it is held to the error
 // budget (ScoresWithinErrorBudget), not to float tolerance. (QJL sketches whose rows are not a
 // power-of-two number of 32-bit words fall back to the fp32 kernel; they are held to the budget
-// all the same.) AVX2 scores KIVI/OTT keys in integers when head_dim is a multiple of 16.
+// all the same.) AVX2 and AVX-512 score KIVI/OTT keys in integers (the AVX2 kernel) when
+// head_dim is a multiple of 16.
 bool integer_key_scores(Isa isa, const qjlkv_config &cfg) {
   const bool codes = cfg.key_method == QJLKV_KEYS_KIVI || cfg.key_method == QJLKV_KEYS_OTT;
   return (isa == Isa::Avx512Vnni && (codes || cfg.key_method == QJLKV_KEYS_QJL)) ||
-         (isa == Isa::Avx2 && codes && cfg.head_dim % 16 == 0);
+         ((isa == Isa::Avx2 || isa == Isa::Avx512) && codes && cfg.head_dim % 16 == 0);
 }
 // Likewise for value sums (ValueSumsWithinErrorBudget): rotated Lloyd-Max codes of 2 to 4 bits
 // in 16-channel chunks. (Uniform codes stay in fp32: integer sums measured no faster, as their
