@@ -220,12 +220,13 @@ struct V {
 // ---- KIVI/OTT key scores in integers (SPEC §9, docs/DESIGN.md "Integer decode paths") -----------
 // Per block and query row, q'_c = q_c·scale_c becomes Q_c = round(q'_c / step), |Q_c| <=
 // kQueryCodeMax, step = max|q'| / kQueryCodeMax; the codes are unpacked to int16 words and
-// vpmaddwd sums code·Q pairs in int32 (below 2^31: 2·255·16383 per pair, 128 pairs at d = 256).
+// vpmaddwd sums code·Q pairs in int32 (below 2^31: d·255·32767 < 2^31 for d <= 256).
 // The rounding residuals ρ_c = q'_c − step·Q_c are not lost: Σ ρ_c·code_c is taken as mid·Σ ρ_c
 // (mid = (2^bits − 1)/2), so the error is Σ ρ_c·(code_c − mid), |ρ_c| <= step/2, about
-// 1/(2·16383·sqrt(3)) of max|q'| per channel. One int16 digit, not the AVX-512 kernel's two int8
+// 1/(2·32767·sqrt(3)) of max|q'| per channel. One int16 digit, not the AVX-512 kernel's two int8
 // ones: AVX2 has no u8·s8 instruction that does not saturate.
-constexpr float kQueryCodeMax = 16383.0f;
+constexpr float kQueryCodeMax = 32767.0f;
+static_assert(double(QJLKV_MAX_HEAD_DIM) * 255.0 * kQueryCodeMax < 2147483647.0);
 
 // 16 codes of BITS bits (2·BITS source bytes, broadcast to every qword) as int16 words: word i
 // takes source bytes k, k + 1 (k = BITS·i / 8) by vpshufb and is multiplied by 2^(8 − s) (s =

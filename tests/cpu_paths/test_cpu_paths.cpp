@@ -150,6 +150,7 @@ const KernelCase kCases[] = {
     {"kivi2", "kivi", 128, 128, 256, 8, 64, 2, 2, 32, 4},
     {"kivi4_odd", "kivi", 24, 40, 48, 8, 24, 4, 4, 24, 6},
     {"kivi8", "kivi", 64, 32, 128, 8, 32, 8, 8, 16, 1},
+    {"kivi8_wide", "kivi", 256, 16, 512, 8, 128, 8, 8, 64, 4},  // the integer kernels' int32 bound
     {"kivi3", "kivi", 128, 64, 256, 8, 64, 3, 3, 32, 4},
     {"kivi4_llama", "kivi", 128, 128, 256, 8, 64, 4, 4, 32, 4},
     {"kivi2_short_rows", "ott", 64, 40, 128, 8, 32, 2, 2, 32, 2},

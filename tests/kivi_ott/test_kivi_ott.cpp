@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
@@ -327,7 +328,12 @@ TEST(Ott, MatchesBruteForceSimulation) {
       cfg.outlier_tokens = 3;
       cfg.outlier_spill_tokens = spill;
       cfg.outlier_skip_layers = 1;
+      // The scalar kernels: this test holds every score and output to the simulation in float
+      // tolerance, which the integer key scores of the vector paths meet only within SPEC §9's
+      // budget (tests/cpu_paths holds them to it, OTT included).
+      setenv("QJLKV_CPU_ISA", "scalar", 1);
       CacheHandle cache(cfg);
+      unsetenv("QJLKV_CPU_ISA");
       Matrix k, v;
       outlier_stream(tokens, d, tokens + spill, k, v, 9);
       std::vector<float> q(d);
