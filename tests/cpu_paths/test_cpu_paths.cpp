@@ -45,11 +45,14 @@ bool integer_key_scores(Isa isa, uint32_t key_method) {
          (key_method == QJLKV_KEYS_KIVI || key_method == QJLKV_KEYS_OTT || key_method == QJLKV_KEYS_QJL);
 }
 // Likewise for value sums (ValueSumsWithinErrorBudget): rotated Lloyd-Max codes of 2 to 4 bits
-// in 16-channel chunks. (Uniform codes stay in fp32: integer sums measured no faster, as their
-// per-token, per-group scales and minima cost more to set up than the sums save.)
+// in 16-channel chunks; uniform codes of 2 to 8 bits in 16-channel chunks, with groups of 8 or a
+// multiple of 16 channels and a power-of-two number of groups, at most 16, per token.
 bool integer_value_sums(Isa isa, const qjlkv_config &cfg) {
-  return isa == Isa::Avx512Vnni && cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX && cfg.head_dim % 16 == 0 &&
-         cfg.value_bits >= 2 && cfg.value_bits <= 4;
+  if (isa != Isa::Avx512Vnni || cfg.head_dim % 16 != 0) return false;
+  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) return cfg.value_bits >= 2 && cfg.value_bits <= 4;
+  const uint32_t groups = cfg.head_dim / cfg.value_group_size;
+  return cfg.value_bits <= 8 && (cfg.value_group_size % 16 == 0 || cfg.value_group_size == 8) && groups <= 16 &&
+         (groups & (groups - 1)) == 0;
 }
 bool integer_attention(Isa isa, const qjlkv_config &cfg) {
   return integer_key_scores(isa, cfg.key_method) || integer_value_sums(isa, cfg);
@@ -153,6 +156,13 @@ const KernelCase kCases[] = {
     {"kivi2_short_rows", "ott", 64, 40, 128, 8, 32, 2, 2, 32, 2},
     {"kivi3_odd", "kivi", 40, 24, 80, 8, 40, 3, 3, 8, 5},
     {"kivi3_values_wide", "ott", 256, 16, 512, 8, 128, 3, 3, 64, 9},
+    // Uniform values on the integer path: groups of 8 (two per 16-channel chunk) and 128,
+    // 8-bit codes over more than the 256 tokens between int32 flushes, 4-bit codes in d = 192.
+    {"values4_groups8", "kivi", 128, 40, 256, 8, 64, 2, 4, 8, 5},
+    {"values3_groups8_d64", "qjl", 64, 24, 128, 4, 32, 2, 3, 8, 4},
+    {"values2_groups128", "kivi", 128, 32, 256, 8, 64, 2, 2, 128, 3},
+    {"values8_groups64_long", "kivi", 128, 264, 256, 8, 64, 2, 8, 64, 4},
+    {"values4_groups64_d192", "qjl", 192, 16, 384, 8, 96, 2, 4, 64, 6},
     {"rotated3", "kivi", 128, 32, 256, 8, 64, 3, 3, 32, 4, QJLKV_VALUES_ROTATED_LLOYD_MAX},
     {"q3_llama", "q3", 128, 128, 256, 8, 64, 3, 2, 32, 4, QJLKV_VALUES_ROTATED_LLOYD_MAX},
     {"q4_smollm", "q4", 64, 128, 128, 8, 32, 4, 3, 32, 3, QJLKV_VALUES_ROTATED_LLOYD_MAX},
