@@ -446,6 +446,7 @@ void uniform_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g
     for (uint32_t t = t0; t < end; t += 2) {
       const __m512i a = _mm512_maskz_loadu_epi8(load_mask, first + t * row_bytes);
       const __m512i b = t + 1 < B ? _mm512_maskz_loadu_epi8(load_mask, first + (t + 1) * row_bytes) : _mm512_setzero_si512();
+#pragma GCC unroll 4
       for (uint32_t z = 0; z < CZ; ++z) {
         const __m512i place = _mm512_load_si512(kUnpack.place[j0 + z]);
         __m512i code;
@@ -456,10 +457,13 @@ void uniform_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g
           code = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kUnpack.shifts[j0 + z]), placed),
                                   _mm512_set1_epi16(short((1u << BITS) - 1u)));
         }
+#pragma GCC unroll 4
         for (uint32_t r = 0; r < R; ++r) sum[r][z] = _mm512_dpwssd_epi32(sum[r][z], code, weights(r, t / 2, z));
       }
     }
+#pragma GCC unroll 4
     for (uint32_t r = 0; r < R; ++r)
+#pragma GCC unroll 4
       for (uint32_t z = 0; z < CZ; ++z) {
         __m512 part = _mm512_cvtepi32_ps(sum[r][z]);
         if (t0 == 0) {  // the minima's part, once
