@@ -1,5 +1,5 @@
 // AVX-512 kernels with integer decode paths (VNNI vpdpbusd/vpdpwssd, VBMI vpermb/vpmultishiftqb):
-// the AVX-512 table with QJL and KIVI/OTT key scores and rotated Lloyd-Max value sums in integers,
+// the AVX-512 table with QJL and KIVI/OTT key scores and rotated Lloyd-Max and uniform value sums in integers,
 // within the error budget of SPEC §9 (docs/DESIGN.md, "Integer decode paths"). Every other
 // kernel is the AVX-512 one.
 // The target pragma comes after every include, as in simd_avx512.cpp.
@@ -403,11 +403,12 @@ constexpr PairOrder kPairOrder = make_pair_order();
 
 // Whether values_uniform covers the layout: d a multiple of 16, groups of 8 or a multiple of 16
 // channels, and a power-of-two number G <= 16 of groups per token (the P setup's vectors hold
-// whole tokens or 16/G of them).
+// whole tokens or 16/G of them). Blocks of 8 tokens keep fp32: there the per-block setup
+// measured as slow as the sums it saves.
 bool uniform_integer_layout(const CodesArgs &a) {
   const uint32_t groups = a.group ? a.head_dim / a.group : 0;
-  return a.bits <= 8 && a.head_dim % 16 == 0 && (a.group % 16 == 0 || a.group == 8) && groups >= 1 && groups <= 16 &&
-         (groups & (groups - 1)) == 0;
+  return a.bits <= 8 && a.block_tokens >= 16 && a.head_dim % 16 == 0 && (a.group % 16 == 0 || a.group == 8) &&
+         groups >= 1 && groups <= 16 && (groups & (groups - 1)) == 0;
 }
 
 template <uint32_t BITS, uint32_t N, uint32_t R, uint32_t CZ>
@@ -504,12 +505,54 @@ void uniform_rows(const CodesArgs &a, const uint8_t *codes, const int16_t *P, si
   }
 }
 
+// P of R rows in pair order (P[r·P_stride + ...]) and their minima's sums mins[16·r + g], from
+// the block's scales and minima (B·G halves each, token-major) and factor[r] = P per w·scale.
+template <uint32_t R>
+void uniform_weights(const uint16_t *scale_bits, const uint16_t *min_bits, uint32_t B, uint32_t G, const float *w,
+                     size_t w_stride, const float *factor, int16_t *P, size_t P_stride, float *mins) {
+  const uint32_t products = B * G, log_groups = uint32_t(__builtin_ctz(G));
+  // Lane i of a 16-product vector starting at product x (a multiple of 16) belongs to token x/G + i/G.
+  const __m512i expand = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), log_groups);
+  const __m512i pair_order = _mm512_load_si512(kPairOrder.index[log_groups]);
+  __m512 min_sums[R];
+  for (uint32_t r = 0; r < R; ++r) min_sums[r] = _mm512_setzero_ps();
+  for (uint32_t x = 0; x < P_stride; x += 32) {
+    __m512 scale[2], minimum[2];
+    for (uint32_t h = 0; h < 2; ++h) {
+      const __mmask16 valid = lanes_below(x + 16 * h, products);
+      scale[h] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, scale_bits + x + 16 * h));
+      minimum[h] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, min_bits + x + 16 * h));
+    }
+#pragma GCC unroll 4
+    for (uint32_t r = 0; r < R; ++r) {
+      const float *wr = w + size_t(r) * w_stride;
+      __m512i q[2];
+      for (uint32_t h = 0; h < 2; ++h) {
+        const uint32_t t = (x + 16 * h) >> log_groups;  // weights past B are not read: they need not be zero
+        const __m512 weight = _mm512_permutexvar_ps(expand, _mm512_maskz_loadu_ps(lanes_below(t, B), wr + t));
+        min_sums[r] = _mm512_fmadd_ps(weight, minimum[h], min_sums[r]);
+        q[h] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(weight, _mm512_set1_ps(factor[r])), scale[h]));
+      }
+      // vpackssdw saturates: a product rounded up past 32767 stays 32767.
+      _mm512_store_si512(P + r * P_stride + x, _mm512_permutexvar_epi16(pair_order, _mm512_packs_epi32(q[0], q[1])));
+    }
+  }
+#pragma GCC unroll 4
+  for (uint32_t r = 0; r < R; ++r) {  // lane i holds group i % G: fold the lanes of each group
+    __m512 m = min_sums[r];
+    if (G <= 8) m = _mm512_add_ps(m, _mm512_shuffle_f32x4(m, m, 0x4E));
+    if (G <= 4) m = _mm512_add_ps(m, _mm512_shuffle_f32x4(m, m, 0xB1));
+    if (G <= 2) m = _mm512_add_ps(m, _mm512_permute_ps(m, 0x4E));
+    if (G <= 1) m = _mm512_add_ps(m, _mm512_permute_ps(m, 0xB1));
+    _mm512_store_ps(mins + 16 * r, m);
+  }
+}
+
 template <uint32_t BITS>
 void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
                     float *acc, float *scratch) {
   const BlockLayout &l = *a.layout;
-  const uint32_t B = a.block_tokens, d = a.head_dim, dp = padded_dim(d), G = d / a.group;
-  const uint32_t products = B * G, log_groups = uint32_t(__builtin_ctz(G));
+  const uint32_t B = a.block_tokens, d = a.head_dim, dp = padded_dim(d), G = d / a.group, products = B * G;
   const size_t P_stride = (size_t(products) + 31) / 32 * 32;  // int16 per row
   auto *P = reinterpret_cast<int16_t *>(scratch);             // [4][P_stride]
   float *mins = scratch + 2 * P_stride;                       // [4][16]: Σ_t w_rt·min_tg at [r][g]
@@ -525,68 +568,38 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
   const uint32_t top_half = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_srli_epi32(top_bits, 16),
                                                                      _mm512_and_si512(top_bits, _mm512_set1_epi32(0xffff))));
   const float largest_scale = _cvtsh_ss(uint16_t(top_half));
-  // Lane i of a 16-product vector starting at product x (a multiple of 16) belongs to token x/G + i/G.
-  const __m512i expand = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), log_groups);
-  const __m512i pair_order = _mm512_load_si512(kPairOrder.index[log_groups]);
   const uint8_t *codes = block + l.value_codes;
   for (uint32_t r0 = 0; r0 < rows; r0 += 4) {
     const uint32_t R = std::min(4u, rows - r0);
+    const float *wr = w + size_t(r0) * w_stride;
+    float *ar = acc + size_t(r0) * dp;
     float factor[4], unit[4];  // P per unit of w·scale; what one P·code step is worth
     bool covered = true;
-    for (uint32_t rr = 0; rr < R; ++rr) {
-      const float *wr = w + size_t(r0 + rr) * w_stride;
+    for (uint32_t r = 0; r < R; ++r) {
       __m512 top = _mm512_setzero_ps();  // weights past B are not read: they need not be zero
-      for (uint32_t t = 0; t < B; t += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes_below(t, B), wr + t)));
+      for (uint32_t t = 0; t < B; t += 16)
+        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes_below(t, B), wr + size_t(r) * w_stride + t)));
       const float span = _mm512_reduce_max_ps(top) * largest_scale;
       covered &= span == 0.0f || span >= kUniformSmallestSpan;
-      factor[rr] = span > 0.0f ? kUniformWeightMax / span : 0.0f;
-      unit[rr] = span / kUniformWeightMax;
+      factor[r] = span > 0.0f ? kUniformWeightMax / span : 0.0f;
+      unit[r] = span / kUniformWeightMax;
     }
     if (!covered) {
-      avx512_kernels().values_accumulate(a, block, w + size_t(r0) * w_stride, w_stride, R, acc + size_t(r0) * dp, scratch);
+      avx512_kernels().values_accumulate(a, block, wr, w_stride, R, ar, scratch);
       continue;
     }
-    __m512 min_sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (uint32_t x = 0; x < P_stride; x += 32) {
-      __m512 scale[2], minimum[2];
-      for (uint32_t h = 0; h < 2; ++h) {
-        const __mmask16 valid = lanes_below(x + 16 * h, products);
-        scale[h] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, scale_bits + x + 16 * h));
-        minimum[h] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, min_bits + x + 16 * h));
-      }
-      for (uint32_t rr = 0; rr < R; ++rr) {
-        const float *wr = w + size_t(r0 + rr) * w_stride;
-        __m512i q[2];
-        for (uint32_t h = 0; h < 2; ++h) {
-          const uint32_t t = (x + 16 * h) >> log_groups;
-          const __m512 weight = _mm512_permutexvar_ps(expand, _mm512_maskz_loadu_ps(lanes_below(t, B), wr + t));
-          min_sums[rr] = _mm512_fmadd_ps(weight, minimum[h], min_sums[rr]);
-          q[h] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(weight, _mm512_set1_ps(factor[rr])), scale[h]));
-        }
-        // vpackssdw saturates: a product rounded up past 32767 stays 32767.
-        _mm512_store_si512(P + rr * P_stride + x, _mm512_permutexvar_epi16(pair_order, _mm512_packs_epi32(q[0], q[1])));
-      }
-    }
-    for (uint32_t rr = 0; rr < R; ++rr) {  // lane i holds group i % G: fold the lanes of each group
-      __m512 m = min_sums[rr];
-      if (G <= 8) m = _mm512_add_ps(m, _mm512_shuffle_f32x4(m, m, 0x4E));
-      if (G <= 4) m = _mm512_add_ps(m, _mm512_shuffle_f32x4(m, m, 0xB1));
-      if (G <= 2) m = _mm512_add_ps(m, _mm512_permute_ps(m, 0x4E));
-      if (G <= 1) m = _mm512_add_ps(m, _mm512_permute_ps(m, 0xB1));
-      _mm512_store_ps(mins + 16 * rr, m);
-    }
-    float *ar = acc + size_t(r0) * dp;
-    const auto run = [&](auto n) {
-      constexpr uint32_t kN = decltype(n)::value;
-      switch (R) {
-        case 1: uniform_rows<BITS, kN, 1>(a, codes, P, P_stride, unit, mins, ar); break;
-        case 2: uniform_rows<BITS, kN, 2>(a, codes, P, P_stride, unit, mins, ar); break;
-        case 3: uniform_rows<BITS, kN, 3>(a, codes, P, P_stride, unit, mins, ar); break;
-        default: uniform_rows<BITS, kN, 4>(a, codes, P, P_stride, unit, mins, ar); break;
-      }
+    const auto run = [&](auto rows_in_group) {
+      constexpr uint32_t kR = decltype(rows_in_group)::value;
+      uniform_weights<kR>(scale_bits, min_bits, B, G, wr, w_stride, factor, P, P_stride, mins);
+      if (a.group == 8) uniform_rows<BITS, 2, kR>(a, codes, P, P_stride, unit, mins, ar);
+      else uniform_rows<BITS, 1, kR>(a, codes, P, P_stride, unit, mins, ar);
     };
-    if (a.group == 8) run(std::integral_constant<uint32_t, 2>{});
-    else run(std::integral_constant<uint32_t, 1>{});
+    switch (R) {
+      case 1: run(std::integral_constant<uint32_t, 1>{}); break;
+      case 2: run(std::integral_constant<uint32_t, 2>{}); break;
+      case 3: run(std::integral_constant<uint32_t, 3>{}); break;
+      default: run(std::integral_constant<uint32_t, 4>{}); break;
+    }
   }
 }
 
