@@ -1,7 +1,7 @@
 // AVX-512 kernels with integer decode paths (VNNI vpdpbusd/vpdpwssd, VBMI vpermb/vpmultishiftqb):
-// the AVX-512 table with QJL and KIVI/OTT key scores and rotated Lloyd-Max and uniform value sums in integers,
-// within the error budget of SPEC §9 (docs/DESIGN.md, "Integer decode paths"). Every other
-// kernel is the AVX-512 one.
+// the AVX-512 table with QJL and KIVI/OTT key scores and rotated Lloyd-Max and uniform value sums
+// in integers, within the error budget of SPEC §9 (docs/DESIGN.md, "Integer decode paths").
+// Every other kernel is the AVX-512 one.
 // The target pragma comes after every include, as in simd_avx512.cpp.
 #include <algorithm>
 #include <cmath>
@@ -447,6 +447,8 @@ void uniform_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g
     for (uint32_t t = t0; t < end; t += 2) {
       const __m512i a = _mm512_maskz_loadu_epi8(load_mask, first + t * row_bytes);
       const __m512i b = t + 1 < B ? _mm512_maskz_loadu_epi8(load_mask, first + (t + 1) * row_bytes) : _mm512_setzero_si512();
+      // Unrolled (here and at the flush) so that GCC keeps sum[][] in registers: otherwise it
+      // copied the sums to the stack at every token pair (measured 11.9 against 7.7 ns per token).
 #pragma GCC unroll 4
       for (uint32_t z = 0; z < CZ; ++z) {
         const __m512i place = _mm512_load_si512(kUnpack.place[j0 + z]);
