@@ -1,11 +1,12 @@
 // AVX-512 kernels with integer decode paths (VNNI vpdpbusd/vpdpwssd, VBMI vpermb/vpmultishiftqb):
-// the AVX-512 table with QJL and KIVI/OTT key scores and rotated Lloyd-Max value sums in integers,
-// within the error budget of SPEC §9 (docs/DESIGN.md, "Integer decode paths"). Every other
-// kernel is the AVX-512 one.
+// the AVX-512 table with QJL and KIVI/OTT key scores and rotated Lloyd-Max and uniform value sums
+// in integers, within the error budget of SPEC §9 (docs/DESIGN.md, "Integer decode paths").
+// Every other kernel is the AVX-512 one.
 // The target pragma comes after every include, as in simd_avx512.cpp.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "simd.hpp"
 
@@ -333,6 +334,277 @@ void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, 
   }
 }
 
+// ---- uniform values ------------------------------------------------------------------------------
+// acc[r][c] += Σ_t w_rt·(min_tg + scale_tg·code_tc), g the group of channel c, as
+//   Σ_t w_rt·min_tg (fp32, one number per row and group, shared by the group's channels)
+//   + pstep_r·Σ_t P_rtg·code_tc, P_rtg = round(w_rt·scale_tg / pstep_r) in int16,
+// pstep_r = max_t |w_rt|·max_tg scale_tg / kUniformWeightMax. vpdpwssd sums P·code over token
+// pairs: a dword lane holds (code_tc, code_t+1,c) against (P_tg, P_t+1,g), the codes unpacked to
+// int16 words; no level lookup. The int32 sums go to the fp32 accumulators every
+// uniform_flush_tokens(bits) tokens, within int32 (the static_assert). The only error is P's
+// rounding: pstep_r·Σ_t ρ_t·code_tc with |ρ_t| <= 1/2, at most 2^-16 of the largest
+// |w|·scale·code per token.
+constexpr float kUniformWeightMax = 32767.0f;
+// Below this max|w|·max scale of a row the factor kUniformWeightMax / span could overflow fp32:
+// such rows (weights below ~1e-30 in the whole block) take the fp32 kernel.
+constexpr float kUniformSmallestSpan = 1e-30f;
+constexpr uint32_t uniform_flush_tokens(uint32_t bits) { return bits == 8 ? 256u : QJLKV_MAX_BLOCK_TOKENS; }
+static_assert(256.0 * kUniformWeightMax * 255 < 2147483647.0 &&
+              double(QJLKV_MAX_BLOCK_TOKENS) * kUniformWeightMax * 15 < 2147483647.0);
+
+// Codes are unpacked per 16-channel chunk j of a region (128 channels, 64 for 8-bit codes: at
+// most 64 bytes of a row). With N groups per chunk (N = 1; N = 2 for groups of 8 channels) lane i
+// holds channel 16j + (i % N)·16/N + i/N: the lanes alternate between the chunk's groups, so that
+// one broadcast of N P dwords serves the chunk; the sums are put back in channel order at the
+// flush. vpermt2b places, in qword k, the two bytes that hold lane 2k's code and lane 2k+1's, of
+// token A (words 0, 2) and B (words 1, 3, from the second source); vpmultishiftqb shifts each
+// code to the low bits of its word, and an and clears the bits above it (8-bit codes: the
+// placement alone, the high bytes zeroed by the mask).
+constexpr uint32_t uniform_lane_channel(uint32_t n, uint32_t i) { return (i % n) * (16 / n) + i / n; }
+struct UniformUnpack {
+  alignas(64) uint8_t place[8][64];
+  alignas(64) uint8_t shifts[8][64];
+};
+constexpr UniformUnpack make_uniform_unpack(uint32_t bits, uint32_t n) {
+  UniformUnpack u{};
+  for (uint32_t j = 0; j < 8; ++j)
+    for (uint32_t i = 0; i < 16; ++i) {
+      const uint32_t bit = (16 * j + uniform_lane_channel(n, i)) * bits, byte = bit / 8, shift = bit % 8;
+      const uint32_t at = 4 * i, base = 32 * (i % 2);  // lane i: bytes 4i..4i+3, bits 32·(i % 2) of its qword
+      const uint8_t source[4] = {uint8_t(byte), uint8_t(byte + 1), uint8_t(64 + byte), uint8_t(65 + byte)};
+      const uint8_t offsets[4] = {uint8_t(base + shift), 0, uint8_t(base + 16 + shift), 0};
+      for (uint32_t k = 0; k < 4; ++k) {
+        u.place[j][at + k] = uint8_t(source[k] & 127u);
+        u.shifts[j][at + k] = offsets[k];
+      }
+    }
+  return u;
+}
+
+// vpermw order of a row's P: 32 products x = t·G + g (t local) come from vpackssdw of two
+// 16-product vectors (per 128-bit lane L: words 8L..8L+3 from the first, 8L+4..8L+7 from the
+// second) and go to word (t/2)·2G + 2g + t % 2, so that dword (pair, g) = (P_2·pair,g, P_2·pair+1,g).
+struct PairOrder {
+  alignas(64) uint16_t index[5][32];  // per log2 G
+};
+constexpr PairOrder make_pair_order() {
+  PairOrder o{};
+  for (uint32_t log = 0; log < 5; ++log) {
+    const uint32_t G = 1u << log;
+    for (uint32_t x = 0; x < 32; ++x) {
+      const uint32_t packed = x < 16 ? 8 * (x / 4) + x % 4 : 8 * ((x - 16) / 4) + 4 + (x - 16) % 4;
+      const uint32_t t = x / G, g = x % G;
+      o.index[log][(t / 2) * 2 * G + 2 * g + t % 2] = uint16_t(packed);
+    }
+  }
+  return o;
+}
+constexpr PairOrder kPairOrder = make_pair_order();
+
+// Whether values_uniform covers the layout: d a multiple of 16, groups of 8 or a multiple of 16
+// channels, and a power-of-two number G <= 16 of groups per token (the P setup's vectors hold
+// whole tokens or 16/G of them). Blocks of 8 tokens keep fp32: there the per-block setup
+// measured as slow as the sums it saves.
+bool uniform_integer_layout(const CodesArgs &a) {
+  const uint32_t groups = a.group ? a.head_dim / a.group : 0;
+  return a.bits <= 8 && a.block_tokens >= 16 && a.head_dim % 16 == 0 && (a.group % 16 == 0 || a.group == 8) &&
+         groups >= 1 && groups <= 16 && (groups & (groups - 1)) == 0;
+}
+
+template <uint32_t BITS, uint32_t N, uint32_t R, uint32_t CZ>
+void uniform_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g, uint32_t G, uint32_t region,
+                  uint32_t j0, const int16_t *P, size_t P_stride, const float *unit, const float *mins, float *acc,
+                  uint32_t dp) {
+  static constexpr UniformUnpack kUnpack = make_uniform_unpack(BITS, N);
+  constexpr uint32_t kRegion = BITS == 8 ? 64 : 128, kRegionBytes = kRegion * BITS / 8;
+  // The region's bytes of a row (fewer in a last region of under kRegion channels): never past the row.
+  const size_t bytes = std::min<size_t>(kRegionBytes, row_bytes - size_t(region) * kRegionBytes);
+  const __mmask64 load_mask = bytes >= 64 ? ~__mmask64(0) : (__mmask64(1) << bytes) - 1u;
+  const uint8_t *first = codes + size_t(region) * kRegionBytes;
+  uint32_t group[CZ];  // the chunk's (first) group
+  for (uint32_t z = 0; z < CZ; ++z) {
+    const uint32_t chunk = region * (kRegion / 16) + j0 + z;
+    group[z] = N == 1 ? 16 * chunk / g : 2 * chunk;
+  }
+  const auto weights = [&](uint32_t r, uint32_t pair, uint32_t z) {
+    const int16_t *at = P + r * P_stride + 2 * (size_t(pair) * G + group[z]);
+    if constexpr (N == 1) {
+      int32_t dword;
+      std::memcpy(&dword, at, 4);
+      return _mm512_set1_epi32(dword);
+    } else {
+      long long qword;
+      std::memcpy(&qword, at, 8);
+      return _mm512_set1_epi64(qword);
+    }
+  };
+  constexpr uint32_t kFlush = uniform_flush_tokens(BITS);
+  for (uint32_t t0 = 0; t0 < B; t0 += kFlush) {
+    __m512i sum[R][CZ];
+    for (uint32_t r = 0; r < R; ++r)
+      for (uint32_t z = 0; z < CZ; ++z) sum[r][z] = _mm512_setzero_si512();
+    const uint32_t end = std::min(B, t0 + kFlush);
+    for (uint32_t t = t0; t < end; t += 2) {
+      const __m512i a = _mm512_maskz_loadu_epi8(load_mask, first + t * row_bytes);
+      const __m512i b = t + 1 < B ? _mm512_maskz_loadu_epi8(load_mask, first + (t + 1) * row_bytes) : _mm512_setzero_si512();
+      // Unrolled (here and at the flush) so that GCC keeps sum[][] in registers: otherwise it
+      // copied the sums to the stack at every token pair (measured 11.9 against 7.7 ns per token).
+#pragma GCC unroll 4
+      for (uint32_t z = 0; z < CZ; ++z) {
+        const __m512i place = _mm512_load_si512(kUnpack.place[j0 + z]);
+        __m512i code;
+        if constexpr (BITS == 8) {
+          code = _mm512_maskz_permutex2var_epi8(__mmask64(0x5555555555555555ull), a, place, b);
+        } else {
+          const __m512i placed = _mm512_permutex2var_epi8(a, place, b);
+          code = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kUnpack.shifts[j0 + z]), placed),
+                                  _mm512_set1_epi16(short((1u << BITS) - 1u)));
+        }
+#pragma GCC unroll 4
+        for (uint32_t r = 0; r < R; ++r) sum[r][z] = _mm512_dpwssd_epi32(sum[r][z], code, weights(r, t / 2, z));
+      }
+    }
+#pragma GCC unroll 4
+    for (uint32_t r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (uint32_t z = 0; z < CZ; ++z) {
+        __m512 part = _mm512_cvtepi32_ps(sum[r][z]);
+        if (t0 == 0) {  // the minima's part, once
+          const float *m = mins + 16 * r + group[z];
+          __m512 lane_mins;
+          if constexpr (N == 1) {
+            lane_mins = _mm512_set1_ps(m[0]);
+          } else {
+            double pair;
+            std::memcpy(&pair, m, 8);
+            lane_mins = _mm512_castpd_ps(_mm512_set1_pd(pair));
+          }
+          part = _mm512_fmadd_ps(part, _mm512_set1_ps(unit[r]), lane_mins);
+        } else {
+          part = _mm512_mul_ps(part, _mm512_set1_ps(unit[r]));
+        }
+        if constexpr (N == 2)  // back to channel order: channel c < 8 is in lane 2c, c >= 8 in lane 2(c − 8) + 1
+          part = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), part);
+        float *out = acc + size_t(r) * dp + region * kRegion + 16 * (j0 + z);
+        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), part));
+      }
+  }
+}
+
+template <uint32_t BITS, uint32_t N, uint32_t R>
+void uniform_rows(const CodesArgs &a, const uint8_t *codes, const int16_t *P, size_t P_stride, const float *unit,
+                  const float *mins, float *acc) {
+  constexpr uint32_t kRegion = BITS == 8 ? 64 : 128;
+  const uint32_t d = a.head_dim, dp = padded_dim(d), B = a.block_tokens, g = a.group, G = d / g;
+  const size_t row_bytes = a.layout->value_bytes_per_token_codes;
+  for (uint32_t c0 = 0; c0 < d; c0 += kRegion) {
+    const uint32_t chunks = std::min(kRegion, d - c0) / 16, region = c0 / kRegion;
+    uint32_t j = 0;
+    for (; j + 4 <= chunks; j += 4)
+      uniform_tile<BITS, N, R, 4>(codes, row_bytes, B, g, G, region, j, P, P_stride, unit, mins, acc, dp);
+    for (; j < chunks; ++j)
+      uniform_tile<BITS, N, R, 1>(codes, row_bytes, B, g, G, region, j, P, P_stride, unit, mins, acc, dp);
+  }
+}
+
+// P of R rows in pair order (P[r·P_stride + ...]) and their minima's sums mins[16·r + g], from
+// the block's scales and minima (B·G halves each, token-major) and factor[r] = P per w·scale.
+template <uint32_t R>
+void uniform_weights(const uint16_t *scale_bits, const uint16_t *min_bits, uint32_t B, uint32_t G, const float *w,
+                     size_t w_stride, const float *factor, int16_t *P, size_t P_stride, float *mins) {
+  const uint32_t products = B * G, log_groups = uint32_t(__builtin_ctz(G));
+  // Lane i of a 16-product vector starting at product x (a multiple of 16) belongs to token x/G + i/G.
+  const __m512i expand = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), log_groups);
+  const __m512i pair_order = _mm512_load_si512(kPairOrder.index[log_groups]);
+  __m512 min_sums[R];
+  for (uint32_t r = 0; r < R; ++r) min_sums[r] = _mm512_setzero_ps();
+  for (uint32_t x = 0; x < P_stride; x += 32) {
+    __m512 scale[2], minimum[2];
+    for (uint32_t h = 0; h < 2; ++h) {
+      const __mmask16 valid = lanes_below(x + 16 * h, products);
+      scale[h] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, scale_bits + x + 16 * h));
+      minimum[h] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, min_bits + x + 16 * h));
+    }
+#pragma GCC unroll 4
+    for (uint32_t r = 0; r < R; ++r) {
+      const float *wr = w + size_t(r) * w_stride;
+      __m512i q[2];
+      for (uint32_t h = 0; h < 2; ++h) {
+        const uint32_t t = (x + 16 * h) >> log_groups;  // weights past B are not read: they need not be zero
+        const __m512 weight = _mm512_permutexvar_ps(expand, _mm512_maskz_loadu_ps(lanes_below(t, B), wr + t));
+        min_sums[r] = _mm512_fmadd_ps(weight, minimum[h], min_sums[r]);
+        q[h] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(weight, _mm512_set1_ps(factor[r])), scale[h]));
+      }
+      // vpackssdw saturates: a product rounded up past 32767 stays 32767.
+      _mm512_store_si512(P + r * P_stride + x, _mm512_permutexvar_epi16(pair_order, _mm512_packs_epi32(q[0], q[1])));
+    }
+  }
+#pragma GCC unroll 4
+  for (uint32_t r = 0; r < R; ++r) {  // lane i holds group i % G: fold the lanes of each group
+    __m512 m = min_sums[r];
+    if (G <= 8) m = _mm512_add_ps(m, _mm512_shuffle_f32x4(m, m, 0x4E));
+    if (G <= 4) m = _mm512_add_ps(m, _mm512_shuffle_f32x4(m, m, 0xB1));
+    if (G <= 2) m = _mm512_add_ps(m, _mm512_permute_ps(m, 0x4E));
+    if (G <= 1) m = _mm512_add_ps(m, _mm512_permute_ps(m, 0xB1));
+    _mm512_store_ps(mins + 16 * r, m);
+  }
+}
+
+template <uint32_t BITS>
+void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
+                    float *acc, float *scratch) {
+  const BlockLayout &l = *a.layout;
+  const uint32_t B = a.block_tokens, d = a.head_dim, dp = padded_dim(d), G = d / a.group, products = B * G;
+  const size_t P_stride = (size_t(products) + 31) / 32 * 32;  // int16 per row
+  auto *P = reinterpret_cast<int16_t *>(scratch);             // [4][P_stride]
+  float *mins = scratch + 2 * P_stride;                       // [4][16]: Σ_t w_rt·min_tg at [r][g]
+  const auto *scale_bits = reinterpret_cast<const uint16_t *>(block + l.value_scale);
+  const auto *min_bits = reinterpret_cast<const uint16_t *>(block + l.value_min);
+  // The block's largest scale: non-negative halves order as their bits.
+  __m512i top_bits = _mm512_setzero_si512();
+  for (uint32_t i = 0; i < products; i += 32) {
+    const __mmask32 valid = i + 32 <= products ? ~__mmask32(0) : (__mmask32(1) << (products - i)) - 1u;
+    top_bits = _mm512_max_epu16(top_bits, _mm512_and_si512(_mm512_maskz_loadu_epi16(valid, scale_bits + i),
+                                                           _mm512_set1_epi16(0x7fff)));
+  }
+  const uint32_t top_half = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_srli_epi32(top_bits, 16),
+                                                                     _mm512_and_si512(top_bits, _mm512_set1_epi32(0xffff))));
+  const float largest_scale = _cvtsh_ss(uint16_t(top_half));
+  const uint8_t *codes = block + l.value_codes;
+  for (uint32_t r0 = 0; r0 < rows; r0 += 4) {
+    const uint32_t R = std::min(4u, rows - r0);
+    const float *wr = w + size_t(r0) * w_stride;
+    float *ar = acc + size_t(r0) * dp;
+    float factor[4], unit[4];  // P per unit of w·scale; what one P·code step is worth
+    bool covered = true;
+    for (uint32_t r = 0; r < R; ++r) {
+      __m512 top = _mm512_setzero_ps();  // weights past B are not read: they need not be zero
+      for (uint32_t t = 0; t < B; t += 16)
+        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes_below(t, B), wr + size_t(r) * w_stride + t)));
+      const float span = _mm512_reduce_max_ps(top) * largest_scale;
+      covered &= span == 0.0f || span >= kUniformSmallestSpan;
+      factor[r] = span > 0.0f ? kUniformWeightMax / span : 0.0f;
+      unit[r] = span / kUniformWeightMax;
+    }
+    if (!covered) {
+      avx512_kernels().values_accumulate(a, block, wr, w_stride, R, ar, scratch);
+      continue;
+    }
+    const auto run = [&](auto rows_in_group) {
+      constexpr uint32_t kR = decltype(rows_in_group)::value;
+      uniform_weights<kR>(scale_bits, min_bits, B, G, wr, w_stride, factor, P, P_stride, mins);
+      if (a.group == 8) uniform_rows<BITS, 2, kR>(a, codes, P, P_stride, unit, mins, ar);
+      else uniform_rows<BITS, 1, kR>(a, codes, P, P_stride, unit, mins, ar);
+    };
+    switch (R) {
+      case 1: run(std::integral_constant<uint32_t, 1>{}); break;
+      case 2: run(std::integral_constant<uint32_t, 2>{}); break;
+      case 3: run(std::integral_constant<uint32_t, 3>{}); break;
+      default: run(std::integral_constant<uint32_t, 4>{}); break;
+    }
+  }
+}
+
 void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
                        float *acc, float *scratch) {
   if (a.method == QJLKV_VALUES_ROTATED_LLOYD_MAX && a.head_dim % 16 == 0) {
@@ -343,8 +615,16 @@ void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w,
       default: break;
     }
   }
-  // Uniform codes stay in fp32: with a scale and a minimum per token and group, integer sums
-  // measured no faster (the per-block setup costs what the sums save).
+  if (a.method == QJLKV_VALUES_UNIFORM && uniform_integer_layout(a)) {
+    switch (a.bits) {
+      case 2: values_uniform<2>(a, block, w, w_stride, rows, acc, scratch); return;
+      case 3: values_uniform<3>(a, block, w, w_stride, rows, acc, scratch); return;
+      case 4: values_uniform<4>(a, block, w, w_stride, rows, acc, scratch); return;
+      case 8: values_uniform<8>(a, block, w, w_stride, rows, acc, scratch); return;
+      default: break;
+    }
+  }
+  // Other layouts (and 16-bit values) keep the fp32 kernel.
   avx512_kernels().values_accumulate(a, block, w, w_stride, rows, acc, scratch);
 }
 

@@ -207,7 +207,14 @@ TEST(Kivi, AttendEqualsDequantizedSoftmax) {
     for (uint32_t g = 0; g < Hq / Hkv; ++g) {
       const uint32_t qh = h * (Hq / Hkv) + g;
       const auto ref = softmax_attend(keys, values, &q[qh * d], d, 1.0f / std::sqrt(float(d)));
-      for (uint32_t j = 0; j < d; ++j) EXPECT_NEAR(out[qh * d + j], ref[j], 2e-5) << "head " << qh;
+      // SPEC §9's output budget: rms (out − ref) / rms ref <= 1e-3 (the fast CPU paths may sum
+      // the values in integers within it; the fp32 ones sit near 1e-6).
+      double error = 0, size = 0;
+      for (uint32_t j = 0; j < d; ++j) {
+        error += (double(out[qh * d + j]) - ref[j]) * (double(out[qh * d + j]) - ref[j]);
+        size += double(ref[j]) * ref[j];
+      }
+      EXPECT_LE(std::sqrt(error / size), 1e-3) << "head " << qh;
     }
   }
 }
