@@ -372,12 +372,9 @@ struct QjlConstants {
   // vpmultishiftqb: from dwords holding 4 sign-bit bytes of a token, byte i's low nibble into the
   // low byte of word 0 and its high nibble into the low byte of word 1 (upper bits cleared after).
   alignas(64) uint8_t nibbles[4][64];
-  // Subset-sum halves of a group of 4 nibble positions (16 X, in the low words of 16 dwords):
+  // Pair tables from the subset-sum halves of a group of 4 nibble positions (subset_halves:
   // words 8p..8p+3 of position p hold {0, x0, x1, x0 + x1}, words 8p+4..8p+7 {0, x2, x3,
-  // x2 + x3}, as the sum of two masked vpermw.
-  alignas(64) uint16_t first[32], second[32];
-  uint32_t first_mask = 0, second_mask = 0;
-  // Pair tables from those halves: table[e] = low[e & 3] + high[e >> 2] for positions 2l, 2l+1.
+  // x2 + x3}): table[e] = low[e & 3] + high[e >> 2] for positions 2l, 2l+1.
   alignas(64) uint16_t low[2][32], high[2][32];
 };
 constexpr QjlConstants make_qjl_constants() {
@@ -388,13 +385,6 @@ constexpr QjlConstants make_qjl_constants() {
         const uint32_t dword = b / 4, word = (b / 2) % 2;
         c.nibbles[i][8 * qword + b] = uint8_t(32 * dword + 8 * i + 4 * word);
       }
-  for (uint32_t w = 0; w < 32; ++w) {
-    const uint32_t p = w / 8, half = (w % 8) / 4, sub = w % 4;
-    c.first[w] = uint16_t(2 * (4 * p + 2 * half + (sub == 2 ? 1 : 0)));
-    c.second[w] = uint16_t(2 * (4 * p + 2 * half + 1));
-    if (sub != 0) c.first_mask |= 1u << w;
-    if (sub == 3) c.second_mask |= 1u << w;
-  }
   for (uint32_t l = 0; l < 2; ++l)
     for (uint32_t w = 0; w < 32; ++w) {
       const uint32_t p = 2 * l + w / 16, e = w % 16;
@@ -448,11 +438,16 @@ int32_t lane_sum(__m512i x) {
   return _mm_cvtsi128_si32(s4);
 }
 
-// The subset-sum halves (QjlConstants::first/second) of the 16 codes in the low words of X's
-// dwords.
+// The subset-sum halves of the 16 codes in the low words of X's dwords (QjlConstants: words
+// 8p..8p+7 from codes 4p..4p+3). They stay within each 128-bit lane, so two in-lane byte
+// shuffles make them (cheaper than vpermw): {0, x0, x1, x0, 0, x2, x3, x2} + {0, 0, 0, x1, 0, 0,
+// 0, x3}.
 inline __m512i subset_halves(__m512i X) {
-  return _mm512_add_epi16(_mm512_maskz_permutexvar_epi16(kQjl.first_mask, _mm512_load_si512(kQjl.first), X),
-                          _mm512_maskz_permutexvar_epi16(kQjl.second_mask, _mm512_load_si512(kQjl.second), X));
+  const __m512i singles = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(-1, -1, 0, 1, 4, 5, 0, 1, -1, -1, 8, 9, 12, 13, 8, 9));
+  const __m512i seconds = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(-1, -1, -1, -1, -1, -1, 4, 5, -1, -1, -1, -1, -1, -1, 12, 13));
+  return _mm512_add_epi16(_mm512_shuffle_epi8(X, singles), _mm512_shuffle_epi8(X, seconds));
 }
 
 // What qjl_project keeps of row r after S·q, from sketch_t_stride on: without outlier channels
