@@ -41,12 +41,9 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
   std::normal_distribution<float> normal;
   std::vector<float> keys(size_t(B) * kDim), values(keys.size());
   std::vector<uint8_t> data(layout.stride * blocks, 0);
-  size_t sketch_stride = padded_sketch_rows(std::max(1u, ls.sketch_rows));
-  std::vector<float> sketch_t(size_t(kDim) * sketch_stride, 0.0f);
-  for (uint32_t i = 0; i < ls.sketch_rows; ++i)
-    for (uint32_t j = 0; j < kDim; ++j) sketch_t[j * sketch_stride + i] = ls.sketch->matrix.data[size_t(i) * kDim + j];
-  const QjlArgs qjl{&layout, B, kDim, ls.m, ls.m_out, cfg.outlier_channels, sketch_t.data(), sketch_stride,
-                    spec.qjl_constant / float(std::max(1u, ls.m)), ls.m_out ? spec.qjl_constant / float(ls.m_out) : 0};
+  std::vector<float> sketch_t;
+  QjlArgs qjl;
+  if (cfg.key_method == QJLKV_KEYS_QJL) qjl = make_qjl_args(spec, ls, sketch_t);
   const CodesArgs key_args{&layout, B, kDim, cfg.key_bits, 0, spec.stored_dtype};
   const CodesArgs value_args{&layout,          B, kDim, cfg.value_bits, cfg.value_group_size, spec.stored_dtype,
                              cfg.value_method, ls.value_signs.data()};
@@ -66,7 +63,7 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
     }
     K.values_quantize(value_args, values.data(), block);
   }
-  std::vector<float> q(size_t(kRows) * dp, 0.0f), sq(size_t(kRows) * sketch_stride), acc(size_t(kRows) * dp, 0.0f);
+  std::vector<float> q(size_t(kRows) * dp, 0.0f), sq(size_t(kRows) * qjl.projected_stride), acc(size_t(kRows) * dp, 0.0f);
   for (uint32_t r = 0; r < kRows; ++r)
     for (uint32_t j = 0; j < kDim; ++j) q[size_t(r) * dp + j] = normal(rng);
   if (cfg.key_method == QJLKV_KEYS_QJL) K.qjl_project(qjl, q.data(), kRows, sq.data());

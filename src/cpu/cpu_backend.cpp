@@ -61,7 +61,7 @@ struct AttendCall {
   const std::vector<const Sequence *> *seqs;
   uint32_t rows, queries_per_seq;
   float scale;
-  const float *heads;   // per head: q [rows][padded d], then (QJL) S·q [rows][sketch_t_stride]
+  const float *heads;   // per head: q [rows][padded d], then (QJL) S·q [rows][projected_stride]
   size_t head_floats;
 };
 

@@ -1,6 +1,8 @@
 #include "isa.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstdlib>
 #include <cstring>
 
@@ -106,6 +108,44 @@ void values_quantize_block_reference(const CodesArgs &a, const float *values, ui
 
 void kivi_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_t *block) {
   kivi_quantize_block(reference_config(a), *a.layout, keys, block);
+}
+
+QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, std::vector<float> &sketch_t) {
+  const qjlkv_config &cfg = spec.cfg;
+  const uint32_t d = cfg.head_dim, c = layer.m_out ? cfg.outlier_channels : 0;
+  const size_t stride = padded_sketch_rows(layer.sketch_rows);
+  const float *S = layer.sketch->matrix.data.data();  // [sketch_rows][d]
+  sketch_t.assign(d * stride, 0.0f);
+  // The bound in double, rounded up to float: the integer kernel relies on it holding for the
+  // float products too (simd_avx512_vnni.cpp, "QJL keys").
+  double row_bound = 0.0;
+  std::vector<double> squares(d);
+  for (uint32_t i = 0; i < layer.sketch_rows; ++i) {
+    for (uint32_t j = 0; j < d; ++j) {
+      const float x = S[size_t(i) * d + j];
+      sketch_t[j * stride + i] = x;
+      squares[j] = double(x) * x;
+    }
+    if (c == 0) continue;
+    std::nth_element(squares.begin(), squares.begin() + (d - c), squares.end());
+    double top = 0.0;
+    for (uint32_t j = d - c; j < d; ++j) top += squares[j];
+    row_bound = std::max(row_bound, std::sqrt(top));
+  }
+  QjlArgs a;
+  a.layout = &layer.layout;
+  a.block_tokens = cfg.block_tokens;
+  a.head_dim = d;
+  a.m = layer.m;
+  a.m_out = layer.m_out;
+  a.outlier_channels = cfg.outlier_channels;
+  a.sketch_t = sketch_t.data();
+  a.sketch_t_stride = stride;
+  a.projected_stride = stride + padded_sketch_rows(layer.m) + 16;
+  a.in_factor = spec.qjl_constant / float(layer.m);
+  a.out_factor = layer.m_out ? spec.qjl_constant / float(layer.m_out) : 0.0f;
+  a.outlier_row_bound = std::nextafter(float(row_bound), std::numeric_limits<float>::infinity());
+  return a;
 }
 
 size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out, uint32_t sketch_rows) {

@@ -14,14 +14,20 @@
 
 namespace qjlkv::cpu {
 
-// One quantized QJL block layout plus the layer's transposed sketch.
+// One quantized QJL block layout plus the layer's transposed sketch (make_qjl_args).
 struct QjlArgs {
   const BlockLayout *layout = nullptr;
   uint32_t block_tokens = 0, head_dim = 0, m = 0, m_out = 0, outlier_channels = 0;
   const float *sketch_t = nullptr;  // [head_dim][sketch_t_stride]: S transposed, rows zero-padded
   size_t sketch_t_stride = 0;       // >= sketch_rows, a multiple of 32
+  size_t projected_stride = 0;      // qjl_project's rows: sketch_t_stride + padded_sketch_rows(m) + 16
   float in_factor = 0.0f, out_factor = 0.0f;  // c_d/m and c_d/m_out
+  // max over sketch rows i of the L2 norm of S_i's outlier_channels largest |entries| (rounded
+  // up): |Σ_{j in O} S_ij·q_j| <= outlier_row_bound·‖q_O‖ for any set O of outlier channels.
+  float outlier_row_bound = 0.0f;
 };
+// The arguments of one QJL layer; fills `sketch_t` with the layer's sketch transposed.
+QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, std::vector<float> &sketch_t);
 
 struct CodesArgs {  // KIVI/OTT keys or quantized values of one block
   const BlockLayout *layout = nullptr;
@@ -59,7 +65,9 @@ inline uint64_t load_bytes_le(const uint8_t *p) {
 
 struct KernelTable {
   Isa isa;
-  // sq[r * sketch_t_stride + i] = <S_i, q_r> for every sketch row i (and 0 in the padding).
+  // sq[r * projected_stride + i] = <S_i, q_r> for every sketch row i (and 0 in the padding up
+  // to sketch_t_stride); the integer path (avx512vnni) keeps its per-call quantization of the
+  // row in the rest of it.
   void (*qjl_project)(const QjlArgs &a, const float *q, uint32_t rows, float *sq);
   void (*qjl_scores)(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, uint32_t rows,
                      float *out, size_t out_stride, float *scratch);

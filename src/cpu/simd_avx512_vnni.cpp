@@ -629,15 +629,22 @@ void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w,
 }
 
 // ---- QJL keys -------------------------------------------------------------------------------------
-// Per block and query row, the projected query parts x = S·q_in (m sketch rows) and v = S·q_out
-// (m_out rows) become int16 X = round(x / step), |X| <= kProjectionCodeMax, step = max|x| /
-// kProjectionCodeMax; Σ_i x_i·(±1) = step·(2·Σ_i X_i·b_i − Σ_i X_i) with b_i the sign bits.
-// Σ X_i·b_i is taken FastScan-style: every byte of a token's sign bits (two nibbles, 8 sketch
-// rows) indexes an int16 pair table (vpermw: words 0-15 the 16 subset sums of the low nibble's 4
-// X, words 16-31 the high nibble's), and vpdpwssd adds the pair into the token's int32 sum, 16
-// tokens per instruction; the 4 query rows of a GQA group share each index vector. Tables are
-// exact in int16 (4·kProjectionCodeMax < 2^15), so the only error is the rounding of X:
-// Σ_i ρ_i·(±1) with |ρ_i| <= step/2, about 1/(2·8191·sqrt(3)) of max|x| per sketch row.
+// The inlier projection x = S·q_in (m sketch rows) and the outlier one v = S·q_out (m_out rows)
+// enter as int16 X ≈ x/step, V ≈ v/step; Σ_i x_i·(±1) = step·(2·Σ_i X_i·b_i − Σ_i X_i) with b_i
+// the sign bits. Σ X_i·b_i is taken FastScan-style: every byte of a token's sign bits (two
+// nibbles, 8 sketch rows) indexes an int16 pair table (vpermw: words 0-15 the 16 subset sums of
+// the low nibble's 4 X, words 16-31 the high nibble's), and vpdpwssd adds the pair into the
+// token's int32 sum, 16 tokens per instruction; the 4 query rows of a GQA group share each index
+// vector. Tables are exact in int16 while |X| <= kProjectionCodeMax (4·8191 < 2^15).
+// Steps. Without outlier channels x = S·q for every block: its codes X = round(x/step),
+// step = max_i |x_i| / 8191, are made once per call and row (qjl_project). With outlier channels
+// O (c per block), qjl_project keeps max_i |(S·q)_i|, and the block's inlier step comes from a
+// bound rather than a maximum, so that X is made in the same pass as v = S_O·q_O (c FMAs per 16
+// sketch rows; nothing stored or re-read): |v_i| <= ρ·‖q_O‖ (Cauchy-Schwarz, ρ =
+// QjlArgs::outlier_row_bound), so |x_i| <= max |S·q| + ρ·‖q_O‖ =: a and step_in = a/8191. The
+// products' float rounding (relative error below (c + 4)·2^-24) keeps |x/step_in| below 8191.5,
+// which rounds to at most 8191. The outlier part keeps step_out = max_i |v_i| / 8191 (its rows
+// are stored in that pass and quantized after). The error is Σ_i ρ_i·(±1), |ρ_i| <= step/2.
 constexpr float kProjectionCodeMax = 8191.0f;
 
 // Constant index vectors of the QJL kernel.
@@ -645,12 +652,9 @@ struct QjlConstants {
   // vpmultishiftqb: from dwords holding 4 sign-bit bytes of a token, byte i's low nibble into the
   // low byte of word 0 and its high nibble into the low byte of word 1 (upper bits cleared after).
   alignas(64) uint8_t nibbles[4][64];
-  // Subset-sum halves of a group of 4 nibble positions (16 X, in the low words of 16 dwords):
+  // Pair tables from the subset-sum halves of a group of 4 nibble positions (subset_halves:
   // words 8p..8p+3 of position p hold {0, x0, x1, x0 + x1}, words 8p+4..8p+7 {0, x2, x3,
-  // x2 + x3}, as the sum of two masked vpermw.
-  alignas(64) uint16_t first[32], second[32];
-  uint32_t first_mask = 0, second_mask = 0;
-  // Pair tables from those halves: table[e] = low[e & 3] + high[e >> 2] for positions 2l, 2l+1.
+  // x2 + x3}): table[e] = low[e & 3] + high[e >> 2] for positions 2l, 2l+1.
   alignas(64) uint16_t low[2][32], high[2][32];
 };
 constexpr QjlConstants make_qjl_constants() {
@@ -661,13 +665,6 @@ constexpr QjlConstants make_qjl_constants() {
         const uint32_t dword = b / 4, word = (b / 2) % 2;
         c.nibbles[i][8 * qword + b] = uint8_t(32 * dword + 8 * i + 4 * word);
       }
-  for (uint32_t w = 0; w < 32; ++w) {
-    const uint32_t p = w / 8, half = (w % 8) / 4, sub = w % 4;
-    c.first[w] = uint16_t(2 * (4 * p + 2 * half + (sub == 2 ? 1 : 0)));
-    c.second[w] = uint16_t(2 * (4 * p + 2 * half + 1));
-    if (sub != 0) c.first_mask |= 1u << w;
-    if (sub == 3) c.second_mask |= 1u << w;
-  }
   for (uint32_t l = 0; l < 2; ++l)
     for (uint32_t w = 0; w < 32; ++w) {
       const uint32_t p = 2 * l + w / 16, e = w % 16;
@@ -711,33 +708,51 @@ void transpose_sign_rows(uint32_t R, const uint8_t *rows, uint32_t valid, __m512
   }
 }
 
-// X = round(x / step) over n (a multiple of 16) values whose largest magnitude is `largest`,
-// kept only as the subset-sum halves (QjlConstants::first/second) of every group of 4
-// positions; returns Σ X, sets *step.
-int32_t quantize_projection(const float *x, uint32_t n, float largest, __m512i *halves, float *step) {
-  const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? kProjectionCodeMax / largest : 0.0f);
-  *step = largest / kProjectionCodeMax;
-  const __m512i first = _mm512_load_si512(kQjl.first), second = _mm512_load_si512(kQjl.second);
-  __m512i sum = _mm512_setzero_si512();
-  for (uint32_t i = 0; i < n; i += 16) {
-    const __m512i Q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inverse));  // nearest even
-    sum = _mm512_add_epi32(sum, Q);
-    _mm512_store_si512(halves + i / 16, _mm512_add_epi16(_mm512_maskz_permutexvar_epi16(kQjl.first_mask, first, Q),
-                                                         _mm512_maskz_permutexvar_epi16(kQjl.second_mask, second, Q)));
-  }
-  // Summed as unsigned: a non-finite projection (a query whose logits overflow) turns codes into
-  // INT_MIN, and _mm512_reduce_add_epi32 would overflow a signed int on them.
-  alignas(64) uint32_t lanes[16];
-  _mm512_store_si512(lanes, sum);
-  uint32_t total = 0;
-  for (uint32_t lane : lanes) total += lane;
-  return int32_t(total);
+// The int32 lanes of x summed with wrapping (unsigned) adds: a non-finite projection (a query
+// whose logits overflow) turns codes into INT_MIN, and signed sums would overflow on them.
+int32_t lane_sum(__m512i x) {
+  const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(x), _mm512_extracti64x4_epi64(x, 1));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  return _mm_cvtsi128_si32(s4);
+}
+
+// The subset-sum halves of the 16 codes in the low words of X's dwords (QjlConstants: words
+// 8p..8p+7 from codes 4p..4p+3). They stay within each 128-bit lane, so two in-lane byte
+// shuffles make them (cheaper than vpermw): {0, x0, x1, x0, 0, x2, x3, x2} + {0, 0, 0, x1, 0, 0,
+// 0, x3}.
+inline __m512i subset_halves(__m512i X) {
+  const __m512i singles = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(-1, -1, 0, 1, 4, 5, 0, 1, -1, -1, 8, 9, 12, 13, 8, 9));
+  const __m512i seconds = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(-1, -1, -1, -1, -1, -1, 4, 5, -1, -1, -1, -1, -1, -1, 12, 13));
+  return _mm512_add_epi16(_mm512_shuffle_epi8(X, singles), _mm512_shuffle_epi8(X, seconds));
+}
+
+// What qjl_project keeps of row r after S·q, from sketch_t_stride on: without outlier channels
+// the halves of X (m/16 vectors); in the row's last 16 floats the step, its inverse, Σ X and
+// max_i |(S·q)_i|.
+struct ProjectedRow {
+  const __m512i *halves;
+  float step, inverse;
+  int32_t sum;
+  float largest;
+};
+float *projected_tail(const QjlArgs &a, float *sq, uint32_t r) { return sq + size_t(r + 1) * a.projected_stride - 16; }
+ProjectedRow projected_row(const QjlArgs &a, const float *sq, uint32_t r) {
+  const float *row = sq + size_t(r) * a.projected_stride;
+  const float *tail = row + a.projected_stride - 16;
+  int32_t sum;
+  std::memcpy(&sum, tail + 2, sizeof sum);
+  return {reinterpret_cast<const __m512i *>(row + a.sketch_t_stride), tail[0], tail[1], sum, tail[3]};
 }
 
 // acc[r][h] (lane t: token 16h + t of the span) = Σ_i X_ri·b_ti over the `bytes` sign bytes of a
-// row; dwords[2k + h]: dword k of the span's chunk h; halves: [R][groups], groups apart.
+// row; dwords[2k + h]: dword k of the span's chunk h; halves: R rows, halves_stride vectors apart.
 template <uint32_t R>
-void sign_sums(const __m512i *dwords, uint32_t bytes, const __m512i *halves, uint32_t groups, __m512i acc[R][2]) {
+void sign_sums(const __m512i *dwords, uint32_t bytes, const __m512i *halves, size_t halves_stride,
+               __m512i acc[R][2]) {
   const __m512i clear = _mm512_set1_epi32(0x000F000F), tag = _mm512_set1_epi32(0x00100000);
   const __m512i ones = _mm512_set1_epi16(1);
   for (uint32_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
@@ -752,7 +767,7 @@ void sign_sums(const __m512i *dwords, uint32_t bytes, const __m512i *halves, uin
       const uint32_t pair = 4 * k + i, group = pair / 2;
       const __m512i low = _mm512_load_si512(kQjl.low[pair % 2]), high = _mm512_load_si512(kQjl.high[pair % 2]);
       for (uint32_t r = 0; r < R; ++r) {
-        const __m512i h = _mm512_load_si512(halves + size_t(r) * groups + group);
+        const __m512i h = _mm512_loadu_si512(halves + size_t(r) * halves_stride + group);
         const __m512i table = _mm512_add_epi16(_mm512_permutexvar_epi16(low, h), _mm512_permutexvar_epi16(high, h));
         acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], _mm512_permutexvar_epi16(index0, table), ones);
         acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], _mm512_permutexvar_epi16(index1, table), ones);
@@ -783,101 +798,180 @@ bool qjl_integer_rows(uint32_t m) {
   const uint32_t R = m / 32;
   return m % 32 == 0 && R >= 1 && R <= 16 && (R & (R - 1)) == 0;
 }
+// Whether the integer kernel takes the layer (otherwise the fp32 one does, and qjl_project
+// keeps no codes).
+bool qjl_integer_layer(const QjlArgs &a) {
+  return qjl_integer_rows(a.m) && (a.m_out == 0 || a.outlier_channels == 0 || qjl_integer_rows(a.m_out));
+}
 
+// S·q as the avx512 kernel computes it, then per row its largest magnitude and, without outlier
+// channels, its codes (header of this section).
+void qjl_project(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
+  avx512_kernels().qjl_project(a, q, rows, sq);
+  if (!qjl_integer_layer(a)) return;
+  const uint32_t m = a.m;
+  const bool outliers = a.m_out && a.outlier_channels;
+  for (uint32_t r = 0; r < rows; ++r) {
+    const float *row = sq + size_t(r) * a.projected_stride;
+    __m512 top = _mm512_setzero_ps();
+    for (uint32_t i = 0; i < m; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
+    const float largest = _mm512_reduce_max_ps(top);
+    float *tail = projected_tail(a, sq, r);
+    tail[3] = largest;
+    if (outliers) continue;
+    const float inverse = largest > 0.0f ? kProjectionCodeMax / largest : 0.0f;
+    auto *halves = reinterpret_cast<__m512i *>(sq + size_t(r) * a.projected_stride + a.sketch_t_stride);
+    __m512i total = _mm512_setzero_si512();
+    for (uint32_t i = 0; i < m; i += 16) {
+      const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(inverse)));
+      total = _mm512_add_epi32(total, X);
+      _mm512_storeu_si512(halves + i / 16, subset_halves(X));
+    }
+    tail[0] = largest / kProjectionCodeMax;
+    tail[1] = inverse;
+    const int32_t sum = lane_sum(total);
+    std::memcpy(tail + 2, &sum, sizeof sum);
+  }
+}
+
+// The codes of a block with outlier channels O (c of them) for R query rows: per 16 sketch rows
+// v·inverse_in = S_O·(q_O·inverse_in) (c FMAs) and X = round(S·q·inverse_in − v·inverse_in)
+// (m rows); then, with the largest |v| of the m_out outlier rows, V = round(v·inverse_out). Both
+// kept as their halves and sums (header of this section).
+template <uint32_t R>
+void qjl_block_halves(const QjlArgs &a, const uint8_t *outliers, uint32_t c, const float *q, const float *sq,
+                      __m512i *halves_in, __m512i *halves_out, float *v_rows, float *step_in, float *step_out,
+                      int32_t *sum_in, int32_t *sum_out) {
+  const uint32_t dp = padded_dim(a.head_dim), m = a.m, m_out = a.m_out, n = std::max(m, m_out);
+  const float *columns[256];  // S's columns of the block's outlier channels
+  float scaled[R][256];       // q_O · inverse_in
+  const float *projected[R];
+  __m512 inverse_in[R], top[R];
+  for (uint32_t j = 0; j < c; ++j) columns[j] = a.sketch_t + outliers[j] * a.sketch_t_stride;
+  for (uint32_t r = 0; r < R; ++r) {
+    const float *qr = q + size_t(r) * dp;
+    double squares = 0.0;  // in double: finite queries may square past the float range
+    for (uint32_t j = 0; j < c; ++j) squares += double(qr[outliers[j]]) * qr[outliers[j]];
+    projected[r] = sq + size_t(r) * a.projected_stride;
+    const double bound = double(projected_row(a, sq, r).largest) + double(a.outlier_row_bound) * std::sqrt(squares);
+    const float inverse = bound > 0.0 ? float(kProjectionCodeMax / bound) : 0.0f;
+    step_in[r] = float(bound / kProjectionCodeMax);
+    inverse_in[r] = _mm512_set1_ps(inverse);
+    top[r] = _mm512_setzero_ps();
+    for (uint32_t j = 0; j < c; ++j) scaled[r][j] = qr[outliers[j]] * inverse;
+  }
+  __m512i total_in[R], total_out[R];
+  for (uint32_t r = 0; r < R; ++r) total_in[r] = total_out[r] = _mm512_setzero_si512();
+  for (uint32_t i = 0; i < n; i += 16) {
+    __m512 v[R];
+    const __m512 first = _mm512_loadu_ps(columns[0] + i);
+    for (uint32_t r = 0; r < R; ++r) v[r] = _mm512_mul_ps(_mm512_set1_ps(scaled[r][0]), first);
+    for (uint32_t j = 1; j < c; ++j) {
+      const __m512 column = _mm512_loadu_ps(columns[j] + i);
+      for (uint32_t r = 0; r < R; ++r) v[r] = _mm512_fmadd_ps(_mm512_set1_ps(scaled[r][j]), column, v[r]);
+    }
+    for (uint32_t r = 0; r < R; ++r) {
+      if (i < m) {
+        const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(projected[r] + i), inverse_in[r], v[r]);
+        const __m512i X = _mm512_cvtps_epi32(x);  // nearest even
+        _mm512_store_si512(halves_in + size_t(r) * (m / 16) + i / 16, subset_halves(X));
+        total_in[r] = _mm512_add_epi32(total_in[r], X);
+      }
+      if (i < m_out) {
+        _mm512_store_ps(v_rows + size_t(r) * m_out + i, v[r]);
+        top[r] = _mm512_max_ps(top[r], _mm512_abs_ps(v[r]));
+      }
+    }
+  }
+  for (uint32_t r = 0; r < R; ++r) {
+    // v is scaled by inverse_in: its step is largest·step_in / 8191.
+    const float largest = _mm512_reduce_max_ps(top[r]);
+    const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? kProjectionCodeMax / largest : 0.0f);
+    step_out[r] = largest / kProjectionCodeMax * step_in[r];
+    for (uint32_t i = 0; i < m_out; i += 16) {
+      const __m512i V = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(v_rows + size_t(r) * m_out + i), inverse));
+      _mm512_store_si512(halves_out + size_t(r) * (m_out / 16) + i / 16, subset_halves(V));
+      total_out[r] = _mm512_add_epi32(total_out[r], V);
+    }
+    sum_in[r] = lane_sum(total_in[r]);
+    sum_out[r] = lane_sum(total_out[r]);
+  }
+}
+
+// Scores of the span's 32 tokens from t0; halves_in: R rows, in_stride vectors apart;
+// halves_out: R rows of m_out / 16.
 template <uint32_t R>
 void qjl_span_scores(const QjlArgs &a, const uint8_t *block, uint32_t t0, bool outliers, const __m512i *halves_in,
-                     const __m512i *halves_out, const float *step_in, const int32_t *sum_in, const float *step_out,
-                     const int32_t *sum_out, __m512i *dwords, float *out, size_t out_stride) {
+                     size_t in_stride, const __m512i *halves_out, const float *step_in, const int32_t *sum_in,
+                     const float *step_out, const int32_t *sum_out, __m512i *dwords, float *out, size_t out_stride) {
   const BlockLayout &l = *a.layout;
   const uint32_t B = a.block_tokens;
   __m512i acc[R][2];
   // The sign bits of `sketch_rows` rows at `bits` (tokens t0..t0+31) against one projected query.
-  const auto add_scores = [&](size_t bits, uint32_t sketch_rows, const __m512i *halves, size_t norms, float factor,
-                              const float *step, const int32_t *sum, bool outlier_part) {
+  const auto add_scores = [&](size_t bits, uint32_t sketch_rows, const __m512i *halves, size_t halves_stride,
+                              size_t norms, float factor, const float *step, const int32_t *sum, bool outlier_part) {
     for (uint32_t h = 0; h < 2; ++h) {
       const uint32_t t = t0 + 16 * h, valid = t < B ? B - t : 0;
       __m512i rows[16];
       transpose_sign_rows(sketch_rows / 32, block + bits + size_t(t) * (sketch_rows / 8), valid, rows);
       for (uint32_t k = 0; k < sketch_rows / 32; ++k) _mm512_store_si512(dwords + 2 * k + h, rows[k]);
     }
-    sign_sums<R>(dwords, sketch_rows / 8, halves, sketch_rows / 16, acc);
+    sign_sums<R>(dwords, sketch_rows / 8, halves, halves_stride, acc);
     sign_scores<R>(acc, block + norms, B, t0, factor, step, sum, outlier_part, out, out_stride);
   };
-  add_scores(l.key_bits_in, a.m, halves_in, l.key_norm_in, a.in_factor, step_in, sum_in, false);
-  if (outliers) add_scores(l.key_bits_out, a.m_out, halves_out, l.key_norm_out, a.out_factor, step_out, sum_out, true);
+  add_scores(l.key_bits_in, a.m, halves_in, in_stride, l.key_norm_in, a.in_factor, step_in, sum_in, false);
+  if (outliers)
+    add_scores(l.key_bits_out, a.m_out, halves_out, a.m_out / 16, l.key_norm_out, a.out_factor, step_out, sum_out,
+               true);
 }
 
 void qjl_scores(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, uint32_t rows, float *out,
                 size_t out_stride, float *scratch) {
-  const BlockLayout &l = *a.layout;
-  const uint32_t B = a.block_tokens, d = a.head_dim, dp = padded_dim(d), m = a.m, m_out = a.m_out;
-  const uint32_t c = m_out ? a.outlier_channels : 0;
-  if (!qjl_integer_rows(m) || (c && !qjl_integer_rows(m_out))) {
+  if (!qjl_integer_layer(a)) {
     avx512_kernels().qjl_scores(a, block, q, sq, rows, out, out_stride, scratch);
     return;
   }
-  const size_t SR = a.sketch_t_stride;
-  const uint32_t v_len = (std::max(m, m_out) + 31) / 32 * 32, Bp = padded_tokens(B);
-  // Scratch (64-byte aligned pieces): v and x rows, the subset-sum halves of their X, the
-  // span's transposed sign dwords.
-  float *v = scratch, *x = v + 4 * size_t(v_len);
-  auto *halves_in = reinterpret_cast<__m512i *>(x + 4 * size_t(v_len));
-  __m512i *halves_out = halves_in + 4 * size_t(m / 16);
-  __m512i *dwords = halves_out + 4 * size_t(m_out / 16);
-  const uint8_t *outliers = block + l.key_outlier_idx;
-  const float *columns[256];  // S's columns of the block's outlier channels
-  for (uint32_t j = 0; j < c; ++j) columns[j] = a.sketch_t + outliers[j] * SR;
+  const uint32_t dp = padded_dim(a.head_dim), m = a.m, m_out = a.m_out, Bp = padded_tokens(a.block_tokens);
+  const uint32_t c = m_out ? a.outlier_channels : 0;
+  // Scratch (64-byte aligned pieces): the block's inlier and outlier halves of 4 rows, the
+  // span's transposed sign dwords, 4 rows of v (outlier rows).
+  auto *block_halves_in = reinterpret_cast<__m512i *>(scratch);
+  __m512i *block_halves_out = block_halves_in + 4 * size_t(m / 16);
+  __m512i *dwords = block_halves_out + 4 * size_t(m_out / 16);
+  float *v_rows = reinterpret_cast<float *>(dwords + 32);  // [4][m_out]
+  const uint8_t *outliers = block + a.layout->key_outlier_idx;
   for (uint32_t r0 = 0; r0 < rows; r0 += 4) {
     const uint32_t R = std::min(4u, rows - r0);
     float step_in[4] = {}, step_out[4] = {};
     int32_t sum_in[4] = {}, sum_out[4] = {};
+    const float *sq_rows = sq + size_t(r0) * a.projected_stride;
+    // Without outlier channels the call's codes are the block's.
+    const __m512i *halves_in = projected_row(a, sq_rows, 0).halves;
+    size_t in_stride = a.projected_stride / 16;
     if (c) {
-      // v = S·q_out over the block's outlier channels and x = S·q_in = S·q − v, all rows at once
-      // (rows past R get q_out = 0), with their largest magnitudes.
-      float q_out[4][256];
-      for (uint32_t rr = 0; rr < 4; ++rr)
-        for (uint32_t j = 0; j < c; ++j) q_out[rr][j] = rr < R ? q[size_t(r0 + rr) * dp + outliers[j]] : 0.0f;
-      __m512 top_x[4], top_v[4];
-      for (uint32_t rr = 0; rr < 4; ++rr) top_x[rr] = top_v[rr] = _mm512_setzero_ps();
-      for (uint32_t i = 0; i < v_len; i += 16) {
-        __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (uint32_t j = 0; j < c; ++j) {
-          const __m512 column = _mm512_loadu_ps(columns[j] + i);
-          for (uint32_t rr = 0; rr < 4; ++rr) sum[rr] = _mm512_fmadd_ps(_mm512_set1_ps(q_out[rr][j]), column, sum[rr]);
-        }
-        for (uint32_t rr = 0; rr < R; ++rr) {
-          if (i < m_out) {
-            _mm512_storeu_ps(v + size_t(rr) * v_len + i, sum[rr]);
-            top_v[rr] = _mm512_max_ps(top_v[rr], _mm512_abs_ps(sum[rr]));
-          }
-          if (i < m) {
-            const __m512 xi = _mm512_sub_ps(_mm512_loadu_ps(sq + size_t(r0 + rr) * SR + i), sum[rr]);
-            _mm512_storeu_ps(x + size_t(rr) * v_len + i, xi);
-            top_x[rr] = _mm512_max_ps(top_x[rr], _mm512_abs_ps(xi));
-          }
-        }
+      const float *qr = q + size_t(r0) * dp;
+      switch (R) {
+        case 1: qjl_block_halves<1>(a, outliers, c, qr, sq_rows, block_halves_in, block_halves_out, v_rows, step_in, step_out, sum_in, sum_out); break;
+        case 2: qjl_block_halves<2>(a, outliers, c, qr, sq_rows, block_halves_in, block_halves_out, v_rows, step_in, step_out, sum_in, sum_out); break;
+        case 3: qjl_block_halves<3>(a, outliers, c, qr, sq_rows, block_halves_in, block_halves_out, v_rows, step_in, step_out, sum_in, sum_out); break;
+        default: qjl_block_halves<4>(a, outliers, c, qr, sq_rows, block_halves_in, block_halves_out, v_rows, step_in, step_out, sum_in, sum_out); break;
       }
-      for (uint32_t rr = 0; rr < R; ++rr) {
-        sum_out[rr] = quantize_projection(v + size_t(rr) * v_len, m_out, _mm512_reduce_max_ps(top_v[rr]),
-                                          halves_out + size_t(rr) * (m_out / 16), &step_out[rr]);
-        sum_in[rr] = quantize_projection(x + size_t(rr) * v_len, m, _mm512_reduce_max_ps(top_x[rr]),
-                                         halves_in + size_t(rr) * (m / 16), &step_in[rr]);
-      }
+      halves_in = block_halves_in;
+      in_stride = m / 16;
     } else {
-      for (uint32_t rr = 0; rr < R; ++rr) {
-        const float *xr = sq + size_t(r0 + rr) * SR;
-        __m512 top = _mm512_setzero_ps();
-        for (uint32_t i = 0; i < m; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(xr + i)));
-        sum_in[rr] = quantize_projection(xr, m, _mm512_reduce_max_ps(top), halves_in + size_t(rr) * (m / 16), &step_in[rr]);
+      for (uint32_t r = 0; r < R; ++r) {
+        const ProjectedRow row = projected_row(a, sq_rows, r);
+        step_in[r] = row.step;
+        sum_in[r] = row.sum;
       }
     }
     float *o = out + size_t(r0) * out_stride;
     for (uint32_t t0 = 0; t0 < Bp; t0 += 32) {
       switch (R) {
-        case 1: qjl_span_scores<1>(a, block, t0, c > 0, halves_in, halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
-        case 2: qjl_span_scores<2>(a, block, t0, c > 0, halves_in, halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
-        case 3: qjl_span_scores<3>(a, block, t0, c > 0, halves_in, halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
-        default: qjl_span_scores<4>(a, block, t0, c > 0, halves_in, halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
+        case 1: qjl_span_scores<1>(a, block, t0, c > 0, halves_in, in_stride, block_halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
+        case 2: qjl_span_scores<2>(a, block, t0, c > 0, halves_in, in_stride, block_halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
+        case 3: qjl_span_scores<3>(a, block, t0, c > 0, halves_in, in_stride, block_halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
+        default: qjl_span_scores<4>(a, block, t0, c > 0, halves_in, in_stride, block_halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
       }
     }
   }
@@ -897,6 +991,7 @@ const KernelTable &avx512_vnni_kernels() {
   static const KernelTable table = [] {
     KernelTable t = avx512_kernels();
     t.isa = Isa::Avx512Vnni;
+    t.qjl_project = &avx512_vnni::qjl_project;
     t.qjl_scores = &avx512_vnni::qjl_scores;
     t.kivi_scores = &avx512_vnni::kivi_scores;
     t.values_accumulate = &avx512_vnni::values_accumulate;

@@ -68,23 +68,7 @@ void QjlKeys::init_layers(const qjlkv_config &cfg, std::vector<LayerSpec> &layer
 }
 
 void QjlKeys::prepare(const CacheSpec &spec, const LayerSpec &layer, cpu::LayerKernels &args) {
-  const qjlkv_config &cfg = spec.cfg;
-  const uint32_t d = cfg.head_dim;
-  const size_t stride = cpu::padded_sketch_rows(layer.sketch_rows);
-  const float *S = layer.sketch->matrix.data.data();  // [sketch_rows][d]
-  args.sketch_t.assign(d * stride, 0.0f);
-  for (uint32_t i = 0; i < layer.sketch_rows; ++i)
-    for (uint32_t j = 0; j < d; ++j) args.sketch_t[j * stride + i] = S[size_t(i) * d + j];
-  args.qjl = cpu::QjlArgs{&layer.layout,
-                          cfg.block_tokens,
-                          d,
-                          layer.m,
-                          layer.m_out,
-                          cfg.outlier_channels,
-                          args.sketch_t.data(),
-                          stride,
-                          spec.qjl_constant / float(layer.m),
-                          layer.m_out ? spec.qjl_constant / float(layer.m_out) : 0.0f};
+  args.qjl = cpu::make_qjl_args(spec, layer, args.sketch_t);
 }
 
 void QjlKeys::quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block, float *scratch) {

@@ -70,7 +70,7 @@ struct QjlKeys : KeyMethodDefaults {
   }
   // qjl_quantize_block with the projections by the fast kernels (the same bits).
   static void quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block, float *scratch);
-  static size_t projected_query_floats(const cpu::LayerKernels &args) { return args.qjl.sketch_t_stride; }
+  static size_t projected_query_floats(const cpu::LayerKernels &args) { return args.qjl.projected_stride; }
   static void project_queries(const cpu::CpuLayer &c, const float *q, uint32_t rows, float *sq) {
     c.kernels.qjl_project(c.args.qjl, q, rows, sq);
   }

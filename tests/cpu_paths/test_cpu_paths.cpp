@@ -233,14 +233,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     queries_.resize(size_t(k.rows) * d);
     for (float &x : queries_) x = normal(rng);
     // Fast-path arguments, as the backend builds them.
-    if (cfg_.key_method == QJLKV_KEYS_QJL) {
-      const size_t stride = padded_sketch_rows(ls.sketch_rows);
-      sketch_t_.assign(d * stride, 0.0f);
-      for (uint32_t i = 0; i < ls.sketch_rows; ++i)
-        for (uint32_t j = 0; j < d; ++j) sketch_t_[j * stride + i] = ls.sketch->matrix.data[size_t(i) * d + j];
-      qjl_ = QjlArgs{&ls.layout, B, d, ls.m, ls.m_out, cfg_.outlier_channels, sketch_t_.data(), stride,
-                     spec_.qjl_constant / float(ls.m), ls.m_out ? spec_.qjl_constant / float(ls.m_out) : 0.0f};
-    }
+    if (cfg_.key_method == QJLKV_KEYS_QJL) qjl_ = make_qjl_args(spec_, ls, sketch_t_);
     keys_args_ = CodesArgs{&ls.layout, B, d, cfg_.key_bits, 0, spec_.stored_dtype};
     values_args_ = CodesArgs{&ls.layout,         B,
                              d,                  cfg_.value_bits,
@@ -268,11 +261,11 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     float *scratch = aligned<float>(scratch_storage, kernel_scratch_floats(cfg_, ls.m, ls.m_out, ls.sketch_rows));
     switch (cfg_.key_method) {
       case QJLKV_KEYS_QJL: {
-        float *sq = aligned<float>(sq_storage, rows * qjl_.sketch_t_stride);
+        float *sq = aligned<float>(sq_storage, rows * qjl_.projected_stride);
         K.qjl_project(qjl_, q.data(), rows, sq);
         for (uint32_t r = 0; r < rows; ++r)
           for (uint32_t i = 0; i < ls.sketch_rows; ++i) {
-            EXPECT_NEAR(sq[r * qjl_.sketch_t_stride + i], sq_ref[size_t(r) * ls.sketch_rows + i], 1e-4f)
+            EXPECT_NEAR(sq[r * qjl_.projected_stride + i], sq_ref[size_t(r) * ls.sketch_rows + i], 1e-4f)
                 << isa_name(K.isa) << " projection row " << r << " sketch row " << i;
             if (testing::Test::HasFailure()) return out;
           }
