@@ -63,6 +63,19 @@ inline uint64_t load_bytes_le(const uint8_t *p) {
   }
 }
 
+// The integer kernels code x, |x| <= largest, as round(x·prescale·factor) in [-code_max, code_max].
+// factor = code_max / largest alone overflows fp32 for largest below code_max / FLT_MAX (queries
+// or weights of magnitude 1e-35): there x is first multiplied by prescale = 2^64, exactly, and
+// factor divided by it. largest 0 (or NaN) gives factor 0: every code 0.
+struct CodeScale {
+  float prescale = 1.0f, factor = 0.0f;
+};
+inline CodeScale code_scale(float largest, float code_max) {
+  if (!(largest > 0.0f)) return {};
+  const float prescale = largest < 0x1p-64f ? 0x1p64f : 1.0f;
+  return {prescale, code_max / (largest * prescale)};
+}
+
 struct KernelTable {
   Isa isa;
   // sq[r * projected_stride + i] = <S_i, q_r> for every sketch row i (and 0 in the padding up

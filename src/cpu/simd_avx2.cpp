@@ -322,14 +322,17 @@ void query_codes(const float *q, uint32_t dp, uint32_t R, const float *scale, co
       scaled_sum = _mm256_add_ps(scaled_sum, scaled);
     }
     const float largest = V::hmax(top);
-    const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? kQueryCodeMax / largest : 0.0f);
+    const CodeScale code = code_scale(largest, kQueryCodeMax);
+    const __m256 prescale = _mm256_set1_ps(code.prescale), inverse = _mm256_set1_ps(code.factor);
     step[r] = largest > 0.0f ? largest / kQueryCodeMax : 0.0f;
     __m256i code_sum = _mm256_setzero_si256();
     int16_t *row_codes = Q + size_t(r) * d;
     for (uint32_t j = 0; j < d; j += 16) {
-      const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(qr + j), _mm256_load_ps(scale + j)), inverse));
-      const __m256i high = _mm256_cvtps_epi32(
-          _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(qr + j + 8), _mm256_load_ps(scale + j + 8)), inverse));
+      const auto codes_of = [&](uint32_t c) {
+        const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(qr + c), _mm256_load_ps(scale + c));
+        return _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(scaled, prescale), inverse));
+      };
+      const __m256i low = codes_of(j), high = codes_of(j + 8);
       code_sum = _mm256_add_epi32(code_sum, _mm256_add_epi32(low, high));
       // vpackssdw packs per 128-bit lane: restore channel order with a qword permutation.
       _mm256_store_si256(reinterpret_cast<__m256i *>(row_codes + j),

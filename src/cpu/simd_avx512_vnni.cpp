@@ -134,12 +134,13 @@ float query_digits(const float *q, const float *scale, uint32_t d, int8_t *digit
   for (uint32_t j = 0; j < d; j += 16)
     top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_mul_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(scale + j))));
   const float largest = _mm512_reduce_max_ps(top);
-  const float inverse = largest > 0.0f ? kQueryCodeMax / largest : 0.0f;
+  const CodeScale code = code_scale(largest, kQueryCodeMax);
   const float step = largest > 0.0f ? largest / kQueryCodeMax : 0.0f;
   __m512 rho = _mm512_setzero_ps();
   for (uint32_t j = 0; j < d; j += 16) {
     const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(scale + j));
-    const __m512i Q = _mm512_cvtps_epi32(_mm512_mul_ps(scaled, _mm512_set1_ps(inverse)));  // nearest even
+    const __m512i Q = _mm512_cvtps_epi32(  // nearest even
+        _mm512_mul_ps(_mm512_mul_ps(scaled, _mm512_set1_ps(code.prescale)), _mm512_set1_ps(code.factor)));
     rho = _mm512_add_ps(rho, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(Q), _mm512_set1_ps(step), scaled));
     const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(Q, _mm512_set1_epi32(128)), 8);
     const __m512i lo = _mm512_sub_epi32(Q, _mm512_slli_epi32(hi, 8));
@@ -239,7 +240,7 @@ constexpr ValueUnpack make_value_unpack(uint32_t bits) {
 
 template <uint32_t BITS, uint32_t R, uint32_t CZ>
 void lloyd_max_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t half, uint32_t j0, __m512i levels,
-                    const int16_t *P, uint32_t P_stride, const float *unit, float *acc, uint32_t dp) {
+                    const int16_t *P, uint32_t P_stride, const float (*unit)[2], float *acc, uint32_t dp) {
   static constexpr ValueUnpack kUnpack = make_value_unpack(BITS);
   // The half's bytes of a row (fewer in a last half of under 128 channels): never past the row.
   const size_t bytes = std::min<size_t>(16 * BITS, row_bytes - size_t(half) * 16 * BITS);
@@ -269,14 +270,15 @@ void lloyd_max_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t
     for (uint32_t r = 0; r < R; ++r)
       for (uint32_t z = 0; z < CZ; ++z) {
         float *a = acc + size_t(r) * dp + 128 * half + 16 * (j0 + z);
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][z]), _mm512_set1_ps(unit[r]), _mm512_loadu_ps(a)));
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[r][z]), _mm512_set1_ps(unit[r][0])),
+                                            _mm512_set1_ps(unit[r][1]), _mm512_loadu_ps(a)));
       }
   }
 }
 
 template <uint32_t BITS, uint32_t R>
 void lloyd_max_rows(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d, __m512i levels, const int16_t *P,
-                    uint32_t P_stride, const float *unit, float *acc) {
+                    uint32_t P_stride, const float (*unit)[2], float *acc) {
   const uint32_t dp = padded_dim(d);
   for (uint32_t c0 = 0; c0 < d; c0 += 128) {
     const uint32_t chunks = std::min(128u, d - c0) / 16;
@@ -306,7 +308,7 @@ void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, 
   const size_t row_bytes = l.value_bytes_per_token_codes;
   for (uint32_t r0 = 0; r0 < rows; r0 += 4) {
     const uint32_t R = std::min(4u, rows - r0);
-    float unit[4];  // what one P·L step is worth
+    float unit[4][2];  // what one P·L step is worth: the product of the two (each a normal float)
     for (uint32_t rr = 0; rr < R; ++rr) {
       const float *wr = w + size_t(r0 + rr) * w_stride;
       // Weights past B are not read (masked): they need not be zero.
@@ -317,12 +319,14 @@ void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, 
       __m512 top = _mm512_setzero_ps();
       for (uint32_t t = 0; t < P_stride; t += 16) top = _mm512_max_ps(top, weighted(t));
       const float largest = _mm512_reduce_max_ps(top);
-      const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? kWeightCodeMax / largest : 0.0f);
+      const CodeScale code = code_scale(largest, kWeightCodeMax);
+      const __m512 prescale = _mm512_set1_ps(code.prescale), factor = _mm512_set1_ps(code.factor);
       int16_t *Pr = P + size_t(rr) * P_stride;
       for (uint32_t t = 0; t < P_stride; t += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i *>(Pr + t),
-                            _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(weighted(t), inverse))));
-      unit[rr] = largest / kWeightCodeMax * (largest_level / kLevelCodeMax);
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(Pr + t), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(
+                                                                     _mm512_mul_ps(_mm512_mul_ps(weighted(t), prescale), factor))));
+      unit[rr][0] = largest * code.prescale / kWeightCodeMax * (largest_level / kLevelCodeMax);
+      unit[rr][1] = 1.0f / code.prescale;
     }
     float *ar = acc + size_t(r0) * dp;
     switch (R) {
@@ -731,11 +735,11 @@ inline __m512i subset_halves(__m512i X) {
 }
 
 // What qjl_project keeps of row r after S·q, from sketch_t_stride on: without outlier channels
-// the halves of X (m/16 vectors); in the row's last 16 floats the step, its inverse, Σ X and
-// max_i |(S·q)_i|.
+// the halves of X (m/16 vectors); in the row's last 16 floats the step (float 0), Σ X (2) and
+// max_i |(S·q)_i| (3).
 struct ProjectedRow {
   const __m512i *halves;
-  float step, inverse;
+  float step;
   int32_t sum;
   float largest;
 };
@@ -745,7 +749,7 @@ ProjectedRow projected_row(const QjlArgs &a, const float *sq, uint32_t r) {
   const float *tail = row + a.projected_stride - 16;
   int32_t sum;
   std::memcpy(&sum, tail + 2, sizeof sum);
-  return {reinterpret_cast<const __m512i *>(row + a.sketch_t_stride), tail[0], tail[1], sum, tail[3]};
+  return {reinterpret_cast<const __m512i *>(row + a.sketch_t_stride), tail[0], sum, tail[3]};
 }
 
 // acc[r][h] (lane t: token 16h + t of the span) = Σ_i X_ri·b_ti over the `bytes` sign bytes of a
@@ -819,16 +823,16 @@ void qjl_project(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
     float *tail = projected_tail(a, sq, r);
     tail[3] = largest;
     if (outliers) continue;
-    const float inverse = largest > 0.0f ? kProjectionCodeMax / largest : 0.0f;
+    const CodeScale code = code_scale(largest, kProjectionCodeMax);
     auto *halves = reinterpret_cast<__m512i *>(sq + size_t(r) * a.projected_stride + a.sketch_t_stride);
     __m512i total = _mm512_setzero_si512();
     for (uint32_t i = 0; i < m; i += 16) {
-      const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(inverse)));
+      const __m512i X = _mm512_cvtps_epi32(
+          _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(code.prescale)), _mm512_set1_ps(code.factor)));
       total = _mm512_add_epi32(total, X);
       _mm512_storeu_si512(halves + i / 16, subset_halves(X));
     }
     tail[0] = largest / kProjectionCodeMax;
-    tail[1] = inverse;
     const int32_t sum = lane_sum(total);
     std::memcpy(tail + 2, &sum, sizeof sum);
   }
@@ -846,7 +850,7 @@ void qjl_block_halves(const QjlArgs &a, const uint8_t *outliers, uint32_t c, con
   const float *columns[256];  // S's columns of the block's outlier channels
   float scaled[R][256];       // q_O · inverse_in
   const float *projected[R];
-  __m512 inverse_in[R], top[R];
+  __m512 prescale_in[R], inverse_in[R], top[R];
   for (uint32_t j = 0; j < c; ++j) columns[j] = a.sketch_t + outliers[j] * a.sketch_t_stride;
   for (uint32_t r = 0; r < R; ++r) {
     const float *qr = q + size_t(r) * dp;
@@ -854,11 +858,12 @@ void qjl_block_halves(const QjlArgs &a, const uint8_t *outliers, uint32_t c, con
     for (uint32_t j = 0; j < c; ++j) squares += double(qr[outliers[j]]) * qr[outliers[j]];
     projected[r] = sq + size_t(r) * a.projected_stride;
     const double bound = double(projected_row(a, sq, r).largest) + double(a.outlier_row_bound) * std::sqrt(squares);
-    const float inverse = bound > 0.0 ? float(kProjectionCodeMax / bound) : 0.0f;
+    const CodeScale code = code_scale(float(bound), kProjectionCodeMax);
     step_in[r] = float(bound / kProjectionCodeMax);
-    inverse_in[r] = _mm512_set1_ps(inverse);
+    prescale_in[r] = _mm512_set1_ps(code.prescale);
+    inverse_in[r] = _mm512_set1_ps(code.factor);
     top[r] = _mm512_setzero_ps();
-    for (uint32_t j = 0; j < c; ++j) scaled[r][j] = qr[outliers[j]] * inverse;
+    for (uint32_t j = 0; j < c; ++j) scaled[r][j] = qr[outliers[j]] * code.prescale * code.factor;
   }
   __m512i total_in[R], total_out[R];
   for (uint32_t r = 0; r < R; ++r) total_in[r] = total_out[r] = _mm512_setzero_si512();
@@ -872,7 +877,7 @@ void qjl_block_halves(const QjlArgs &a, const uint8_t *outliers, uint32_t c, con
     }
     for (uint32_t r = 0; r < R; ++r) {
       if (i < m) {
-        const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(projected[r] + i), inverse_in[r], v[r]);
+        const __m512 x = _mm512_fmsub_ps(_mm512_mul_ps(_mm512_loadu_ps(projected[r] + i), prescale_in[r]), inverse_in[r], v[r]);
         const __m512i X = _mm512_cvtps_epi32(x);  // nearest even
         _mm512_store_si512(halves_in + size_t(r) * (m / 16) + i / 16, subset_halves(X));
         total_in[r] = _mm512_add_epi32(total_in[r], X);
@@ -886,10 +891,12 @@ void qjl_block_halves(const QjlArgs &a, const uint8_t *outliers, uint32_t c, con
   for (uint32_t r = 0; r < R; ++r) {
     // v is scaled by inverse_in: its step is largest·step_in / 8191.
     const float largest = _mm512_reduce_max_ps(top[r]);
-    const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? kProjectionCodeMax / largest : 0.0f);
+    const CodeScale code = code_scale(largest, kProjectionCodeMax);
+    const __m512 prescale = _mm512_set1_ps(code.prescale), inverse = _mm512_set1_ps(code.factor);
     step_out[r] = largest / kProjectionCodeMax * step_in[r];
     for (uint32_t i = 0; i < m_out; i += 16) {
-      const __m512i V = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(v_rows + size_t(r) * m_out + i), inverse));
+      const __m512i V = _mm512_cvtps_epi32(
+          _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(v_rows + size_t(r) * m_out + i), prescale), inverse));
       _mm512_store_si512(halves_out + size_t(r) * (m_out / 16) + i / 16, subset_halves(V));
       total_out[r] = _mm512_add_epi32(total_out[r], V);
     }
