@@ -71,9 +71,10 @@
  *   nothing is read or written. packaging/VERSIONING.md has the policy.
  * Environment. QJLKV_CPU_ISA=scalar|avx2|avx512|avx512vnni forces the
  *   instruction set of the CPU kernels (unset or empty: the best the CPU runs;
- *   avx512vnni computes QJL and KIVI/OTT key scores and rotated Lloyd-Max and
- *   uniform value sums in integers, within the error budget of docs/DESIGN.md;
- *   layouts its integer kernels do not cover keep fp32). qjlkv_cache_create
+ *   avx2 and avx512 compute KIVI/OTT key scores in integers, avx512vnni also QJL
+ *   key scores and rotated Lloyd-Max and uniform value sums, within the error
+ *   budget of docs/DESIGN.md; layouts the integer kernels do not cover keep fp32,
+ *   as does scalar). qjlkv_cache_create
  *   of a CPU cache fails with INVALID_ARGUMENT for any other value and with
  *   UNSUPPORTED when this CPU cannot run the forced set.
  *
