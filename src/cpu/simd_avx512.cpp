@@ -160,10 +160,10 @@ struct V {
     if constexpr (BITS == 8) {
       return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(row + first))));
     } else {
+      // 3-bit fields are masked, 2-bit ones are not: their table repeats every 4 entries.
       alignas(64) static constexpr float kValues[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-      alignas(64) static constexpr float kValues3[16] = {0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7};
       alignas(64) static constexpr float kValues2[16] = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
-      return code_levels<BITS>(BITS == 4 ? kValues : BITS == 3 ? kValues3 : kValues2, row, first);
+      return code_levels<BITS>(BITS == 2 ? kValues2 : kValues, row, first);
     }
   }
   static I lookup_index(I i) { return i; }
@@ -212,6 +212,15 @@ struct V {
 
 #include "simd_impl.inc"
 
+// KIVI/OTT key scores: the AVX2 integer kernel where it applies (head_dim a multiple of 16), 3-4x
+// faster than the fp32 nibble tables, whose per-block table builds dominate short blocks (every
+// AVX-512 CPU runs AVX2); these fp32 tables else.
+void kivi_scores_fastest(const CodesArgs &a, const uint8_t *block, const float *q, uint32_t rows, float *out,
+                         size_t out_stride, float *scratch) {
+  if (a.head_dim % 16 == 0) avx2_kernels().kivi_scores(a, block, q, rows, out, out_stride, scratch);
+  else kivi_scores(a, block, q, rows, out, out_stride, scratch);
+}
+
 }  // namespace
 }  // namespace qjlkv::cpu::avx512
 
@@ -223,11 +232,9 @@ struct V {
 
 namespace qjlkv::cpu {
 const KernelTable &avx512_kernels() {
-  // KIVI/OTT key scores: the AVX2 integer kernel, 3-4x faster than the fp32 nibble tables (whose
-  // per-block table builds dominate short blocks); every AVX-512 CPU runs AVX2.
-  static const KernelTable table = [] {
+  static constexpr KernelTable table = [] {
     KernelTable t = avx512::make_table(Isa::Avx512);
-    t.kivi_scores = avx2_kernels().kivi_scores;
+    t.kivi_scores = &avx512::kivi_scores_fastest;
     return t;
   }();
   return table;
