@@ -269,6 +269,17 @@ inline __m256i unpack16(const uint8_t *src) {
   }
 }
 
+// sum + x, the sum kept in its register: GCC 12 put every vpaddd of the loop below into a fresh
+// register and copied it back (8 moves per 16 channels and token pair).
+inline __m256i add_into(__m256i sum, __m256i x) {
+#if defined(__clang__)
+  return _mm256_add_epi32(sum, x);
+#else
+  asm("vpaddd %1, %0, %0" : "+x"(sum) : "x"(x));
+  return sum;
+#endif
+}
+
 // out[r][t] = step[r]·Σ_c Q_rc·code_tc + offset[r] for the block's B tokens (B even), two tokens
 // at a time; Q: per row and 16-channel chunk, 16 int16.
 template <uint32_t BITS, uint32_t R>
@@ -290,8 +301,8 @@ void codes_scores(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d
       const __m256i c0 = unpack16<BITS>(row0 + 2 * BITS * k), c1 = unpack16<BITS>(row1 + 2 * BITS * k);
       for (uint32_t r = 0; r < R; ++r) {
         const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i *>(Q + (size_t(r) * chunks + k) * 16));
-        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(c0, q));
-        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(c1, q));
+        acc[r][0] = add_into(acc[r][0], _mm256_madd_epi16(c0, q));
+        acc[r][1] = add_into(acc[r][1], _mm256_madd_epi16(c1, q));
       }
     }
     // Two rounds of vphaddd leave, per 128-bit lane, (r t, r t+1, r+1 t, r+1 t+1) partial sums;
