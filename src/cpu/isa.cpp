@@ -161,10 +161,11 @@ size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out
   const size_t groups = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX ? 1
                         : cfg.value_bits == 16                              ? 0
                                                                             : d / cfg.value_group_size;
-  // Rotated Lloyd-Max values: the integer kernels take B scales and 4 rows of int16 weights;
-  // uniform ones 4 rows of B·groups int16 weights (rounded up to 32) and 4×16 sums of minima.
+  // Rotated Lloyd-Max values: B scales, then 4 rows of weights times scales (fp32; the integer
+  // kernels take 4 rows of int16 weights); uniform ones 4 rows of B·groups int16 weights
+  // (rounded up to 32) and 4×16 sums of minima.
   const size_t values = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX
-                            ? 3 * ((size_t(cfg.block_tokens) + 31) / 32 * 32) + slack
+                            ? 5 * Bp + 2 * slack
                             : 2 * (size_t(cfg.block_tokens) * groups + 32 + slack) + 64;
   return std::max({qjl, kivi, values});
 }
