@@ -290,8 +290,7 @@ void lloyd_max_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t
         for (uint32_t r = 0; r < R; ++r) sum[r][z] = dpwssd(sum[r][z], level, weight[r]);
       }
     };
-    // Whole pairs without a branch (GCC then keeps sum[][] in registers; with the odd-token
-    // test inside it copied every sum through other registers and the stack at each pair).
+    // Whole pairs without a test per pair; an odd last token pairs with zero codes.
     uint32_t t = t0;
     for (; t + 1 < end; t += 2)
       add_pair(t, _mm512_maskz_loadu_epi8(load_mask, first + t * row_bytes),
