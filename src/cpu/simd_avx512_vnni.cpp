@@ -273,32 +273,23 @@ void lloyd_max_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t
     for (uint32_t r = 0; r < R; ++r)
       for (uint32_t z = 0; z < CZ; ++z) sum[r][z] = _mm512_setzero_si512();
     const uint32_t end = std::min(B, t0 + kFlushTokens);
-    const auto add_pair = [&](uint32_t t, __m512i a, __m512i b) {
+    for (uint32_t t = t0; t < end; t += 2) {
+      const __m512i a = _mm512_maskz_loadu_epi8(load_mask, first + t * row_bytes);
+      const __m512i b = t + 1 < B ? _mm512_maskz_loadu_epi8(load_mask, first + (t + 1) * row_bytes) : _mm512_setzero_si512();
       __m512i weight[R];
-#pragma GCC unroll 4
       for (uint32_t r = 0; r < R; ++r) {
         int32_t pair;
         std::memcpy(&pair, P + size_t(r) * P_stride + t, 4);
         weight[r] = _mm512_set1_epi32(pair);
       }
-#pragma GCC unroll 4
       for (uint32_t z = 0; z < CZ; ++z) {
         const __m512i placed = _mm512_permutex2var_epi8(a, _mm512_load_si512(kUnpack.place[j0 + z]), b);
         const __m512i index = _mm512_multishift_epi64_epi8(_mm512_load_si512(kUnpack.shifts[j0 + z]), placed);
         const __m512i level = _mm512_permutexvar_epi16(index, levels);
-#pragma GCC unroll 4
         for (uint32_t r = 0; r < R; ++r) sum[r][z] = dpwssd(sum[r][z], level, weight[r]);
       }
-    };
-    // Whole pairs without a test per pair; an odd last token pairs with zero codes.
-    uint32_t t = t0;
-    for (; t + 1 < end; t += 2)
-      add_pair(t, _mm512_maskz_loadu_epi8(load_mask, first + t * row_bytes),
-               _mm512_maskz_loadu_epi8(load_mask, first + (t + 1) * row_bytes));
-    if (t < end) add_pair(t, _mm512_maskz_loadu_epi8(load_mask, first + t * row_bytes), _mm512_setzero_si512());
-#pragma GCC unroll 4
+    }
     for (uint32_t r = 0; r < R; ++r)
-#pragma GCC unroll 4
       for (uint32_t z = 0; z < CZ; ++z) {
         float *a = acc + size_t(r) * dp + 128 * half + 16 * (j0 + z);
         _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[r][z]), _mm512_set1_ps(unit[r][0])),
