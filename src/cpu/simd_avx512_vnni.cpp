@@ -370,14 +370,16 @@ void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, 
 // acc[r][c] += Σ_t w_rt·(min_tg + scale_tg·code_tc), g the group of channel c, as
 //   Σ_t w_rt·min_tg (fp32, one number per row and group, shared by the group's channels)
 //   + pstep_r·Σ_t P_rtg·code_tc, P_rtg = round(w_rt·scale_tg / pstep_r) in int16,
-// pstep_r = max_t |w_rt|·max_tg scale_tg / kUniformWeightMax. vpdpwssd sums P·code over token
+// pstep_r = max_tg |w_rt·scale_tg| / kUniformWeightMax. vpdpwssd sums P·code over token
 // pairs: a dword lane holds (code_tc, code_t+1,c) against (P_tg, P_t+1,g), the codes unpacked to
 // int16 words; no level lookup. The int32 sums go to the fp32 accumulators every
 // uniform_flush_tokens(bits) tokens, within int32 (the static_assert). The only error is P's
 // rounding: pstep_r·Σ_t ρ_t·code_tc with |ρ_t| <= 1/2, at most 2^-16 of the largest
-// |w|·scale·code per token.
+// |w·scale|·code of the row per token. The step was max|w| times the block's largest scale,
+// from different tokens: a group scaled 1000x above the rest left the rest a few P levels
+// (fuzz corpus regression-uniform-values-scale-spread). It is still one step per row.
 constexpr float kUniformWeightMax = 32767.0f;
-// Below this max|w|·max scale of a row the factor kUniformWeightMax / span could overflow fp32:
+// Below this max|w·scale| of a row the factor kUniformWeightMax / span could overflow fp32:
 // such rows (weights below ~1e-30 in the whole block) take the fp32 kernel.
 constexpr float kUniformSmallestSpan = 1e-30f;
 constexpr uint32_t uniform_flush_tokens(uint32_t bits) { return bits == 8 ? 256u : QJLKV_MAX_BLOCK_TOKENS; }
@@ -592,17 +594,10 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
   float *mins = scratch + 2 * P_stride;                       // [4][16]: Σ_t w_rt·min_tg at [r][g]
   const auto *scale_bits = reinterpret_cast<const uint16_t *>(block + l.value_scale);
   const auto *min_bits = reinterpret_cast<const uint16_t *>(block + l.value_min);
-  // The block's largest scale: non-negative halves order as their bits.
-  __m512i top_bits = _mm512_setzero_si512();
-  for (uint32_t i = 0; i < products; i += 32) {
-    const __mmask32 valid = i + 32 <= products ? ~__mmask32(0) : (__mmask32(1) << (products - i)) - 1u;
-    top_bits = _mm512_max_epu16(top_bits, _mm512_and_si512(_mm512_maskz_loadu_epi16(valid, scale_bits + i),
-                                                           _mm512_set1_epi16(0x7fff)));
-  }
-  const uint32_t top_half = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_srli_epi32(top_bits, 16),
-                                                                     _mm512_and_si512(top_bits, _mm512_set1_epi32(0xffff))));
-  const float largest_scale = _cvtsh_ss(uint16_t(top_half));
   const uint8_t *codes = block + l.value_codes;
+  // Lane i of 16 products starting at product x (a multiple of 16) belongs to token x/G + i/G.
+  const uint32_t log_groups = uint32_t(__builtin_ctz(G));
+  const __m512i expand = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), log_groups);
   for (uint32_t r0 = 0; r0 < rows; r0 += 4) {
     const uint32_t R = std::min(4u, rows - r0);
     const float *wr = w + size_t(r0) * w_stride;
@@ -610,10 +605,16 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
     float factor[4], unit[4];  // P per unit of w·scale; what one P·code step is worth
     bool covered = true;
     for (uint32_t r = 0; r < R; ++r) {
+      // The largest |w·scale| of the row: P's step. (The largest |w| times the block's largest
+      // scale, taken from different tokens, left small-scale tokens a handful of P levels.)
       __m512 top = _mm512_setzero_ps();  // weights past B are not read: they need not be zero
-      for (uint32_t t = 0; t < B; t += 16)
-        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes_below(t, B), wr + size_t(r) * w_stride + t)));
-      const float span = _mm512_reduce_max_ps(top) * largest_scale;
+      for (uint32_t x = 0; x < products; x += 16) {
+        const uint32_t t = x >> log_groups;
+        const __m512 weight = _mm512_permutexvar_ps(expand, _mm512_maskz_loadu_ps(lanes_below(t, B), wr + size_t(r) * w_stride + t));
+        const __m512 scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes_below(x, products), scale_bits + x));
+        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_mul_ps(weight, scale)));
+      }
+      const float span = _mm512_reduce_max_ps(top);
       covered &= span == 0.0f || span >= kUniformSmallestSpan;
       factor[r] = span > 0.0f ? kUniformWeightMax / span : 0.0f;
       unit[r] = span / kUniformWeightMax;
