@@ -149,64 +149,108 @@ void codes_scores(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d
   }
 }
 
-// The query digits of one row (see kQueryCodeMax) into digits[j][2][64]. Returns the step;
-// *residual = Σ_c ρ_c.
-float query_digits(const float *q, const float *scale, uint32_t d, int8_t *digits, float *residual) {
-  __m512 top = _mm512_setzero_ps();
-  for (uint32_t j = 0; j < d; j += 16)
-    top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_mul_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(scale + j))));
-  const float largest = _mm512_reduce_max_ps(top);
-  const CodeScale code = code_scale(largest, kQueryCodeMax);
-  const float step = largest > 0.0f ? largest / kQueryCodeMax : 0.0f;
-  __m512 rho = _mm512_setzero_ps();
-  for (uint32_t j = 0; j < d; j += 16) {
-    const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(scale + j));
-    const __m512i Q = _mm512_cvtps_epi32(  // nearest even
-        _mm512_mul_ps(_mm512_mul_ps(scaled, _mm512_set1_ps(code.prescale)), _mm512_set1_ps(code.factor)));
-    rho = _mm512_add_ps(rho, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(Q), _mm512_set1_ps(step), scaled));
-    const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(Q, _mm512_set1_epi32(128)), 8);
-    const __m512i lo = _mm512_sub_epi32(Q, _mm512_slli_epi32(hi, 8));
-    int8_t *chunk = digits + size_t(j / 16) * 128;
-    _mm512_storeu_si512(chunk, _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(hi)));
-    _mm512_storeu_si512(chunk + 64, _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(lo)));
+// Lanes 4r..4r+3 of the result: op over the 16 lanes of v[r], the 4 rows reduced together.
+struct MaxOp {
+  __m512 operator()(__m512 a, __m512 b) const { return _mm512_max_ps(a, b); }
+};
+struct AddOp {
+  __m512 operator()(__m512 a, __m512 b) const { return _mm512_add_ps(a, b); }
+};
+template <class Op>
+inline __m512 reduce_rows4(const __m512 v[4], Op op) {
+  const __m512 a = op(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
+  const __m512 b = op(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
+  const __m512 c = op(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));  // lane r: row r
+  const __m512 e = op(c, _mm512_permute_ps(c, 0x4E));
+  return op(e, _mm512_permute_ps(e, 0xB1));
+}
+
+// vpermb indices that split 16 int32 Q into their digits, broadcast to the 4 lanes: lo is byte 0
+// of Q, hi = (Q + 128) >> 8 is byte 1 of Q + 128 (|hi| <= 127).
+struct DigitBytes {
+  alignas(64) uint8_t hi[64];
+  alignas(64) uint8_t lo[64];
+};
+constexpr DigitBytes make_digit_bytes() {
+  DigitBytes b{};
+  for (uint32_t i = 0; i < 64; ++i) {
+    b.lo[i] = uint8_t(4 * (i % 16));
+    b.hi[i] = uint8_t(4 * (i % 16) + 1);
   }
-  *residual = _mm512_reduce_add_ps(rho);
-  return step;
+  return b;
+}
+constexpr DigitBytes kDigitBytes = make_digit_bytes();
+
+// Per block, the digits of R <= 4 query rows (q_stride floats apart) into digits[r][j][2][64],
+// their steps, and offset[r] = Σ_c q_c·min_c + mid·Σ_c ρ_c. scale, mins: the block's per-channel
+// key scales and minima in fp32; scaled: scratch for R rows of q·scale. The rows share every
+// load of scale and mins and every horizontal reduction.
+template <uint32_t R>
+void query_digits(const float *q, size_t q_stride, const float *scale, const float *mins, uint32_t d, float mid,
+                  float *scaled, int8_t *digits, float *step, float *offset) {
+  __m512 top[4], dot[4], rho[4];
+  for (uint32_t r = 0; r < 4; ++r) top[r] = dot[r] = rho[r] = _mm512_setzero_ps();
+  for (uint32_t j = 0; j < d; j += 16) {
+    const __m512 s = _mm512_loadu_ps(scale + j), m = _mm512_loadu_ps(mins + j);
+    for (uint32_t r = 0; r < R; ++r) {
+      const __m512 x = _mm512_loadu_ps(q + r * q_stride + j), product = _mm512_mul_ps(x, s);
+      _mm512_storeu_ps(scaled + size_t(r) * d + j, product);
+      top[r] = _mm512_range_ps(top[r], product, 0x0B);  // the larger magnitude, sign cleared
+      dot[r] = _mm512_fmadd_ps(x, m, dot[r]);
+    }
+  }
+  alignas(64) float largest[16], sums[16], residuals[16];
+  _mm512_store_ps(largest, reduce_rows4(top, MaxOp{}));
+  _mm512_store_ps(sums, reduce_rows4(dot, AddOp{}));
+  const __m512i hi_bytes = _mm512_load_si512(kDigitBytes.hi), lo_bytes = _mm512_load_si512(kDigitBytes.lo);
+  for (uint32_t r = 0; r < R; ++r) {
+    const CodeScale code = code_scale(largest[4 * r], kQueryCodeMax);
+    step[r] = largest[4 * r] > 0.0f ? largest[4 * r] / kQueryCodeMax : 0.0f;
+    const __m512 prescale = _mm512_set1_ps(code.prescale), factor = _mm512_set1_ps(code.factor);
+    const __m512 row_step = _mm512_set1_ps(step[r]);
+    for (uint32_t j = 0; j < d; j += 16) {
+      const __m512 product = _mm512_loadu_ps(scaled + size_t(r) * d + j);
+      const __m512i Q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(product, prescale), factor));  // nearest even
+      rho[r] = _mm512_add_ps(rho[r], _mm512_fnmadd_ps(_mm512_cvtepi32_ps(Q), row_step, product));
+      int8_t *chunk = digits + (size_t(r) * (d / 16) + j / 16) * 128;
+      _mm512_storeu_si512(chunk, _mm512_permutexvar_epi8(hi_bytes, _mm512_add_epi32(Q, _mm512_set1_epi32(128))));
+      _mm512_storeu_si512(chunk + 64, _mm512_permutexvar_epi8(lo_bytes, Q));
+    }
+  }
+  _mm512_store_ps(residuals, reduce_rows4(rho, AddOp{}));
+  for (uint32_t r = 0; r < R; ++r) offset[r] = sums[4 * r] + residuals[4 * r] * mid;
+}
+
+template <uint32_t BITS, uint32_t R>
+void kivi_rows(const CodesArgs &a, const uint8_t *block, const float *q, size_t q_stride, const float *scale,
+               const float *mins, float *scaled, int8_t *digits, float *out, size_t out_stride) {
+  const BlockLayout &l = *a.layout;
+  float step[R], offset[R];
+  query_digits<R>(q, q_stride, scale, mins, a.head_dim, float((1u << BITS) - 1u) * 0.5f, scaled, digits, step, offset);
+  codes_scores<BITS, R>(block + l.key_codes, l.key_bytes_per_token_codes, a.block_tokens, a.head_dim, digits, step,
+                        offset, out, out_stride);
 }
 
 template <uint32_t BITS>
 void kivi_scores_bits(const CodesArgs &a, const uint8_t *block, const float *q, uint32_t rows, float *out,
                       size_t out_stride, float *scratch) {
   const BlockLayout &l = *a.layout;
-  const uint32_t B = a.block_tokens, d = a.head_dim, dp = padded_dim(d);
-  float *scale = scratch;  // [d], then the digits of 4 rows, 64-byte aligned
-  auto *digits = reinterpret_cast<int8_t *>(scratch + (d + 15) / 16 * 16);
-  for (uint32_t j = 0; j < d; j += 16)
+  const uint32_t d = a.head_dim, dp = padded_dim(d);  // d % 64 == 0 here
+  // scratch: scales [d], minima [d], q·scale [4][d], then the digits of 4 rows
+  float *scale = scratch, *mins = scale + d, *scaled = mins + d;
+  auto *digits = reinterpret_cast<int8_t *>(scaled + 4 * size_t(d));
+  for (uint32_t j = 0; j < d; j += 16) {
     _mm512_storeu_ps(scale + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(block + l.key_scale + 2 * j))));
-  const uint8_t *mins = block + l.key_min;
+    _mm512_storeu_ps(mins + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(block + l.key_min + 2 * j))));
+  }
   for (uint32_t r0 = 0; r0 < rows; r0 += 4) {
-    const uint32_t R = std::min(4u, rows - r0);
-    float step[4], offset[4];
-    for (uint32_t rr = 0; rr < R; ++rr) {
-      const float *qr = q + size_t(r0 + rr) * dp;
-      __m512 products = _mm512_setzero_ps();  // Σ_c q_c·min_c, shared by every token of the block
-      for (uint32_t j = 0; j < d; j += 16)
-        products = _mm512_fmadd_ps(_mm512_loadu_ps(qr + j),
-                                   _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(mins + 2 * j))),
-                                   products);
-      const float sum = _mm512_reduce_add_ps(products);
-      float residual = 0.0f;
-      step[rr] = query_digits(qr, scale, d, digits + size_t(rr) * (d / 16) * 128, &residual);
-      offset[rr] = sum + residual * (float((1u << BITS) - 1u) * 0.5f);
-    }
-    const uint8_t *codes = block + l.key_codes;
-    const size_t row_bytes = l.key_bytes_per_token_codes;
+    const float *qr = q + size_t(r0) * dp;
     float *o = out + size_t(r0) * out_stride;
-    switch (R) {
-      case 1: codes_scores<BITS, 1>(codes, row_bytes, B, d, digits, step, offset, o, out_stride); break;
-      case 2: codes_scores<BITS, 2>(codes, row_bytes, B, d, digits, step, offset, o, out_stride); break;
-      case 3: codes_scores<BITS, 3>(codes, row_bytes, B, d, digits, step, offset, o, out_stride); break;
-      default: codes_scores<BITS, 4>(codes, row_bytes, B, d, digits, step, offset, o, out_stride); break;
+    switch (std::min(4u, rows - r0)) {
+      case 1: kivi_rows<BITS, 1>(a, block, qr, dp, scale, mins, scaled, digits, o, out_stride); break;
+      case 2: kivi_rows<BITS, 2>(a, block, qr, dp, scale, mins, scaled, digits, o, out_stride); break;
+      case 3: kivi_rows<BITS, 3>(a, block, qr, dp, scale, mins, scaled, digits, o, out_stride); break;
+      default: kivi_rows<BITS, 4>(a, block, qr, dp, scale, mins, scaled, digits, o, out_stride); break;
     }
   }
 }
