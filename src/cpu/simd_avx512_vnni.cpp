@@ -354,6 +354,36 @@ void lloyd_max_rows(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t
   }
 }
 
+// R <= 4 rows of weights w (w_stride floats apart) against one block: P_rt = round(w_rt·scale_t / pstep_r)
+// with pstep_r = max_t w_rt·scale_t / kWeightCodeMax (weights and scales are >= 0), then the sums.
+// The rows share the scale loads and one reduction of their maxima.
+template <uint32_t BITS, uint32_t R>
+void lloyd_max_group(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d, __m512i levels, float largest_level,
+                     const float *scales, const float *w, size_t w_stride, int16_t *P, uint32_t P_stride, float *acc) {
+  // Weights past B are not read (masked): they need not be zero.
+  const auto weighted = [&](uint32_t r, uint32_t t) {
+    return _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes_below(t, B), w + r * w_stride + t), _mm512_loadu_ps(scales + t));
+  };
+  __m512 top[4];
+  for (uint32_t r = 0; r < 4; ++r) top[r] = _mm512_setzero_ps();
+  for (uint32_t t = 0; t < P_stride; t += 16)
+    for (uint32_t r = 0; r < R; ++r) top[r] = _mm512_max_ps(top[r], weighted(r, t));
+  alignas(64) float largest[16];
+  _mm512_store_ps(largest, reduce_rows4(top, MaxOp{}));
+  float unit[R][2];  // what one P·L step is worth: the product of the two (each a normal float)
+  for (uint32_t r = 0; r < R; ++r) {
+    const CodeScale code = code_scale(largest[4 * r], kWeightCodeMax);
+    const __m512 prescale = _mm512_set1_ps(code.prescale), factor = _mm512_set1_ps(code.factor);
+    int16_t *Pr = P + size_t(r) * P_stride;
+    for (uint32_t t = 0; t < P_stride; t += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i *>(Pr + t), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(
+                                                                   _mm512_mul_ps(_mm512_mul_ps(weighted(r, t), prescale), factor))));
+    unit[r][0] = largest[4 * r] * code.prescale / kWeightCodeMax * (largest_level / kLevelCodeMax);
+    unit[r][1] = 1.0f / code.prescale;
+  }
+  lloyd_max_rows<BITS, R>(codes, row_bytes, B, d, levels, P, P_stride, unit, acc);
+}
+
 template <uint32_t BITS>
 void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
                       float *acc, float *scratch) {
@@ -379,33 +409,13 @@ void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, 
   const uint8_t *codes = block + l.value_codes;
   const size_t row_bytes = l.value_bytes_per_token_codes;
   for (uint32_t r0 = 0; r0 < rows; r0 += 4) {
-    const uint32_t R = std::min(4u, rows - r0);
-    float unit[4][2];  // what one P·L step is worth: the product of the two (each a normal float)
-    for (uint32_t rr = 0; rr < R; ++rr) {
-      const float *wr = w + size_t(r0 + rr) * w_stride;
-      // Weights past B are not read (masked): they need not be zero.
-      const auto weighted = [&](uint32_t t) {
-        const __mmask16 valid = lanes_below(t, B);
-        return _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, wr + t), _mm512_loadu_ps(scales + t));
-      };
-      __m512 top = _mm512_setzero_ps();
-      for (uint32_t t = 0; t < P_stride; t += 16) top = _mm512_max_ps(top, weighted(t));
-      const float largest = _mm512_reduce_max_ps(top);
-      const CodeScale code = code_scale(largest, kWeightCodeMax);
-      const __m512 prescale = _mm512_set1_ps(code.prescale), factor = _mm512_set1_ps(code.factor);
-      int16_t *Pr = P + size_t(rr) * P_stride;
-      for (uint32_t t = 0; t < P_stride; t += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i *>(Pr + t), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(
-                                                                     _mm512_mul_ps(_mm512_mul_ps(weighted(t), prescale), factor))));
-      unit[rr][0] = largest * code.prescale / kWeightCodeMax * (largest_level / kLevelCodeMax);
-      unit[rr][1] = 1.0f / code.prescale;
-    }
+    const float *wr = w + size_t(r0) * w_stride;
     float *ar = acc + size_t(r0) * dp;
-    switch (R) {
-      case 1: lloyd_max_rows<BITS, 1>(codes, row_bytes, B, d, levels, P, P_stride, unit, ar); break;
-      case 2: lloyd_max_rows<BITS, 2>(codes, row_bytes, B, d, levels, P, P_stride, unit, ar); break;
-      case 3: lloyd_max_rows<BITS, 3>(codes, row_bytes, B, d, levels, P, P_stride, unit, ar); break;
-      default: lloyd_max_rows<BITS, 4>(codes, row_bytes, B, d, levels, P, P_stride, unit, ar); break;
+    switch (std::min(4u, rows - r0)) {
+      case 1: lloyd_max_group<BITS, 1>(codes, row_bytes, B, d, levels, largest_level, scales, wr, w_stride, P, P_stride, ar); break;
+      case 2: lloyd_max_group<BITS, 2>(codes, row_bytes, B, d, levels, largest_level, scales, wr, w_stride, P, P_stride, ar); break;
+      case 3: lloyd_max_group<BITS, 3>(codes, row_bytes, B, d, levels, largest_level, scales, wr, w_stride, P, P_stride, ar); break;
+      default: lloyd_max_group<BITS, 4>(codes, row_bytes, B, d, levels, largest_level, scales, wr, w_stride, P, P_stride, ar); break;
     }
   }
 }
