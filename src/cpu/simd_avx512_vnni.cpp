@@ -657,18 +657,24 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
     const float *wr = w + size_t(r0) * w_stride;
     float *ar = acc + size_t(r0) * dp;
     float factor[4], unit[4];  // P per unit of w·scale; what one P·code step is worth
+    // The largest |w·scale| of each row: P's step. (The largest |w| times the block's largest
+    // scale, taken from different tokens, left small-scale tokens a handful of P levels.) The
+    // rows share the scale loads and one reduction.
+    __m512 top[4];
+    for (uint32_t r = 0; r < 4; ++r) top[r] = _mm512_setzero_ps();
+    for (uint32_t x = 0; x < products; x += 16) {
+      const uint32_t t = x >> log_groups;  // weights past B are not read: they need not be zero
+      const __m512 scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes_below(x, products), scale_bits + x));
+      for (uint32_t r = 0; r < R; ++r) {
+        const __m512 weight = _mm512_permutexvar_ps(expand, _mm512_maskz_loadu_ps(lanes_below(t, B), wr + size_t(r) * w_stride + t));
+        top[r] = _mm512_range_ps(top[r], _mm512_mul_ps(weight, scale), 0x0B);  // the larger magnitude, sign cleared
+      }
+    }
+    alignas(64) float spans[16];
+    _mm512_store_ps(spans, reduce_rows4(top, MaxOp{}));
     bool covered = true;
     for (uint32_t r = 0; r < R; ++r) {
-      // The largest |w·scale| of the row: P's step. (The largest |w| times the block's largest
-      // scale, taken from different tokens, left small-scale tokens a handful of P levels.)
-      __m512 top = _mm512_setzero_ps();  // weights past B are not read: they need not be zero
-      for (uint32_t x = 0; x < products; x += 16) {
-        const uint32_t t = x >> log_groups;
-        const __m512 weight = _mm512_permutexvar_ps(expand, _mm512_maskz_loadu_ps(lanes_below(t, B), wr + size_t(r) * w_stride + t));
-        const __m512 scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes_below(x, products), scale_bits + x));
-        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_mul_ps(weight, scale)));
-      }
-      const float span = _mm512_reduce_max_ps(top);
+      const float span = spans[4 * r];
       covered &= span == 0.0f || span >= kUniformSmallestSpan;
       factor[r] = span > 0.0f ? kUniformWeightMax / span : 0.0f;
       unit[r] = span / kUniformWeightMax;
