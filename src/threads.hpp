@@ -48,6 +48,8 @@ class ThreadPool {
   // by exactly one thread, so results do not depend on the number of threads.
   // Several threads may call it at once (caches sharing the pool): the workers serve one call
   // at a time, and a call that finds them busy runs on its calling thread alone (worker 0).
+  // Once its own share is done the caller waits for the workers' last tasks awake, for up to
+  // 200 µs, before it sleeps; idle workers sleep.
   void parallel_for(size_t n, TaskRef task);
 
  private:
@@ -62,7 +64,7 @@ class ThreadPool {
   const TaskRef *task_ = nullptr;
   size_t task_count_ = 0;
   std::atomic<size_t> next_{0};
-  unsigned busy_ = 0;
+  std::atomic<unsigned> busy_{0};  // changed under mutex_; read without it while the caller waits
   unsigned next_worker_id_ = 1;
   uint64_t generation_ = 0;
   bool stopping_ = false;
