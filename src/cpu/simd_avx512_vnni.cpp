@@ -423,15 +423,16 @@ void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, 
 // ---- uniform values ------------------------------------------------------------------------------
 // acc[r][c] += Σ_t w_rt·(min_tg + scale_tg·code_tc), g the group of channel c, as
 //   Σ_t w_rt·min_tg (fp32, one number per row and group, shared by the group's channels)
-//   + pstep_r·Σ_t P_rtg·code_tc, P_rtg = round(w_rt·scale_tg / pstep_r) in int16,
-// pstep_r = max_tg |w_rt·scale_tg| / kUniformWeightMax. vpdpwssd sums P·code over token
-// pairs: a dword lane holds (code_tc, code_t+1,c) against (P_tg, P_t+1,g), the codes unpacked to
-// int16 words; no level lookup. The int32 sums go to the fp32 accumulators every
-// uniform_flush_tokens(bits) tokens, within int32 (the static_assert). The only error is P's
-// rounding: pstep_r·Σ_t ρ_t·code_tc with |ρ_t| <= 1/2, at most 2^-16 of the largest
-// |w·scale|·code of the row per token. The step was max|w| times the block's largest scale,
-// from different tokens: a group scaled 1000x above the rest left the rest a few P levels
-// (fuzz corpus regression-uniform-values-scale-spread). It is still one step per row.
+//   + pstep_rg·Σ_t P_rtg·code_tc, P_rtg = round(w_rt·scale_tg / pstep_rg) in int16,
+// pstep_rg = max_t |w_rt·scale_tg| / kUniformWeightMax, a step per row and group. vpdpwssd sums
+// P·code over token pairs: a dword lane holds (code_tc, code_t+1,c) against (P_tg, P_t+1,g), the
+// codes unpacked to int16 words; no level lookup. The int32 sums go to the fp32 accumulators
+// every uniform_flush_tokens(bits) tokens, within int32 (the static_assert), each lane times its
+// group's step. The only error is P's rounding: pstep_rg·Σ_t ρ_t·code_tc with |ρ_t| <= 1/2, at
+// most 2^-16 of the group's largest |w·scale|·code per token. (A step per row, set by its
+// largest group, left a group 1000x smaller a few dozen P levels and errors of ~2 % of its sums:
+// cpu_paths ValueSumsWithinErrorBudgetPerGroup; before that, max|w| times the block's largest
+// scale, from different tokens, failed the fuzz corpus's regression-uniform-values-scale-spread.)
 constexpr float kUniformWeightMax = 32767.0f;
 // Below this max|w·scale| of a row the factor kUniformWeightMax / span could overflow fp32:
 // such rows (weights below ~1e-30 in the whole block) take the fp32 kernel.
@@ -501,7 +502,7 @@ bool uniform_integer_layout(const CodesArgs &a) {
 
 template <uint32_t BITS, uint32_t N, uint32_t R, uint32_t CZ>
 void uniform_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g, uint32_t G, uint32_t region,
-                  uint32_t j0, const int16_t *P, size_t P_stride, const float *unit, const float *mins, float *acc,
+                  uint32_t j0, const int16_t *P, size_t P_stride, const float (*unit)[16], const float *mins, float *acc,
                   uint32_t dp) {
   static constexpr UniformUnpack kUnpack = make_uniform_unpack(BITS, N);
   constexpr uint32_t kRegion = BITS == 8 ? 64 : 128, kRegionBytes = kRegion * BITS / 8;
@@ -556,21 +557,22 @@ void uniform_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g
     for (uint32_t r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (uint32_t z = 0; z < CZ; ++z) {
-        __m512 part = _mm512_cvtepi32_ps(sum[r][z]);
-        if (t0 == 0) {  // the minima's part, once
-          const float *m = mins + 16 * r + group[z];
-          __m512 lane_mins;
+        // Per lane, its group's number: one group per chunk, or (N == 2) group[z] in the even
+        // lanes and group[z] + 1 in the odd ones.
+        const auto per_lane = [&](const float *by_group) {
           if constexpr (N == 1) {
-            lane_mins = _mm512_set1_ps(m[0]);
+            return _mm512_set1_ps(by_group[group[z]]);
           } else {
             double pair;
-            std::memcpy(&pair, m, 8);
-            lane_mins = _mm512_castpd_ps(_mm512_set1_pd(pair));
+            std::memcpy(&pair, by_group + group[z], 8);
+            return _mm512_castpd_ps(_mm512_set1_pd(pair));
           }
-          part = _mm512_fmadd_ps(part, _mm512_set1_ps(unit[r]), lane_mins);
-        } else {
-          part = _mm512_mul_ps(part, _mm512_set1_ps(unit[r]));
-        }
+        };
+        __m512 part = _mm512_cvtepi32_ps(sum[r][z]);
+        if (t0 == 0)  // the minima's part, once
+          part = _mm512_fmadd_ps(part, per_lane(unit[r]), per_lane(mins + 16 * r));
+        else
+          part = _mm512_mul_ps(part, per_lane(unit[r]));
         if constexpr (N == 2)  // back to channel order: channel c < 8 is in lane 2c, c >= 8 in lane 2(c − 8) + 1
           part = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), part);
         float *out = acc + size_t(r) * dp + region * kRegion + 16 * (j0 + z);
@@ -580,7 +582,7 @@ void uniform_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g
 }
 
 template <uint32_t BITS, uint32_t N, uint32_t R>
-void uniform_rows(const CodesArgs &a, const uint8_t *codes, const int16_t *P, size_t P_stride, const float *unit,
+void uniform_rows(const CodesArgs &a, const uint8_t *codes, const int16_t *P, size_t P_stride, const float (*unit)[16],
                   const float *mins, float *acc) {
   constexpr uint32_t kRegion = BITS == 8 ? 64 : 128;
   const uint32_t d = a.head_dim, dp = padded_dim(d), B = a.block_tokens, g = a.group, G = d / g;
@@ -596,16 +598,23 @@ void uniform_rows(const CodesArgs &a, const uint8_t *codes, const int16_t *P, si
 }
 
 // P of R rows in pair order (P[r·P_stride + ...]) and their minima's sums mins[16·r + g], from
-// the block's scales and minima (B·G halves each, token-major) and factor[r] = P per w·scale.
+// the block's scales and minima (B·G halves each, token-major) and factor[r][g] = P per w·scale
+// of group g.
 template <uint32_t R>
 void uniform_weights(const uint16_t *scale_bits, const uint16_t *min_bits, uint32_t B, uint32_t G, const float *w,
-                     size_t w_stride, const float *factor, int16_t *P, size_t P_stride, float *mins) {
+                     size_t w_stride, const float (*factor)[16], int16_t *P, size_t P_stride, float *mins) {
   const uint32_t products = B * G, log_groups = uint32_t(__builtin_ctz(G));
   // Lane i of a 16-product vector starting at product x (a multiple of 16) belongs to token x/G + i/G.
   const __m512i expand = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), log_groups);
   const __m512i pair_order = _mm512_load_si512(kPairOrder.index[log_groups]);
-  __m512 min_sums[R];
-  for (uint32_t r = 0; r < R; ++r) min_sums[r] = _mm512_setzero_ps();
+  // Lane i of a 16-product vector holds group i % G.
+  const __m512i lane_group = _mm512_and_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(int(G - 1)));
+  __m512 min_sums[R], lane_factor[R];
+  for (uint32_t r = 0; r < R; ++r) {
+    min_sums[r] = _mm512_setzero_ps();
+    lane_factor[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(factor[r]));
+  }
   for (uint32_t x = 0; x < P_stride; x += 32) {
     __m512 scale[2], minimum[2];
     for (uint32_t h = 0; h < 2; ++h) {
@@ -621,7 +630,7 @@ void uniform_weights(const uint16_t *scale_bits, const uint16_t *min_bits, uint3
         const uint32_t t = (x + 16 * h) >> log_groups;  // weights past B are not read: they need not be zero
         const __m512 weight = _mm512_permutexvar_ps(expand, _mm512_maskz_loadu_ps(lanes_below(t, B), wr + t));
         min_sums[r] = _mm512_fmadd_ps(weight, minimum[h], min_sums[r]);
-        q[h] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(weight, _mm512_set1_ps(factor[r])), scale[h]));
+        q[h] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(weight, lane_factor[r]), scale[h]));
       }
       // vpackssdw saturates: a product rounded up past 32767 stays 32767.
       _mm512_store_si512(P + r * P_stride + x, _mm512_permutexvar_epi16(pair_order, _mm512_packs_epi32(q[0], q[1])));
@@ -656,10 +665,9 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
     const uint32_t R = std::min(4u, rows - r0);
     const float *wr = w + size_t(r0) * w_stride;
     float *ar = acc + size_t(r0) * dp;
-    float factor[4], unit[4];  // P per unit of w·scale; what one P·code step is worth
-    // The largest |w·scale| of each row: P's step. (The largest |w| times the block's largest
-    // scale, taken from different tokens, left small-scale tokens a handful of P levels.) The
-    // rows share the scale loads and one reduction.
+    // Per row and group g, P's step: the largest |w·scale_g| over the block's tokens. (One step
+    // per row, set by its largest group, left a group 1000 times smaller about 33 levels of P.)
+    // The rows share the scale loads; lane i of a 16-product vector holds group i % G.
     __m512 top[4];
     for (uint32_t r = 0; r < 4; ++r) top[r] = _mm512_setzero_ps();
     for (uint32_t x = 0; x < products; x += 16) {
@@ -670,14 +678,18 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
         top[r] = _mm512_range_ps(top[r], _mm512_mul_ps(weight, scale), 0x0B);  // the larger magnitude, sign cleared
       }
     }
-    alignas(64) float spans[16];
-    _mm512_store_ps(spans, reduce_rows4(top, MaxOp{}));
+    alignas(64) float factor[4][16], unit[4][16];  // per row and group: P per unit of w·scale; what one P·code step is worth
     bool covered = true;
     for (uint32_t r = 0; r < R; ++r) {
-      const float span = spans[4 * r];
-      covered &= span == 0.0f || span >= kUniformSmallestSpan;
-      factor[r] = span > 0.0f ? kUniformWeightMax / span : 0.0f;
-      unit[r] = span / kUniformWeightMax;
+      __m512 span = top[r];  // fold the lanes of each group: lane g < G holds its largest
+      if (G <= 8) span = _mm512_max_ps(span, _mm512_shuffle_f32x4(span, span, 0x4E));
+      if (G <= 4) span = _mm512_max_ps(span, _mm512_shuffle_f32x4(span, span, 0xB1));
+      if (G <= 2) span = _mm512_max_ps(span, _mm512_permute_ps(span, 0x4E));
+      if (G <= 1) span = _mm512_max_ps(span, _mm512_permute_ps(span, 0xB1));
+      const __mmask16 positive = _mm512_cmp_ps_mask(span, _mm512_setzero_ps(), _CMP_GT_OQ);
+      covered &= _mm512_mask_cmp_ps_mask(positive, span, _mm512_set1_ps(kUniformSmallestSpan), _CMP_LT_OQ) == 0;
+      _mm512_store_ps(factor[r], _mm512_maskz_div_ps(positive, _mm512_set1_ps(kUniformWeightMax), span));
+      _mm512_store_ps(unit[r], _mm512_div_ps(span, _mm512_set1_ps(kUniformWeightMax)));
     }
     if (!covered) {
       avx512_kernels().values_accumulate(a, block, wr, w_stride, R, ar, scratch);

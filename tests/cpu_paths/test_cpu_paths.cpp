@@ -470,6 +470,48 @@ TEST_P(Kernels, TinyWeightsValueSumsWithinErrorBudget) {
     EXPECT_LE(errors[i], 1e-3) << isa_name(isas[i]) << ": value sums rms error / rms sum";
 }
 
+// Uniform values whose first group is 1000 times larger than the others (an outlier group):
+// every group keeps the output budget on its own channels, not only the row as a whole. (The
+// integer kernel's P step was one per row, set by the large group: the others had about 33
+// levels of P and errors of ~3e-3 of their sums.)
+TEST_P(Kernels, ValueSumsWithinErrorBudgetPerGroup) {
+  const KernelCase &k = GetParam();
+  const uint32_t B = k.block_tokens, d = k.head_dim, dp = padded_dim(d), rows = k.rows, g = k.value_group_size;
+  if (cfg_.value_method != QJLKV_VALUES_UNIFORM || cfg_.value_bits == 16 || d / g < 2)
+    GTEST_SKIP() << "needs uniform value codes with at least two groups";
+  const LayerSpec &ls = spec_.layers[0];
+  std::vector<float> values = values_;
+  for (uint32_t t = 0; t < B; ++t)
+    for (uint32_t j = 0; j < g; ++j) values[size_t(t) * d + j] *= 1000.0f;
+  values_quantize_block(cfg_, spec_.stored_dtype, ls.layout, ls.value_signs.data(), values.data(), block_.data());
+  const std::vector<float> w = random_weights();
+  std::vector<double> want(size_t(rows) * d, 0.0);
+  std::vector<float> v(d);
+  for (uint32_t t = 0; t < B; ++t) {
+    values_decode_token(cfg_, spec_.stored_dtype, ls.layout, block_.data(), t, v.data());
+    for (uint32_t r = 0; r < rows; ++r)
+      for (uint32_t j = 0; j < d; ++j) want[size_t(r) * d + j] += double(w[size_t(r) * B + t]) * v[j];
+  }
+  for (Isa isa : supported_isas()) {
+    std::vector<float> acc_storage;
+    const float *acc = path_value_sums(kernel_table(isa), w, 0.0f, acc_storage);
+    double worst = 0.0;
+    for (uint32_t first = 0; first < d; first += g) {
+      double error = 0.0, size = 0.0;
+      for (uint32_t r = 0; r < rows; ++r)
+        for (uint32_t j = first; j < first + g; ++j) {
+          const double e = acc[size_t(r) * dp + j] - want[size_t(r) * d + j];
+          error += e * e;
+          size += want[size_t(r) * d + j] * want[size_t(r) * d + j];
+        }
+      const double relative = std::sqrt(error / size);
+      worst = std::max(worst, relative);
+      EXPECT_LE(relative, 1e-3) << isa_name(isa) << " group " << first / g << ": rms error / rms sum of its channels";
+    }
+    RecordProperty(std::string("group_values_rms_") + isa_name(isa), scientific(worst));
+  }
+}
+
 std::vector<double> value_sums_errors(const Kernels &f, const qjlkv_config &cfg, const CacheSpec &spec,
                                       const std::vector<uint8_t> &block, float weight_scale) {
   const KernelCase &k = f.GetParam();
