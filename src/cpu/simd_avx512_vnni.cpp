@@ -149,13 +149,13 @@ void codes_scores(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d
   }
 }
 
-// Lanes 4r..4r+3 of the result: op over the 16 lanes of v[r], the 4 rows reduced together.
 struct MaxOp {
   __m512 operator()(__m512 a, __m512 b) const { return _mm512_max_ps(a, b); }
 };
 struct AddOp {
   __m512 operator()(__m512 a, __m512 b) const { return _mm512_add_ps(a, b); }
 };
+// Lanes 4r..4r+3 of the result: op over the 16 lanes of v[r], the 4 rows reduced together.
 template <class Op>
 inline __m512 reduce_rows4(const __m512 v[4], Op op) {
   const __m512 a = op(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
@@ -434,8 +434,9 @@ void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, 
 // cpu_paths ValueSumsWithinErrorBudgetPerGroup; before that, max|w| times the block's largest
 // scale, from different tokens, failed the fuzz corpus's regression-uniform-values-scale-spread.)
 constexpr float kUniformWeightMax = 32767.0f;
-// Below this max|w·scale| of a row the factor kUniformWeightMax / span could overflow fp32:
-// such rows (weights below ~1e-30 in the whole block) take the fp32 kernel.
+// Below this max|w·scale| of a group the factor kUniformWeightMax / span could overflow fp32:
+// rows with such a group (weights or scales below ~1e-30 over the whole block) take the fp32
+// kernel; a span of 0 (the group's weights or scales all 0) is covered.
 constexpr float kUniformSmallestSpan = 1e-30f;
 constexpr uint32_t uniform_flush_tokens(uint32_t bits) { return bits == 8 ? 256u : QJLKV_MAX_BLOCK_TOKENS; }
 static_assert(256.0 * kUniformWeightMax * 255 < 2147483647.0 &&
@@ -557,8 +558,8 @@ void uniform_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g
     for (uint32_t r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (uint32_t z = 0; z < CZ; ++z) {
-        // Per lane, its group's number: one group per chunk, or (N == 2) group[z] in the even
-        // lanes and group[z] + 1 in the odd ones.
+        // A number per group spread over the lanes: the chunk's group in every lane, or (N == 2)
+        // group[z]'s in the even lanes and group[z] + 1's in the odd ones.
         const auto per_lane = [&](const float *by_group) {
           if constexpr (N == 1) {
             return _mm512_set1_ps(by_group[group[z]]);
