@@ -598,6 +598,17 @@ void uniform_rows(const CodesArgs &a, const uint8_t *codes, const int16_t *P, si
   }
 }
 
+// v's lanes hold group i % G (G a power of two <= 16): op over the lanes of each group, the
+// result for group g in lane g (and in every lane of that group).
+template <class Op>
+inline __m512 fold_groups(__m512 v, uint32_t G, Op op) {
+  if (G <= 8) v = op(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  if (G <= 4) v = op(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+  if (G <= 2) v = op(v, _mm512_permute_ps(v, 0x4E));
+  if (G <= 1) v = op(v, _mm512_permute_ps(v, 0xB1));
+  return v;
+}
+
 // P of R rows in pair order (P[r·P_stride + ...]) and their minima's sums mins[16·r + g], from
 // the block's scales and minima (B·G halves each, token-major) and factor[r][g] = P per w·scale
 // of group g.
@@ -638,14 +649,7 @@ void uniform_weights(const uint16_t *scale_bits, const uint16_t *min_bits, uint3
     }
   }
 #pragma GCC unroll 4
-  for (uint32_t r = 0; r < R; ++r) {  // lane i holds group i % G: fold the lanes of each group
-    __m512 m = min_sums[r];
-    if (G <= 8) m = _mm512_add_ps(m, _mm512_shuffle_f32x4(m, m, 0x4E));
-    if (G <= 4) m = _mm512_add_ps(m, _mm512_shuffle_f32x4(m, m, 0xB1));
-    if (G <= 2) m = _mm512_add_ps(m, _mm512_permute_ps(m, 0x4E));
-    if (G <= 1) m = _mm512_add_ps(m, _mm512_permute_ps(m, 0xB1));
-    _mm512_store_ps(mins + 16 * r, m);
-  }
+  for (uint32_t r = 0; r < R; ++r) _mm512_store_ps(mins + 16 * r, fold_groups(min_sums[r], G, AddOp{}));
 }
 
 template <uint32_t BITS>
@@ -682,11 +686,7 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
     alignas(64) float factor[4][16], unit[4][16];  // per row and group: P per unit of w·scale; what one P·code step is worth
     bool covered = true;
     for (uint32_t r = 0; r < R; ++r) {
-      __m512 span = top[r];  // fold the lanes of each group: lane g < G holds its largest
-      if (G <= 8) span = _mm512_max_ps(span, _mm512_shuffle_f32x4(span, span, 0x4E));
-      if (G <= 4) span = _mm512_max_ps(span, _mm512_shuffle_f32x4(span, span, 0xB1));
-      if (G <= 2) span = _mm512_max_ps(span, _mm512_permute_ps(span, 0x4E));
-      if (G <= 1) span = _mm512_max_ps(span, _mm512_permute_ps(span, 0xB1));
+      const __m512 span = fold_groups(top[r], G, MaxOp{});  // lane g < G: the group's largest
       const __mmask16 positive = _mm512_cmp_ps_mask(span, _mm512_setzero_ps(), _CMP_GT_OQ);
       covered &= _mm512_mask_cmp_ps_mask(positive, span, _mm512_set1_ps(kUniformSmallestSpan), _CMP_LT_OQ) == 0;
       _mm512_store_ps(factor[r], _mm512_maskz_div_ps(positive, _mm512_set1_ps(kUniformWeightMax), span));
