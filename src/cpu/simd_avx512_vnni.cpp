@@ -116,6 +116,8 @@ inline __m512 sum_partials(const float (*partial)[16]) {
 
 // Scores of R query rows over the block's codes: out[r][t] = step[r]·Σ_c Q_rc·code_tc + offset[r].
 // digits: per row and 16-channel chunk j, the hi then the lo digits, each 16 bytes broadcast to 64.
+// Two groups of 4 tokens share each digit load: with one group, the 2·R digit loads per chunk
+// outnumbered the vpdpbusd they fed half the time (loads, not multiplies, set the pace).
 template <uint32_t BITS, uint32_t R>
 void codes_scores(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d, const int8_t *digits,
                   const float *step, const float *offset, float *out, size_t out_stride) {
@@ -125,23 +127,33 @@ void codes_scores(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d
   };
   for (uint32_t t0 = 0; t0 < Bp; t0 += 16) {
     alignas(64) float partial[R][4][16];  // Σ code·Q per 4-token group; exact below 2^24 per digit
-    for (uint32_t g = 0; g < 4; ++g) {
-      const uint32_t t = t0 + 4 * g;
-      __m512i hi[R], lo[R];
-      for (uint32_t r = 0; r < R; ++r) hi[r] = lo[r] = _mm512_setzero_si512();
+    for (uint32_t g = 0; g < 4; g += 2) {
+      __m512i hi[2][R], lo[2][R];
+      for (uint32_t k = 0; k < 2; ++k)
+        for (uint32_t r = 0; r < R; ++r) hi[k][r] = lo[k][r] = _mm512_setzero_si512();
       for (uint32_t h = 0; h < halves; ++h) {
-        __m512i u[4], x[4];
-        for (uint32_t i = 0; i < 4; ++i)
-          u[i] = t + i < B ? unpack64<BITS>(codes + (t + i) * row_bytes + 8 * BITS * h) : _mm512_setzero_si512();
-        transpose_lanes(u, x);
+        __m512i x[2][4];
+        for (uint32_t k = 0; k < 2; ++k) {
+          const uint32_t t = t0 + 4 * (g + k);
+          __m512i u[4];
+          for (uint32_t i = 0; i < 4; ++i)
+            u[i] = t + i < B ? unpack64<BITS>(codes + (t + i) * row_bytes + 8 * BITS * h) : _mm512_setzero_si512();
+          transpose_lanes(u, x[k]);
+        }
         for (uint32_t c = 0; c < 4; ++c)
           for (uint32_t r = 0; r < R; ++r) {
-            hi[r] = dpbusd(hi[r], x[c], digit(r, 4 * h + c, 0));
-            lo[r] = dpbusd(lo[r], x[c], digit(r, 4 * h + c, 1));
+            __m512i high = digit(r, 4 * h + c, 0), low = digit(r, 4 * h + c, 1);
+            asm("" : "+v"(high), "+v"(low));  // one load each: the compiler would fold one per use
+            for (uint32_t k = 0; k < 2; ++k) {
+              hi[k][r] = dpbusd(hi[k][r], x[k][c], high);
+              lo[k][r] = dpbusd(lo[k][r], x[k][c], low);
+            }
           }
       }
-      for (uint32_t r = 0; r < R; ++r)
-        _mm512_store_ps(partial[r][g], _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(lo[r])));
+      for (uint32_t k = 0; k < 2; ++k)
+        for (uint32_t r = 0; r < R; ++r)
+          _mm512_store_ps(partial[r][g + k], _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[k][r]), _mm512_set1_ps(256.0f),
+                                                             _mm512_cvtepi32_ps(lo[k][r])));
     }
     for (uint32_t r = 0; r < R; ++r)
       _mm512_storeu_ps(out + size_t(r) * out_stride + t0,
