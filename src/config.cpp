@@ -201,9 +201,9 @@ BlockLayout make_layout(const qjlkv_config &cfg, const LayerSpec &layer) {
   with_key_method(cfg.key_method, [&](auto keys) { keys.layout(cfg, layer, at, l); });
   l.key_bytes = at.at;
   at.at = (at.at + 7) & ~size_t(7);
-  const size_t value_start = at.at;
+  l.values_offset = at.at;
   with_value_method(cfg.value_method, [&](auto values) { values.layout(cfg, at, l); });
-  l.value_bytes = at.at - value_start;
+  l.value_bytes = at.at - l.values_offset;
   l.stride = (at.at + 7) & ~size_t(7);
   return l;
 }

@@ -68,8 +68,6 @@ struct AttendCall {
 // Runs of blocks per attend task: a fixed count (never the thread count), so that results do not
 // depend on the number of threads, small enough to spread one long sequence over every core.
 constexpr uint32_t kTaskTokens = 2048;
-// Blocks up to this size are prefetched whole, one block ahead, by attend (L1 holds 32-48 KiB).
-constexpr size_t kPrefetchedBlockBytes = 16384;
 
 // Everything an append needs, allocated before anything visible changes.
 struct AppendPlan {
@@ -559,19 +557,8 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
     const CpuLayer context = layer_context(layer);
     with_methods(cfg, [&](auto key_method, auto value_method) {
       for (uint32_t b = task.first_block; b < end; ++b) {
-        const uint8_t *block = blocks + size_t(b) * stride;
-        // The hardware prefetchers alone leave the kernels waiting on memory (a q3 step at 32k
-        // tokens measured about 2x slower than with this); a compressed block is small enough to
-        // fetch whole while the previous one is scored, a 16-bit one (exact keys) is not. Half
-        // of its lines are requested before the scores and half before the value sums: all of
-        // them at once measured slower (q3 at 32k: 3.0-5.0 ms against 2.5-2.9 ms in alternating runs).
-        const bool prefetch = stride <= kPrefetchedBlockBytes && b + 1 < end;
-        const size_t half = stride / 128 * 64;
-        if (prefetch)
-          for (size_t line = 0; line < half; line += 64) __builtin_prefetch(block + stride + line);
+        const uint8_t *block = blocks + size_t(b) * stride;  // the kernels prefetch the next one (simd.hpp)
         key_method.score(context, block, q, sq, rows, weights, Bp, kernel_scratch);
-        if (prefetch)
-          for (size_t line = half; line < stride; line += 64) __builtin_prefetch(block + stride + line);
         const uint64_t first = seq.sink_tokens + uint64_t(b) * B;
         if (first + B - 1 > first_query_position) mask_causal(B, [first](uint32_t t) { return first + t; });
         if (K.softmax_fold(state, weights, Bp, rows, B, call.scale, acc, d))

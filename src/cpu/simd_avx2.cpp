@@ -392,6 +392,7 @@ void kivi_scores_integer(const CodesArgs &a, const uint8_t *block, const float *
     kivi_scores(a, block, q, rows, out, out_stride, scratch);
     return;
   }
+  prefetch_next_block(*a.layout, block, a.layout->key_bytes);
   switch (a.bits) {
     case 2: kivi_scores_bits<2>(a, block, q, rows, out, out_stride, scratch); break;
     case 3: kivi_scores_bits<3>(a, block, q, rows, out, out_stride, scratch); break;

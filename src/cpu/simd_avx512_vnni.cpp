@@ -118,14 +118,16 @@ inline __m512 sum_partials(const float (*partial)[16]) {
 // digits: per row and 16-channel chunk j, the hi then the lo digits, each 16 bytes broadcast to 64.
 // Two groups of 4 tokens share each digit load: with one group, the 2·R digit loads per chunk
 // outnumbered the vpdpbusd they fed half the time (loads, not multiplies, set the pace).
+// Requests the next block's copy of each 16 tokens' codes as it starts them (prefetch_next_block).
 template <uint32_t BITS, uint32_t R>
-void codes_scores(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d, const int8_t *digits,
-                  const float *step, const float *offset, float *out, size_t out_stride) {
+void codes_scores(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d,
+                  const int8_t *digits, const float *step, const float *offset, float *out, size_t out_stride) {
   const uint32_t chunks = d / 16, halves = d / 64, Bp = padded_tokens(B);
   const auto digit = [&](uint32_t r, uint32_t j, uint32_t part) {
     return _mm512_loadu_si512(digits + ((size_t(r) * chunks + j) * 2 + part) * 64);
   };
   for (uint32_t t0 = 0; t0 < Bp; t0 += 16) {
+    prefetch_next_block(layout, codes + t0 * row_bytes, (std::min(t0 + 16, B) - std::min(t0, B)) * row_bytes);
     alignas(64) float partial[R][4][16];  // Σ code·Q per 4-token group; exact below 2^24 per digit
     for (uint32_t g = 0; g < 4; g += 2) {
       __m512i hi[2][R], lo[2][R];
@@ -239,8 +241,8 @@ void kivi_rows(const CodesArgs &a, const uint8_t *block, const float *q, size_t 
   const BlockLayout &l = *a.layout;
   float step[R], offset[R];
   query_digits<R>(q, q_stride, scale, mins, a.head_dim, float((1u << BITS) - 1u) * 0.5f, scaled, digits, step, offset);
-  codes_scores<BITS, R>(block + l.key_codes, l.key_bytes_per_token_codes, a.block_tokens, a.head_dim, digits, step,
-                        offset, out, out_stride);
+  codes_scores<BITS, R>(l, block + l.key_codes, l.key_bytes_per_token_codes, a.block_tokens, a.head_dim, digits,
+                        step, offset, out, out_stride);
 }
 
 template <uint32_t BITS>
@@ -251,6 +253,11 @@ void kivi_scores_bits(const CodesArgs &a, const uint8_t *block, const float *q, 
   // scratch: scales [d], minima [d], q·scale [4][d], then the digits of 4 rows
   float *scale = scratch, *mins = scale + d, *scaled = mins + d;
   auto *digits = reinterpret_cast<int8_t *>(scaled + 4 * size_t(d));
+  // The next block's scales and minima now, its codes as codes_scores reaches them, then the rest
+  // (OTT's mask).
+  const size_t codes_end = l.key_codes + size_t(a.block_tokens) * l.key_bytes_per_token_codes;
+  prefetch_next_block(l, block, l.key_codes);
+  prefetch_next_block(l, block + codes_end, l.key_bytes - codes_end);
   for (uint32_t j = 0; j < d; j += 16) {
     _mm512_storeu_ps(scale + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(block + l.key_scale + 2 * j))));
     _mm512_storeu_ps(mins + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(block + l.key_min + 2 * j))));
@@ -316,9 +323,12 @@ constexpr ValueUnpack make_value_unpack(uint32_t bits) {
   return u;
 }
 
+// The first tile of a row group requests the next block's copy of each kFlushTokens tokens' codes
+// as it starts them (prefetch_next_block).
 template <uint32_t BITS, uint32_t R, uint32_t CZ>
-void lloyd_max_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t half, uint32_t j0, __m512i levels,
-                    const int16_t *P, uint32_t P_stride, const float (*unit)[2], float *acc, uint32_t dp) {
+void lloyd_max_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t half,
+                    uint32_t j0, __m512i levels, const int16_t *P, uint32_t P_stride, const float (*unit)[2],
+                    float *acc, uint32_t dp) {
   static constexpr ValueUnpack kUnpack = make_value_unpack(BITS);
   // The half's bytes of a row (fewer in a last half of under 128 channels): never past the row.
   const size_t bytes = std::min<size_t>(16 * BITS, row_bytes - size_t(half) * 16 * BITS);
@@ -329,6 +339,7 @@ void lloyd_max_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t
     for (uint32_t r = 0; r < R; ++r)
       for (uint32_t z = 0; z < CZ; ++z) sum[r][z] = _mm512_setzero_si512();
     const uint32_t end = std::min(B, t0 + kFlushTokens);
+    if (half == 0 && j0 == 0) prefetch_next_block(layout, codes + t0 * row_bytes, (end - t0) * row_bytes);
     for (uint32_t t = t0; t < end; t += 2) {
       const __m512i a = _mm512_maskz_loadu_epi8(load_mask, first + t * row_bytes);
       const __m512i b = t + 1 < B ? _mm512_maskz_loadu_epi8(load_mask, first + (t + 1) * row_bytes) : _mm512_setzero_si512();
@@ -355,14 +366,16 @@ void lloyd_max_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t
 }
 
 template <uint32_t BITS, uint32_t R>
-void lloyd_max_rows(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d, __m512i levels, const int16_t *P,
-                    uint32_t P_stride, const float (*unit)[2], float *acc) {
+void lloyd_max_rows(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d,
+                    __m512i levels, const int16_t *P, uint32_t P_stride, const float (*unit)[2], float *acc) {
   const uint32_t dp = padded_dim(d);
   for (uint32_t c0 = 0; c0 < d; c0 += 128) {
     const uint32_t chunks = std::min(128u, d - c0) / 16;
     uint32_t j = 0;
-    for (; j + 4 <= chunks; j += 4) lloyd_max_tile<BITS, R, 4>(codes, row_bytes, B, c0 / 128, j, levels, P, P_stride, unit, acc, dp);
-    for (; j < chunks; ++j) lloyd_max_tile<BITS, R, 1>(codes, row_bytes, B, c0 / 128, j, levels, P, P_stride, unit, acc, dp);
+    for (; j + 4 <= chunks; j += 4)
+      lloyd_max_tile<BITS, R, 4>(layout, codes, row_bytes, B, c0 / 128, j, levels, P, P_stride, unit, acc, dp);
+    for (; j < chunks; ++j)
+      lloyd_max_tile<BITS, R, 1>(layout, codes, row_bytes, B, c0 / 128, j, levels, P, P_stride, unit, acc, dp);
   }
 }
 
@@ -370,8 +383,9 @@ void lloyd_max_rows(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t
 // with pstep_r = max_t w_rt·scale_t / kWeightCodeMax (weights and scales are >= 0), then the sums.
 // The rows share the scale loads and one reduction of their maxima.
 template <uint32_t BITS, uint32_t R>
-void lloyd_max_group(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d, __m512i levels, float largest_level,
-                     const float *scales, const float *w, size_t w_stride, int16_t *P, uint32_t P_stride, float *acc) {
+void lloyd_max_group(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d,
+                     __m512i levels, float largest_level, const float *scales, const float *w, size_t w_stride,
+                     int16_t *P, uint32_t P_stride, float *acc) {
   // Weights past B are not read (masked): they need not be zero.
   const auto weighted = [&](uint32_t r, uint32_t t) {
     return _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes_below(t, B), w + r * w_stride + t), _mm512_loadu_ps(scales + t));
@@ -393,7 +407,7 @@ void lloyd_max_group(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_
     unit[r][0] = largest[4 * r] * code.prescale / kWeightCodeMax * (largest_level / kLevelCodeMax);
     unit[r][1] = 1.0f / code.prescale;
   }
-  lloyd_max_rows<BITS, R>(codes, row_bytes, B, d, levels, P, P_stride, unit, acc);
+  lloyd_max_rows<BITS, R>(layout, codes, row_bytes, B, d, levels, P, P_stride, unit, acc);
 }
 
 template <uint32_t BITS>
@@ -401,6 +415,7 @@ void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, 
                       float *acc, float *scratch) {
   const BlockLayout &l = *a.layout;
   const uint32_t B = a.block_tokens, d = a.head_dim, dp = padded_dim(d), P_stride = (B + 31) / 32 * 32;
+  prefetch_next_block(l, block + l.values_offset, l.value_codes - l.values_offset);  // codes: in the tiles
   float *scales = scratch;  // [P_stride], zero past B; then P: [4][P_stride] int16
   auto *P = reinterpret_cast<int16_t *>(scratch + P_stride);
   for (uint32_t t = 0; t < P_stride; t += 16) {
@@ -424,10 +439,18 @@ void values_lloyd_max(const CodesArgs &a, const uint8_t *block, const float *w, 
     const float *wr = w + size_t(r0) * w_stride;
     float *ar = acc + size_t(r0) * dp;
     switch (std::min(4u, rows - r0)) {
-      case 1: lloyd_max_group<BITS, 1>(codes, row_bytes, B, d, levels, largest_level, scales, wr, w_stride, P, P_stride, ar); break;
-      case 2: lloyd_max_group<BITS, 2>(codes, row_bytes, B, d, levels, largest_level, scales, wr, w_stride, P, P_stride, ar); break;
-      case 3: lloyd_max_group<BITS, 3>(codes, row_bytes, B, d, levels, largest_level, scales, wr, w_stride, P, P_stride, ar); break;
-      default: lloyd_max_group<BITS, 4>(codes, row_bytes, B, d, levels, largest_level, scales, wr, w_stride, P, P_stride, ar); break;
+      case 1:
+        lloyd_max_group<BITS, 1>(l, codes, row_bytes, B, d, levels, largest_level, scales, wr, w_stride, P, P_stride, ar);
+        break;
+      case 2:
+        lloyd_max_group<BITS, 2>(l, codes, row_bytes, B, d, levels, largest_level, scales, wr, w_stride, P, P_stride, ar);
+        break;
+      case 3:
+        lloyd_max_group<BITS, 3>(l, codes, row_bytes, B, d, levels, largest_level, scales, wr, w_stride, P, P_stride, ar);
+        break;
+      default:
+        lloyd_max_group<BITS, 4>(l, codes, row_bytes, B, d, levels, largest_level, scales, wr, w_stride, P, P_stride, ar);
+        break;
     }
   }
 }
@@ -513,9 +536,12 @@ bool uniform_integer_layout(const CodesArgs &a) {
          groups >= 1 && groups <= 16 && (groups & (groups - 1)) == 0;
 }
 
+// The first tile of a row group requests the next block's copy of the codes it is about to read
+// (prefetch_next_block), 16 tokens' at a time.
 template <uint32_t BITS, uint32_t N, uint32_t R, uint32_t CZ>
-void uniform_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g, uint32_t G, uint32_t region,
-                  uint32_t j0, const int16_t *P, size_t P_stride, const float (*unit)[16], const float *mins, float *acc,
+void uniform_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g,
+                  uint32_t G, uint32_t region, uint32_t j0, const int16_t *P, size_t P_stride, const float (*unit)[16],
+                  const float *mins, float *acc,
                   uint32_t dp) {
   static constexpr UniformUnpack kUnpack = make_uniform_unpack(BITS, N);
   constexpr uint32_t kRegion = BITS == 8 ? 64 : 128, kRegionBytes = kRegion * BITS / 8;
@@ -547,6 +573,8 @@ void uniform_tile(const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g
       for (uint32_t z = 0; z < CZ; ++z) sum[r][z] = _mm512_setzero_si512();
     const uint32_t end = std::min(B, t0 + kFlush);
     for (uint32_t t = t0; t < end; t += 2) {
+      if (region == 0 && j0 == 0 && (t - t0) % 16 == 0)
+        prefetch_next_block(layout, codes + t * row_bytes, (std::min(end, t + 16) - t) * row_bytes);
       const __m512i a = _mm512_maskz_loadu_epi8(load_mask, first + t * row_bytes);
       const __m512i b = t + 1 < B ? _mm512_maskz_loadu_epi8(load_mask, first + (t + 1) * row_bytes) : _mm512_setzero_si512();
       // Unrolled (here and at the flush) so that GCC keeps sum[][] in registers: otherwise it
@@ -604,9 +632,9 @@ void uniform_rows(const CodesArgs &a, const uint8_t *codes, const int16_t *P, si
     const uint32_t chunks = std::min(kRegion, d - c0) / 16, region = c0 / kRegion;
     uint32_t j = 0;
     for (; j + 4 <= chunks; j += 4)
-      uniform_tile<BITS, N, R, 4>(codes, row_bytes, B, g, G, region, j, P, P_stride, unit, mins, acc, dp);
+      uniform_tile<BITS, N, R, 4>(*a.layout, codes, row_bytes, B, g, G, region, j, P, P_stride, unit, mins, acc, dp);
     for (; j < chunks; ++j)
-      uniform_tile<BITS, N, R, 1>(codes, row_bytes, B, g, G, region, j, P, P_stride, unit, mins, acc, dp);
+      uniform_tile<BITS, N, R, 1>(*a.layout, codes, row_bytes, B, g, G, region, j, P, P_stride, unit, mins, acc, dp);
   }
 }
 
@@ -675,6 +703,7 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
   const auto *scale_bits = reinterpret_cast<const uint16_t *>(block + l.value_scale);
   const auto *min_bits = reinterpret_cast<const uint16_t *>(block + l.value_min);
   const uint8_t *codes = block + l.value_codes;
+  prefetch_next_block(l, block + l.values_offset, l.value_codes - l.values_offset);  // codes: in the tiles
   // Lane i of 16 products starting at product x (a multiple of 16) belongs to token x/G + i/G.
   const uint32_t log_groups = uint32_t(__builtin_ctz(G));
   const __m512i expand = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), log_groups);
@@ -1052,6 +1081,7 @@ void qjl_scores(const QjlArgs &a, const uint8_t *block, const float *q, const fl
     avx512_kernels().qjl_scores(a, block, q, sq, rows, out, out_stride, scratch);
     return;
   }
+  prefetch_next_block(*a.layout, block, a.layout->key_bytes);
   const uint32_t dp = padded_dim(a.head_dim), m = a.m, m_out = a.m_out, Bp = padded_tokens(a.block_tokens);
   const uint32_t c = m_out ? a.outlier_channels : 0;
   // Scratch (64-byte aligned pieces): the block's inlier and outlier halves of 4 rows, the

@@ -40,6 +40,7 @@ struct ExactKeys : KeyMethodDefaults {
   static void score(const cpu::CpuLayer &c, const uint8_t *block, const float *q, const float *, uint32_t rows,
                     float *out, size_t out_stride, float *) {
     const qjlkv_config &cfg = c.spec.cfg;
+    cpu::prefetch_next_block(c.layer.layout, block, c.layer.layout.key_bytes);  // dense_scores has no layout
     c.kernels.dense_scores(block + c.layer.layout.key_codes, c.spec.stored_dtype, cfg.head_dim, cfg.block_tokens,
                            cfg.head_dim, q, rows, out, out_stride);
   }
