@@ -48,6 +48,18 @@ inline __m512i dpwssd(__m512i sum, __m512i a, __m512i b) {
   return sum;
 #endif
 }
+// sum + the pairwise products of a and the int16 pair at p, broadcast to every dword (embedded
+// broadcast: one instruction, where a separate vpbroadcastd was another for each product).
+inline __m512i dpwssd_broadcast(__m512i sum, __m512i a, const int16_t *p) {
+#if defined(__clang__)
+  int32_t pair;
+  std::memcpy(&pair, p, 4);
+  return _mm512_dpwssd_epi32(sum, a, _mm512_set1_epi32(pair));
+#else
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(a), "m"(*reinterpret_cast<const int32_t *>(p)));
+  return sum;
+#endif
+}
 
 // Per block and query row, q'_c = q_c·scale_c is quantized to Q_c = round(q'_c / step) with
 // |Q_c| <= 127·256, step = max|q'| / (127·256), and split into two int8 digits
@@ -554,17 +566,9 @@ void uniform_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_by
     const uint32_t chunk = region * (kRegion / 16) + j0 + z;
     group[z] = N == 1 ? 16 * chunk / g : 2 * chunk;
   }
+  // Row r's P dword of a token pair for chunk z's group; N == 2: its two groups' dwords.
   const auto weights = [&](uint32_t r, uint32_t pair, uint32_t z) {
-    const int16_t *at = P + r * P_stride + 2 * (size_t(pair) * G + group[z]);
-    if constexpr (N == 1) {
-      int32_t dword;
-      std::memcpy(&dword, at, 4);
-      return _mm512_set1_epi32(dword);
-    } else {
-      long long qword;
-      std::memcpy(&qword, at, 8);
-      return _mm512_set1_epi64(qword);
-    }
+    return P + r * P_stride + 2 * (size_t(pair) * G + group[z]);
   };
   constexpr uint32_t kFlush = uniform_flush_tokens(BITS);
   for (uint32_t t0 = 0; t0 < B; t0 += kFlush) {
@@ -591,7 +595,15 @@ void uniform_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_by
                                   _mm512_set1_epi16(short((1u << BITS) - 1u)));
         }
 #pragma GCC unroll 4
-        for (uint32_t r = 0; r < R; ++r) sum[r][z] = dpwssd(sum[r][z], code, weights(r, t / 2, z));
+        for (uint32_t r = 0; r < R; ++r) {
+          if constexpr (N == 1) {
+            sum[r][z] = dpwssd_broadcast(sum[r][z], code, weights(r, t / 2, z));
+          } else {
+            long long dwords;
+            std::memcpy(&dwords, weights(r, t / 2, z), 8);
+            sum[r][z] = dpwssd(sum[r][z], code, _mm512_set1_epi64(dwords));
+          }
+        }
       }
     }
 #pragma GCC unroll 4
