@@ -53,7 +53,7 @@ struct BlockLayout {
                                              // value_scale fp16[B], no minima
   size_t value_codes = 0;                    // [B][d*b/8], or 16-bit[B][d] when value_bits == 16
   size_t value_bytes_per_token_codes = 0;
-  size_t key_bytes = 0, value_bytes = 0;     // unpadded sizes, for the statistics
+  size_t key_bytes = 0, value_bytes = 0;     // unpadded sizes: statistics, export records, prefetching
   size_t values_offset = 0;                  // where the values' arrays start (keys start at 0)
   size_t stride = 0;                         // bytes of one block of one head
 };

@@ -97,7 +97,6 @@ struct LayerShape {
 };
 
 size_t record_bytes(const BlockLayout &layout) { return layout.key_bytes + layout.value_bytes; }
-size_t value_offset(const BlockLayout &layout) { return (layout.key_bytes + 7) & ~size_t(7); }
 
 // Bytes of a layer section's body (after its section header). Overflow-checked: a stream's counts
 // are untrusted.
@@ -285,7 +284,7 @@ void export_stream(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uin
       for (size_t r = 0; r < size_t(n) * cfg.num_kv_heads; ++r) {
         const uint8_t *record = block.data() + r * layout.stride;
         out.bytes(record, layout.key_bytes);
-        out.bytes(record + value_offset(layout), layout.value_bytes);
+        out.bytes(record + layout.values_offset, layout.value_bytes);
       }
     }
     write_exact(ExactRows::tail, shape.counts.tail_tokens);
@@ -567,7 +566,7 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t expected_layer, Porta
   for (uint32_t b = 0; b < shape.counts.blocks; ++b) {
     for (uint32_t h = 0; h < cfg.num_kv_heads; ++h) {
       in.bytes(block.data(), layout.key_bytes, "a block record");
-      in.bytes(block.data() + value_offset(layout), layout.value_bytes, "a block record");
+      in.bytes(block.data() + layout.values_offset, layout.value_bytes, "a block record");
       check_block(spec, layer, block.data(), sinks + uint64_t(b) * B, moved[h], b, h);
       if (moved[h].size() > (traced ? pool_limit : 0))
         corrupt("layer %u, kv head %u: more tokens marked as moved than this layer's pool and spill area hold "
