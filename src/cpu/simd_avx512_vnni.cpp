@@ -377,13 +377,91 @@ void lloyd_max_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_
   }
 }
 
+// 2-bit codes, 64 channels from c0 (a multiple of 64): the 16 bytes of a row that hold them,
+// 4 codes each. vpermt2b puts byte j of token A in word 2j and of token B in word 2j + 1; the
+// level table T0 (entry i: level of i's bits 0-1) and T2 (bits 2-3), on those words and on them
+// shifted right by 4, give the levels of channels 4j + k for k = 0..3 in dword lane j: one
+// vpermt2b, one shift and four vpermw per 64 channels of a pair, where lloyd_max_tile takes
+// three shuffles per 16. The sums come out with channel 4j + k in lane j of sum[r][k] and are
+// put in channel order at the flush (a 4x4 transpose within and then across 128-bit lanes).
+struct TwoBitPlace {
+  alignas(64) uint8_t place[64];
+  alignas(64) uint16_t bits23[32];  // vpermw indices that build T2 from T0
+};
+constexpr TwoBitPlace make_two_bit_place() {
+  TwoBitPlace p{};
+  for (uint32_t j = 0; j < 16; ++j) {
+    p.place[4 * j] = uint8_t(j);
+    p.place[4 * j + 2] = uint8_t(64 + j);
+  }
+  for (uint32_t i = 0; i < 32; ++i) p.bits23[i] = uint16_t((i >> 2) & 3u);
+  return p;
+}
+constexpr TwoBitPlace kTwoBitPlace = make_two_bit_place();
+
+template <uint32_t R>
+void lloyd_max_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t c0,
+                     __m512i levels, const int16_t *P, uint32_t P_stride, const float (*unit)[2], float *acc,
+                     uint32_t dp) {
+  const __m512i place = _mm512_load_si512(kTwoBitPlace.place);
+  const __m512i T0 = levels, T2 = _mm512_permutexvar_epi16(_mm512_load_si512(kTwoBitPlace.bits23), levels);
+  const uint8_t *first = codes + c0 / 4;
+  for (uint32_t t0 = 0; t0 < B; t0 += kFlushTokens) {
+    __m512i sum[R][4];
+    for (uint32_t r = 0; r < R; ++r)
+      for (uint32_t k = 0; k < 4; ++k) sum[r][k] = _mm512_setzero_si512();
+    const uint32_t end = std::min(B, t0 + kFlushTokens);
+    if (c0 == 0) prefetch_next_block(layout, codes + t0 * row_bytes, (end - t0) * row_bytes);
+    for (uint32_t t = t0; t < end; t += 2) {
+      const __m512i a = _mm512_maskz_loadu_epi8(0xFFFF, first + t * row_bytes);
+      const __m512i b =
+          t + 1 < B ? _mm512_maskz_loadu_epi8(0xFFFF, first + (t + 1) * row_bytes) : _mm512_setzero_si512();
+      const __m512i placed = _mm512_permutex2var_epi8(a, place, b), shifted = _mm512_srli_epi16(placed, 4);
+      const __m512i level[4] = {_mm512_permutexvar_epi16(placed, T0), _mm512_permutexvar_epi16(placed, T2),
+                                _mm512_permutexvar_epi16(shifted, T0), _mm512_permutexvar_epi16(shifted, T2)};
+#pragma GCC unroll 4
+      for (uint32_t r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, P + size_t(r) * P_stride + t, 4);
+        const __m512i weight = _mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+        for (uint32_t k = 0; k < 4; ++k) sum[r][k] = dpwssd(sum[r][k], level[k], weight);
+      }
+    }
+#pragma GCC unroll 4
+    for (uint32_t r = 0; r < R; ++r) {
+      __m512 v[4];
+      for (uint32_t k = 0; k < 4; ++k) v[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r][k]), _mm512_set1_ps(unit[r][0]));
+      // Within each 128-bit lane m: u[a] = (v0, v1, v2, v3)[4m + a], channels 16m + 4a + 0..3.
+      const __m512 lo01 = _mm512_unpacklo_ps(v[0], v[1]), hi01 = _mm512_unpackhi_ps(v[0], v[1]);
+      const __m512 lo23 = _mm512_unpacklo_ps(v[2], v[3]), hi23 = _mm512_unpackhi_ps(v[2], v[3]);
+      const __m512i u[4] = {
+          _mm512_castpd_si512(_mm512_unpacklo_pd(_mm512_castps_pd(lo01), _mm512_castps_pd(lo23))),
+          _mm512_castpd_si512(_mm512_unpackhi_pd(_mm512_castps_pd(lo01), _mm512_castps_pd(lo23))),
+          _mm512_castpd_si512(_mm512_unpacklo_pd(_mm512_castps_pd(hi01), _mm512_castps_pd(hi23))),
+          _mm512_castpd_si512(_mm512_unpackhi_pd(_mm512_castps_pd(hi01), _mm512_castps_pd(hi23)))};
+      __m512i x[4];  // x[m]: channels 16m..16m+15
+      transpose_lanes(u, x);
+      for (uint32_t m = 0; m < 4; ++m) {
+        float *out = acc + size_t(r) * dp + c0 + 16 * m;
+        const __m512 part = _mm512_castsi512_ps(x[m]);
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(part, _mm512_set1_ps(unit[r][1]), _mm512_loadu_ps(out)));
+      }
+    }
+  }
+}
+
 template <uint32_t BITS, uint32_t R>
 void lloyd_max_rows(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d,
                     __m512i levels, const int16_t *P, uint32_t P_stride, const float (*unit)[2], float *acc) {
   const uint32_t dp = padded_dim(d);
-  for (uint32_t c0 = 0; c0 < d; c0 += 128) {
+  uint32_t from = 0;  // 2-bit codes: whole 64-channel tiles first, the rest by 16-channel chunks
+  if constexpr (BITS == 2)
+    for (; from + 64 <= d; from += 64)
+      lloyd_max_tile2<R>(layout, codes, row_bytes, B, from, levels, P, P_stride, unit, acc, dp);
+  for (uint32_t c0 = from / 128 * 128; c0 < d; c0 += 128) {
     const uint32_t chunks = std::min(128u, d - c0) / 16;
-    uint32_t j = 0;
+    uint32_t j = (std::max(from, c0) - c0) / 16;
     for (; j + 4 <= chunks; j += 4)
       lloyd_max_tile<BITS, R, 4>(layout, codes, row_bytes, B, c0 / 128, j, levels, P, P_stride, unit, acc, dp);
     for (; j < chunks; ++j)

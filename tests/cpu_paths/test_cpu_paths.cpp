@@ -174,6 +174,9 @@ const KernelCase kCases[] = {
     {"rotated4_d192", "kivi", 192, 40, 384, 8, 96, 4, 4, 32, 5, QJLKV_VALUES_ROTATED_LLOYD_MAX},
     {"rotated2_odd", "exact", 40, 24, 80, 8, 40, 2, 2, 8, 5, QJLKV_VALUES_ROTATED_LLOYD_MAX},
     {"rotated4_blocks", "qjl", 96, 16, 192, 4, 96, 2, 4, 32, 3, QJLKV_VALUES_ROTATED_LLOYD_MAX},
+    // 2-bit Lloyd-Max values in 64-channel tiles, the rest in 16-channel chunks of either half.
+    {"rotated2_d96", "kivi", 96, 40, 192, 8, 48, 2, 2, 32, 5, QJLKV_VALUES_ROTATED_LLOYD_MAX},
+    {"rotated2_d160", "kivi", 160, 24, 320, 8, 80, 2, 2, 32, 3, QJLKV_VALUES_ROTATED_LLOYD_MAX},
     {"exact16", "exact", 128, 32, 256, 8, 64, 2, 16, 32, 4},
     {"exact_odd", "exact", 72, 8, 144, 8, 40, 2, 16, 8, 7},
 };
