@@ -712,15 +712,129 @@ void uniform_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_by
   }
 }
 
+// 2-bit codes, 64 channels from c0 (a multiple of 64) in groups of g = 64/n channels (n = 1:
+// one group, g a multiple of 64; n = 2 or 4: g = 32 or 16). Lane j takes byte
+// b(j) = (j % n)·g/4 + j/n of the tile's 16 (4 channels, of group j % n), so that one broadcast
+// of the n P dwords of a token pair serves every lane. vpermt2b puts byte b(j) of token A in
+// word 2j and of token B in word 2j + 1, the high bytes zero; the word w = c0 + 4c1 + 16c2 +
+// 64c3 of the byte's codes and w >> 2, w >> 4, w >> 6 are multiplied unmasked (S_k = Σ P·(w >> 2k)),
+// and at the flush C_k = S_k − 4·S_k+1 recovers each channel's Σ P·code exactly (mod 2^32, where
+// the true sums fit). One vpermt2b and three shifts per 64 channels of a pair, where
+// uniform_tile takes three operations per 16; the flush puts the lanes back in channel order.
+struct UniformTwoBitPlace {
+  alignas(64) uint8_t place[3][64];  // per log2 n
+  alignas(64) uint32_t byte_order[3][16];  // lane b of the result takes lane j with b(j) = b
+};
+constexpr UniformTwoBitPlace make_uniform_two_bit_place() {
+  UniformTwoBitPlace p{};
+  for (uint32_t log = 0; log < 3; ++log) {
+    const uint32_t n = 1u << log;
+    for (uint32_t j = 0; j < 16; ++j) {
+      const uint32_t byte = (j % n) * (16 / n) + j / n;
+      p.place[log][4 * j] = uint8_t(byte);
+      p.place[log][4 * j + 2] = uint8_t(64 + byte);
+      p.byte_order[log][byte] = j;
+    }
+  }
+  return p;
+}
+constexpr UniformTwoBitPlace kUniformTwoBitPlace = make_uniform_two_bit_place();
+
+// The n numbers from p repeated over the 16 lanes (lane j: p[j % n]).
+template <uint32_t n, class T>
+inline __m512i repeat_lanes(const T *p) {
+  if constexpr (n == 1) {
+    int32_t x;
+    std::memcpy(&x, p, 4);
+    return _mm512_set1_epi32(x);
+  } else if constexpr (n == 2) {
+    long long x;
+    std::memcpy(&x, p, 8);
+    return _mm512_set1_epi64(x);
+  } else {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+  }
+}
+
+template <uint32_t R, uint32_t n>
+void uniform_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g,
+                   uint32_t G, uint32_t c0, const int16_t *P, size_t P_stride, const float (*unit)[16],
+                   const float *mins, float *acc, uint32_t dp) {
+  constexpr uint32_t kLog = n == 1 ? 0 : n == 2 ? 1 : 2;
+  const __m512i place = _mm512_load_si512(kUniformTwoBitPlace.place[kLog]);
+  const uint32_t g0 = c0 / g;  // the tile's first group
+  const uint8_t *first = codes + c0 / 4;
+  constexpr uint32_t kFlush = uniform_flush_tokens(2);
+  for (uint32_t t0 = 0; t0 < B; t0 += kFlush) {
+    __m512i sum[R][4];
+    for (uint32_t r = 0; r < R; ++r)
+      for (uint32_t k = 0; k < 4; ++k) sum[r][k] = _mm512_setzero_si512();
+    const uint32_t end = std::min(B, t0 + kFlush);
+    for (uint32_t t = t0; t < end; t += 2) {
+      if (c0 == 0 && (t - t0) % 16 == 0)
+        prefetch_next_block(layout, codes + t * row_bytes, (std::min(end, t + 16) - t) * row_bytes);
+      const __m512i a = _mm512_maskz_loadu_epi8(0xFFFF, first + t * row_bytes);
+      const __m512i b =
+          t + 1 < B ? _mm512_maskz_loadu_epi8(0xFFFF, first + (t + 1) * row_bytes) : _mm512_setzero_si512();
+      const __m512i word = _mm512_maskz_permutex2var_epi8(__mmask64(0x5555555555555555ull), a, place, b);
+      const __m512i shifted[4] = {word, _mm512_srli_epi16(word, 2), _mm512_srli_epi16(word, 4),
+                                  _mm512_srli_epi16(word, 6)};
+#pragma GCC unroll 4
+      for (uint32_t r = 0; r < R; ++r) {
+        const __m512i weight = repeat_lanes<n>(P + r * P_stride + 2 * (size_t(t / 2) * G + g0));
+#pragma GCC unroll 4
+        for (uint32_t k = 0; k < 4; ++k) sum[r][k] = dpwssd(sum[r][k], shifted[k], weight);
+      }
+    }
+#pragma GCC unroll 4
+    for (uint32_t r = 0; r < R; ++r) {
+      const __m512 step = _mm512_castsi512_ps(repeat_lanes<n>(unit[r] + g0));
+      const __m512 minimum = _mm512_castsi512_ps(repeat_lanes<n>(mins + 16 * r + g0));
+      __m512 v[4];
+      for (uint32_t k = 0; k < 4; ++k) {
+        const __m512i C = k == 3 ? sum[r][3] : _mm512_sub_epi32(sum[r][k], _mm512_slli_epi32(sum[r][k + 1], 2));
+        const __m512 sums = _mm512_cvtepi32_ps(C);
+        v[k] = t0 == 0 ? _mm512_fmadd_ps(sums, step, minimum) : _mm512_mul_ps(sums, step);  // minima once
+        if constexpr (n > 1)  // lane b: byte b's channels
+          v[k] = _mm512_permutexvar_ps(_mm512_load_si512(kUniformTwoBitPlace.byte_order[kLog]), v[k]);
+      }
+      const __m512 lo01 = _mm512_unpacklo_ps(v[0], v[1]), hi01 = _mm512_unpackhi_ps(v[0], v[1]);
+      const __m512 lo23 = _mm512_unpacklo_ps(v[2], v[3]), hi23 = _mm512_unpackhi_ps(v[2], v[3]);
+      const __m512i u[4] = {
+          _mm512_castpd_si512(_mm512_unpacklo_pd(_mm512_castps_pd(lo01), _mm512_castps_pd(lo23))),
+          _mm512_castpd_si512(_mm512_unpackhi_pd(_mm512_castps_pd(lo01), _mm512_castps_pd(lo23))),
+          _mm512_castpd_si512(_mm512_unpacklo_pd(_mm512_castps_pd(hi01), _mm512_castps_pd(hi23))),
+          _mm512_castpd_si512(_mm512_unpackhi_pd(_mm512_castps_pd(hi01), _mm512_castps_pd(hi23)))};
+      __m512i x[4];  // x[m]: channels c0 + 16m .. c0 + 16m + 15
+      transpose_lanes(u, x);
+      for (uint32_t m = 0; m < 4; ++m) {
+        float *out = acc + size_t(r) * dp + c0 + 16 * m;
+        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_castsi512_ps(x[m])));
+      }
+    }
+  }
+}
+
 template <uint32_t BITS, uint32_t N, uint32_t R>
 void uniform_rows(const CodesArgs &a, const uint8_t *codes, const int16_t *P, size_t P_stride, const float (*unit)[16],
                   const float *mins, float *acc) {
   constexpr uint32_t kRegion = BITS == 8 ? 64 : 128;
   const uint32_t d = a.head_dim, dp = padded_dim(d), B = a.block_tokens, g = a.group, G = d / g;
   const size_t row_bytes = a.layout->value_bytes_per_token_codes;
-  for (uint32_t c0 = 0; c0 < d; c0 += kRegion) {
+  uint32_t from = 0;  // 2-bit codes: whole 64-channel tiles first, the rest by 16-channel chunks
+  if constexpr (BITS == 2 && N == 1) {
+    const auto tiles = [&](auto lanes_per_group) {
+      for (; from + 64 <= d; from += 64)
+        uniform_tile2<R, decltype(lanes_per_group)::value>(*a.layout, codes, row_bytes, B, g, G, from, P, P_stride,
+                                                          unit, mins, acc, dp);
+    };
+    if (g % 64 == 0) tiles(std::integral_constant<uint32_t, 1>{});
+    else if (g == 32) tiles(std::integral_constant<uint32_t, 2>{});
+    else if (g == 16) tiles(std::integral_constant<uint32_t, 4>{});
+  }
+  for (uint32_t c0 = from / kRegion * kRegion; c0 < d; c0 += kRegion) {
     const uint32_t chunks = std::min(kRegion, d - c0) / 16, region = c0 / kRegion;
-    uint32_t j = 0;
+    uint32_t j = (std::max(from, c0) - c0) / 16;
     for (; j + 4 <= chunks; j += 4)
       uniform_tile<BITS, N, R, 4>(*a.layout, codes, row_bytes, B, g, G, region, j, P, P_stride, unit, mins, acc, dp);
     for (; j < chunks; ++j)
