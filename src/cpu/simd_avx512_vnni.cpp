@@ -113,6 +113,23 @@ inline void transpose_lanes(const __m512i u[4], __m512i x[4]) {
   x[3] = _mm512_shuffle_i64x2(b, e, 0xDD);
 }
 
+// 64 channels with channel 4j + k in lane j of v[k], put in order: x[m] holds channels
+// 16m..16m+15. A 4x4 transpose within each 128-bit lane (lane m of u[a]: channels 16m + 4a +
+// 0..3), then one of the lanes.
+inline void channel_order(const __m512 v[4], __m512 x[4]) {
+  const __m512d lo01 = _mm512_castps_pd(_mm512_unpacklo_ps(v[0], v[1]));
+  const __m512d hi01 = _mm512_castps_pd(_mm512_unpackhi_ps(v[0], v[1]));
+  const __m512d lo23 = _mm512_castps_pd(_mm512_unpacklo_ps(v[2], v[3]));
+  const __m512d hi23 = _mm512_castps_pd(_mm512_unpackhi_ps(v[2], v[3]));
+  const __m512i u[4] = {_mm512_castpd_si512(_mm512_unpacklo_pd(lo01, lo23)),
+                        _mm512_castpd_si512(_mm512_unpackhi_pd(lo01, lo23)),
+                        _mm512_castpd_si512(_mm512_unpacklo_pd(hi01, hi23)),
+                        _mm512_castpd_si512(_mm512_unpackhi_pd(hi01, hi23))};
+  __m512i t[4];
+  transpose_lanes(u, t);
+  for (uint32_t m = 0; m < 4; ++m) x[m] = _mm512_castsi512_ps(t[m]);
+}
+
 // Sums the 4 dword partials of every token: partial[g] holds tokens 4g..4g+3, token 4g + i in
 // 128-bit lane i; the result has token k in lane k.
 inline __m512 sum_partials(const float (*partial)[16]) {
@@ -432,20 +449,11 @@ void lloyd_max_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row
     for (uint32_t r = 0; r < R; ++r) {
       __m512 v[4];
       for (uint32_t k = 0; k < 4; ++k) v[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r][k]), _mm512_set1_ps(unit[r][0]));
-      // Within each 128-bit lane m: u[a] = (v0, v1, v2, v3)[4m + a], channels 16m + 4a + 0..3.
-      const __m512 lo01 = _mm512_unpacklo_ps(v[0], v[1]), hi01 = _mm512_unpackhi_ps(v[0], v[1]);
-      const __m512 lo23 = _mm512_unpacklo_ps(v[2], v[3]), hi23 = _mm512_unpackhi_ps(v[2], v[3]);
-      const __m512i u[4] = {
-          _mm512_castpd_si512(_mm512_unpacklo_pd(_mm512_castps_pd(lo01), _mm512_castps_pd(lo23))),
-          _mm512_castpd_si512(_mm512_unpackhi_pd(_mm512_castps_pd(lo01), _mm512_castps_pd(lo23))),
-          _mm512_castpd_si512(_mm512_unpacklo_pd(_mm512_castps_pd(hi01), _mm512_castps_pd(hi23))),
-          _mm512_castpd_si512(_mm512_unpackhi_pd(_mm512_castps_pd(hi01), _mm512_castps_pd(hi23)))};
-      __m512i x[4];  // x[m]: channels 16m..16m+15
-      transpose_lanes(u, x);
+      __m512 x[4];  // x[m]: channels 16m..16m+15
+      channel_order(v, x);
       for (uint32_t m = 0; m < 4; ++m) {
         float *out = acc + size_t(r) * dp + c0 + 16 * m;
-        const __m512 part = _mm512_castsi512_ps(x[m]);
-        _mm512_storeu_ps(out, _mm512_fmadd_ps(part, _mm512_set1_ps(unit[r][1]), _mm512_loadu_ps(out)));
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(x[m], _mm512_set1_ps(unit[r][1]), _mm512_loadu_ps(out)));
       }
     }
   }
@@ -798,18 +806,11 @@ void uniform_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row_b
         if constexpr (n > 1)  // lane b: byte b's channels
           v[k] = _mm512_permutexvar_ps(_mm512_load_si512(kUniformTwoBitPlace.byte_order[kLog]), v[k]);
       }
-      const __m512 lo01 = _mm512_unpacklo_ps(v[0], v[1]), hi01 = _mm512_unpackhi_ps(v[0], v[1]);
-      const __m512 lo23 = _mm512_unpacklo_ps(v[2], v[3]), hi23 = _mm512_unpackhi_ps(v[2], v[3]);
-      const __m512i u[4] = {
-          _mm512_castpd_si512(_mm512_unpacklo_pd(_mm512_castps_pd(lo01), _mm512_castps_pd(lo23))),
-          _mm512_castpd_si512(_mm512_unpackhi_pd(_mm512_castps_pd(lo01), _mm512_castps_pd(lo23))),
-          _mm512_castpd_si512(_mm512_unpacklo_pd(_mm512_castps_pd(hi01), _mm512_castps_pd(hi23))),
-          _mm512_castpd_si512(_mm512_unpackhi_pd(_mm512_castps_pd(hi01), _mm512_castps_pd(hi23)))};
-      __m512i x[4];  // x[m]: channels c0 + 16m .. c0 + 16m + 15
-      transpose_lanes(u, x);
+      __m512 x[4];  // x[m]: channels c0 + 16m .. c0 + 16m + 15
+      channel_order(v, x);
       for (uint32_t m = 0; m < 4; ++m) {
         float *out = acc + size_t(r) * dp + c0 + 16 * m;
-        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_castsi512_ps(x[m])));
+        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), x[m]));
       }
     }
   }
