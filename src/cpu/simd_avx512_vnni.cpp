@@ -401,27 +401,45 @@ void lloyd_max_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_
 // vpermt2b, one shift and four vpermw per 64 channels of a pair, where lloyd_max_tile takes
 // three shuffles per 16. The sums come out with channel 4j + k in lane j of sum[r][k] and are
 // put in channel order at the flush (a 4x4 transpose within and then across 128-bit lanes).
+// vpermt2b indices for the 2-bit tiles: lane j takes byte b(j) = (j % n)·16/n + j/n of a
+// 16-byte run of each of two tokens (A in word 2j, B in word 2j + 1, low bytes), n = 1, 2, 4.
 struct TwoBitPlace {
-  alignas(64) uint8_t place[64];
-  alignas(64) uint16_t bits23[32];  // vpermw indices that build T2 from T0
+  alignas(64) uint8_t place[3][64];        // per log2 n
+  alignas(64) uint32_t byte_order[3][16];  // lane b of the result takes lane j with b(j) = b
 };
 constexpr TwoBitPlace make_two_bit_place() {
   TwoBitPlace p{};
-  for (uint32_t j = 0; j < 16; ++j) {
-    p.place[4 * j] = uint8_t(j);
-    p.place[4 * j + 2] = uint8_t(64 + j);
+  for (uint32_t log = 0; log < 3; ++log) {
+    const uint32_t n = 1u << log;
+    for (uint32_t j = 0; j < 16; ++j) {
+      const uint32_t byte = (j % n) * (16 / n) + j / n;
+      p.place[log][4 * j] = uint8_t(byte);
+      p.place[log][4 * j + 2] = uint8_t(64 + byte);
+      p.byte_order[log][byte] = j;
+    }
   }
-  for (uint32_t i = 0; i < 32; ++i) p.bits23[i] = uint16_t((i >> 2) & 3u);
   return p;
 }
 constexpr TwoBitPlace kTwoBitPlace = make_two_bit_place();
+
+// vpermw indices that build the level table of bits 2-3 from the one of bits 0-1.
+struct LevelBits23 {
+  alignas(64) uint16_t index[32];
+};
+constexpr LevelBits23 make_level_bits23() {
+  LevelBits23 b{};
+  for (uint32_t i = 0; i < 32; ++i) b.index[i] = uint16_t((i >> 2) & 3u);
+  return b;
+}
+constexpr LevelBits23 kLevelBits23 = make_level_bits23();
+
 
 template <uint32_t R>
 void lloyd_max_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t c0,
                      __m512i levels, const int16_t *P, uint32_t P_stride, const float (*unit)[2], float *acc,
                      uint32_t dp) {
-  const __m512i place = _mm512_load_si512(kTwoBitPlace.place);
-  const __m512i T0 = levels, T2 = _mm512_permutexvar_epi16(_mm512_load_si512(kTwoBitPlace.bits23), levels);
+  const __m512i place = _mm512_load_si512(kTwoBitPlace.place[0]);
+  const __m512i T0 = levels, T2 = _mm512_permutexvar_epi16(_mm512_load_si512(kLevelBits23.index), levels);
   const uint8_t *first = codes + c0 / 4;
   for (uint32_t t0 = 0; t0 < B; t0 += kFlushTokens) {
     __m512i sum[R][4];
@@ -634,6 +652,22 @@ bool uniform_integer_layout(const CodesArgs &a) {
          groups >= 1 && groups <= 16 && (groups & (groups - 1)) == 0;
 }
 
+// The n numbers from p repeated over the 16 lanes (lane j: p[j % n]).
+template <uint32_t n, class T>
+inline __m512i repeat_lanes(const T *p) {
+  if constexpr (n == 1) {
+    int32_t x;
+    std::memcpy(&x, p, 4);
+    return _mm512_set1_epi32(x);
+  } else if constexpr (n == 2) {
+    long long x;
+    std::memcpy(&x, p, 8);
+    return _mm512_set1_epi64(x);
+  } else {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+  }
+}
+
 // The first tile of a row group requests the next block's copy of the codes it is about to read
 // (prefetch_next_block), 16 tokens' at a time.
 template <uint32_t BITS, uint32_t N, uint32_t R, uint32_t CZ>
@@ -685,9 +719,7 @@ void uniform_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_by
           if constexpr (N == 1) {
             sum[r][z] = dpwssd_broadcast(sum[r][z], code, weights(r, t / 2, z));
           } else {
-            long long dwords;
-            std::memcpy(&dwords, weights(r, t / 2, z), 8);
-            sum[r][z] = dpwssd(sum[r][z], code, _mm512_set1_epi64(dwords));
+            sum[r][z] = dpwssd(sum[r][z], code, repeat_lanes<2>(weights(r, t / 2, z)));
           }
         }
       }
@@ -699,13 +731,7 @@ void uniform_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_by
         // A number per group spread over the lanes: the chunk's group in every lane, or (N == 2)
         // group[z]'s in the even lanes and group[z] + 1's in the odd ones.
         const auto per_lane = [&](const float *by_group) {
-          if constexpr (N == 1) {
-            return _mm512_set1_ps(by_group[group[z]]);
-          } else {
-            double pair;
-            std::memcpy(&pair, by_group + group[z], 8);
-            return _mm512_castpd_ps(_mm512_set1_pd(pair));
-          }
+          return _mm512_castsi512_ps(repeat_lanes<N>(by_group + group[z]));
         };
         __m512 part = _mm512_cvtepi32_ps(sum[r][z]);
         if (t0 == 0)  // the minima's part, once
@@ -729,47 +755,13 @@ void uniform_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_by
 // and at the flush C_k = S_k − 4·S_k+1 recovers each channel's Σ P·code exactly (mod 2^32, where
 // the true sums fit). One vpermt2b and three shifts per 64 channels of a pair, where
 // uniform_tile takes three operations per 16; the flush puts the lanes back in channel order.
-struct UniformTwoBitPlace {
-  alignas(64) uint8_t place[3][64];  // per log2 n
-  alignas(64) uint32_t byte_order[3][16];  // lane b of the result takes lane j with b(j) = b
-};
-constexpr UniformTwoBitPlace make_uniform_two_bit_place() {
-  UniformTwoBitPlace p{};
-  for (uint32_t log = 0; log < 3; ++log) {
-    const uint32_t n = 1u << log;
-    for (uint32_t j = 0; j < 16; ++j) {
-      const uint32_t byte = (j % n) * (16 / n) + j / n;
-      p.place[log][4 * j] = uint8_t(byte);
-      p.place[log][4 * j + 2] = uint8_t(64 + byte);
-      p.byte_order[log][byte] = j;
-    }
-  }
-  return p;
-}
-constexpr UniformTwoBitPlace kUniformTwoBitPlace = make_uniform_two_bit_place();
-
-// The n numbers from p repeated over the 16 lanes (lane j: p[j % n]).
-template <uint32_t n, class T>
-inline __m512i repeat_lanes(const T *p) {
-  if constexpr (n == 1) {
-    int32_t x;
-    std::memcpy(&x, p, 4);
-    return _mm512_set1_epi32(x);
-  } else if constexpr (n == 2) {
-    long long x;
-    std::memcpy(&x, p, 8);
-    return _mm512_set1_epi64(x);
-  } else {
-    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
-  }
-}
 
 template <uint32_t R, uint32_t n>
 void uniform_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g,
                    uint32_t G, uint32_t c0, const int16_t *P, size_t P_stride, const float (*unit)[16],
                    const float *mins, float *acc, uint32_t dp) {
   constexpr uint32_t kLog = n == 1 ? 0 : n == 2 ? 1 : 2;
-  const __m512i place = _mm512_load_si512(kUniformTwoBitPlace.place[kLog]);
+  const __m512i place = _mm512_load_si512(kTwoBitPlace.place[kLog]);
   const uint32_t g0 = c0 / g;  // the tile's first group
   const uint8_t *first = codes + c0 / 4;
   constexpr uint32_t kFlush = uniform_flush_tokens(2);
@@ -804,7 +796,7 @@ void uniform_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row_b
         const __m512 sums = _mm512_cvtepi32_ps(C);
         v[k] = t0 == 0 ? _mm512_fmadd_ps(sums, step, minimum) : _mm512_mul_ps(sums, step);  // minima once
         if constexpr (n > 1)  // lane b: byte b's channels
-          v[k] = _mm512_permutexvar_ps(_mm512_load_si512(kUniformTwoBitPlace.byte_order[kLog]), v[k]);
+          v[k] = _mm512_permutexvar_ps(_mm512_load_si512(kTwoBitPlace.byte_order[kLog]), v[k]);
       }
       __m512 x[4];  // x[m]: channels c0 + 16m .. c0 + 16m + 15
       channel_order(v, x);
