@@ -41,9 +41,9 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
   std::normal_distribution<float> normal;
   std::vector<float> keys(size_t(B) * kDim), values(keys.size());
   std::vector<uint8_t> data(layout.stride * blocks, 0);
-  std::vector<float> sketch_t;
+  QjlTables qjl_tables;
   QjlArgs qjl;
-  if (cfg.key_method == QJLKV_KEYS_QJL) qjl = make_qjl_args(spec, ls, sketch_t);
+  if (cfg.key_method == QJLKV_KEYS_QJL) qjl = make_qjl_args(spec, ls, qjl_tables, K.qjl_column_codes);
   const CodesArgs key_args{&layout, B, kDim, cfg.key_bits, 0, spec.stored_dtype};
   const CodesArgs value_args{&layout,          B, kDim, cfg.value_bits, cfg.value_group_size, spec.stored_dtype,
                              cfg.value_method, ls.value_signs.data()};

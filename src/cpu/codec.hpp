@@ -10,7 +10,7 @@ namespace qjlkv::cpu {
 
 // Built once per layer when the cache is created (the methods' prepare()).
 struct LayerKernels {
-  std::vector<float> sketch_t;  // QJL: the sketch transposed, [d][qjl.sketch_t_stride]
+  QjlTables qjl_tables;  // QJL: what `qjl` points into (the sketch transposed, column codes)
   QjlArgs qjl;
   CodesArgs keys, values;
 };

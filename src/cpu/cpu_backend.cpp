@@ -353,7 +353,7 @@ void CpuCache::make_layer_kernels() {
     LayerKernels &lk = layer_kernels_[l];
     lk.values = CodesArgs{&ls.layout,          cfg.block_tokens,     d, cfg.value_bits, cfg.value_group_size,
                           spec().stored_dtype, cfg.value_method, ls.value_signs.data()};
-    with_key_method(cfg.key_method, [&](auto key_method) { key_method.prepare(spec(), ls, lk); });
+    with_key_method(cfg.key_method, [&](auto key_method) { key_method.prepare(spec(), ls, *kernels_, lk); });
   }
 }
 

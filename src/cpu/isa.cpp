@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstdlib>
 #include <cstring>
 
@@ -110,28 +109,46 @@ void kivi_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_
   kivi_quantize_block(reference_config(a), *a.layout, keys, block);
 }
 
-QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, std::vector<float> &sketch_t) {
+namespace {
+// QjlArgs' column codes: Y_ij = round(S_ij / step), step = max |S| / kQjlCodeMax, as pair tables.
+void make_column_codes(const LayerSpec &layer, uint32_t d, QjlTables &tables, QjlArgs &a) {
+  const uint32_t rows = layer.sketch_rows, bytes = rows / 8;
+  const float *S = layer.sketch->matrix.data.data();  // [sketch_rows][d]
+  float largest = 0.0f;
+  for (size_t i = 0; i < size_t(rows) * d; ++i) largest = std::max(largest, std::fabs(S[i]));
+  const CodeScale code = code_scale(largest, kQjlCodeMax);
+  tables.columns.assign(size_t(d) * bytes, PairTable{});
+  tables.column_sums.assign(2 * size_t(d), 0);
+  std::vector<int32_t> Y(rows);
+  for (uint32_t j = 0; j < d; ++j) {
+    for (uint32_t i = 0; i < rows; ++i) {
+      Y[i] = int32_t(std::nearbyint(S[size_t(i) * d + j] * code.prescale * code.factor));
+      if (i < layer.m) tables.column_sums[2 * j] += Y[i];
+      if (i < layer.m_out) tables.column_sums[2 * j + 1] += Y[i];
+    }
+    for (uint32_t b = 0; b < bytes; ++b)
+      for (uint32_t e = 0; e < 32; ++e) {
+        int32_t sum = 0;
+        for (uint32_t bit = 0; bit < 4; ++bit)
+          if (e % 16 >> bit & 1) sum += Y[8 * b + 4 * (e / 16) + bit];
+        tables.columns[size_t(j) * bytes + b].words[e] = int16_t(sum);
+      }
+  }
+  a.column_tables = tables.columns.data();
+  a.column_table_stride = bytes;
+  a.column_sums = tables.column_sums.data();
+  a.column_step = largest / kQjlCodeMax;
+}
+}  // namespace
+
+QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, QjlTables &tables, bool column_codes) {
   const qjlkv_config &cfg = spec.cfg;
-  const uint32_t d = cfg.head_dim, c = layer.m_out ? cfg.outlier_channels : 0;
+  const uint32_t d = cfg.head_dim;
   const size_t stride = padded_sketch_rows(layer.sketch_rows);
   const float *S = layer.sketch->matrix.data.data();  // [sketch_rows][d]
-  sketch_t.assign(d * stride, 0.0f);
-  // The bound in double, rounded up to float: the integer kernel relies on it holding for the
-  // float products too (simd_avx512_vnni.cpp, "QJL keys").
-  double row_bound = 0.0;
-  std::vector<double> squares(d);
-  for (uint32_t i = 0; i < layer.sketch_rows; ++i) {
-    for (uint32_t j = 0; j < d; ++j) {
-      const float x = S[size_t(i) * d + j];
-      sketch_t[j * stride + i] = x;
-      squares[j] = double(x) * x;
-    }
-    if (c == 0) continue;
-    std::nth_element(squares.begin(), squares.begin() + (d - c), squares.end());
-    double top = 0.0;
-    for (uint32_t j = d - c; j < d; ++j) top += squares[j];
-    row_bound = std::max(row_bound, std::sqrt(top));
-  }
+  tables.sketch_t.assign(d * stride, 0.0f);
+  for (uint32_t i = 0; i < layer.sketch_rows; ++i)
+    for (uint32_t j = 0; j < d; ++j) tables.sketch_t[j * stride + i] = S[size_t(i) * d + j];
   QjlArgs a;
   a.layout = &layer.layout;
   a.block_tokens = cfg.block_tokens;
@@ -139,12 +156,14 @@ QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, std::vector
   a.m = layer.m;
   a.m_out = layer.m_out;
   a.outlier_channels = cfg.outlier_channels;
-  a.sketch_t = sketch_t.data();
+  a.sketch_t = tables.sketch_t.data();
   a.sketch_t_stride = stride;
-  a.projected_stride = stride + padded_sketch_rows(layer.m) + 16;
+  a.projected_stride = stride + 2 * padded_sketch_rows(layer.m) + 16;
   a.in_factor = spec.qjl_constant / float(layer.m);
   a.out_factor = layer.m_out ? spec.qjl_constant / float(layer.m_out) : 0.0f;
-  a.outlier_row_bound = std::nextafter(float(row_bound), std::numeric_limits<float>::infinity());
+  const bool outliers = layer.m_out && cfg.outlier_channels;
+  if (column_codes && outliers && qjl_integer_rows(layer.m) && qjl_integer_rows(layer.m_out))
+    make_column_codes(layer, d, tables, a);
   return a;
 }
 
@@ -153,6 +172,8 @@ size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out
   const auto words = [Bp](size_t bytes) { return (bytes + 3) / 4 * Bp + slack; };
   const size_t qjl = words(m / 8) + words(m_out / 8) + 2 * (Bp + slack) + 8 * (padded_sketch_rows(sketch_rows) + slack) +
                      4 * 16 * size_t(m / 4 + m_out / 4) + 2 * slack + 8 * Bp + 2 * slack;
+  // The integer QJL kernel (avx512vnni): sign dwords, the columns' dots, one pass's sums.
+  const size_t qjl_integer = m + m_out + 64 * size_t(cfg.outlier_channels) + 256 + slack;
   // key_bits is unvalidated (and ignored) unless the keys are KIVI/OTT: size from it only then.
   const bool kivi_keys = cfg.key_method == QJLKV_KEYS_KIVI || cfg.key_method == QJLKV_KEYS_OTT;
   const size_t kivi = kivi_keys ? words(d * cfg.key_bits / 8) + 2 * (d + slack) + 4 * 16 * (d * cfg.key_bits / 4) +
@@ -167,7 +188,7 @@ size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out
   const size_t values = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX
                             ? 5 * Bp + 2 * slack
                             : 2 * (size_t(cfg.block_tokens) * groups + 32 + slack) + 64;
-  return std::max({qjl, kivi, values});
+  return std::max({qjl, qjl_integer, kivi, values});
 }
 
 }  // namespace qjlkv::cpu

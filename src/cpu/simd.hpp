@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "../config.hpp"
 #include "../rotation.hpp"
@@ -30,20 +31,49 @@ inline void prefetch_next_block(const BlockLayout &l, const void *from, size_t b
     __builtin_prefetch(reinterpret_cast<const void *>(line));
 }
 
+// The integer QJL kernel's codes (avx512vnni): |code| <= kQjlCodeMax keeps a sum of 4 in int16.
+constexpr float kQjlCodeMax = 8191.0f;
+// Whether the integer QJL kernel takes sign rows of this count: a power-of-two number of 32-bit
+// words, at most 16.
+inline bool qjl_integer_rows(uint32_t rows) {
+  const uint32_t words = rows / 32;
+  return rows % 32 == 0 && words >= 1 && words <= 16 && (words & (words - 1)) == 0;
+}
+
+// The int16 subset sums of 8 codes x_0..x_7, the codes of one sign byte's sketch rows:
+// words[e] = Σ of x_j (j < 4) over the set bits j of e, words[16 + e] the same of x_4..x_7.
+struct alignas(64) PairTable {
+  int16_t words[32];
+};
+
+// What make_qjl_args builds for one QJL layer and its arguments point into.
+struct QjlTables {
+  std::vector<float> sketch_t;
+  std::vector<PairTable> columns;
+  std::vector<int32_t> column_sums;
+};
+
 // One quantized QJL block layout plus the layer's transposed sketch (make_qjl_args).
 struct QjlArgs {
   const BlockLayout *layout = nullptr;
   uint32_t block_tokens = 0, head_dim = 0, m = 0, m_out = 0, outlier_channels = 0;
   const float *sketch_t = nullptr;  // [head_dim][sketch_t_stride]: S transposed, rows zero-padded
   size_t sketch_t_stride = 0;       // >= sketch_rows, a multiple of 32
-  size_t projected_stride = 0;      // qjl_project's rows: sketch_t_stride + padded_sketch_rows(m) + 16
+  size_t projected_stride = 0;      // qjl_project's rows: sketch_t_stride + 2·padded_sketch_rows(m) + 16
   float in_factor = 0.0f, out_factor = 0.0f;  // c_d/m and c_d/m_out
-  // max over sketch rows i of the L2 norm of S_i's outlier_channels largest |entries| (rounded
-  // up): |Σ_{j in O} S_ij·q_j| <= outlier_row_bound·‖q_O‖ for any set O of outlier channels.
-  float outlier_row_bound = 0.0f;
+  // The columns of S as codes Y_ij = round(S_ij / column_step) (|Y| <= kQjlCodeMax), for the
+  // integer kernel's outlier terms; null unless make_qjl_args was asked for them and the layer
+  // has outlier channels and suits that kernel. Channel j: the pair tables of its sketch_rows / 8
+  // sign bytes at column_tables + j·column_table_stride; column_sums[2j] and [2j + 1]: Σ_i Y_ij
+  // over the first m and the first m_out rows.
+  const PairTable *column_tables = nullptr;
+  size_t column_table_stride = 0;
+  const int32_t *column_sums = nullptr;
+  float column_step = 0.0f;
 };
-// The arguments of one QJL layer; fills `sketch_t` with the layer's sketch transposed.
-QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, std::vector<float> &sketch_t);
+// The arguments of one QJL layer; fills `tables` with the layer's sketch transposed and, if
+// `column_codes`, the integer kernel's column codes.
+QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, QjlTables &tables, bool column_codes);
 
 struct CodesArgs {  // KIVI/OTT keys or quantized values of one block
   const BlockLayout *layout = nullptr;
@@ -131,6 +161,8 @@ struct KernelTable {
   // Returns false when every score of every row is masked.
   bool (*softmax_fold)(SoftmaxRow *state, float *scores, size_t stride, uint32_t rows, uint32_t n, float scale,
                        float *acc, uint32_t d);
+  // Whether qjl_scores uses QjlArgs' column codes (make_qjl_args' column_codes).
+  bool qjl_column_codes = false;
 };
 
 const KernelTable &kernel_table(Isa isa);

@@ -973,23 +973,20 @@ void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w,
 }
 
 // ---- QJL keys -------------------------------------------------------------------------------------
-// The inlier projection x = S·q_in (m sketch rows) and the outlier one v = S·q_out (m_out rows)
-// enter as int16 X ≈ x/step, V ≈ v/step; Σ_i x_i·(±1) = step·(2·Σ_i X_i·b_i − Σ_i X_i) with b_i
-// the sign bits. Σ X_i·b_i is taken FastScan-style: every byte of a token's sign bits (two
-// nibbles, 8 sketch rows) indexes an int16 pair table (vpermw: words 0-15 the 16 subset sums of
-// the low nibble's 4 X, words 16-31 the high nibble's), and vpdpwssd adds the pair into the
-// token's int32 sum, 16 tokens per instruction; the 4 query rows of a GQA group share each index
-// vector. Tables are exact in int16 while |X| <= kProjectionCodeMax (4·8191 < 2^15).
-// Steps. Without outlier channels x = S·q for every block: its codes X = round(x/step),
-// step = max_i |x_i| / 8191, are made once per call and row (qjl_project). With outlier channels
-// O (c per block), qjl_project keeps max_i |(S·q)_i|, and the block's inlier step comes from a
-// bound rather than a maximum, so that X is made in the same pass as v = S_O·q_O (c FMAs per 16
-// sketch rows; nothing stored or re-read): |v_i| <= ρ·‖q_O‖ (Cauchy-Schwarz, ρ =
-// QjlArgs::outlier_row_bound), so |x_i| <= max |S·q| + ρ·‖q_O‖ =: a and step_in = a/8191. The
-// products' float rounding (relative error below (c + 4)·2^-24) keeps |x/step_in| below 8191.5,
-// which rounds to at most 8191. The outlier part keeps step_out = max_i |v_i| / 8191 (its rows
-// are stored in that pass and quantized after). The error is Σ_i ρ_i·(±1), |ρ_i| <= step/2.
-constexpr float kProjectionCodeMax = 8191.0f;
+// With b_i a token's sign bits, ⟨x, ±b⟩ = 2·Σ_i x_i·b_i − Σ_i x_i. The kernel takes Σ_i x_i·b_i on
+// int16 codes X ≈ x/step FastScan-style: every byte of a token's sign bits (two nibbles, 8 sketch
+// rows) indexes the codes' pair table (PairTable, vpermw: words 0-15 the 16 subset sums of the
+// low nibble's 4 codes, words 16-31 the high nibble's) and vpdpwssd adds the pair into the
+// token's int32 sum, 16 tokens per instruction; all code sets of a pass share each index vector.
+// Tables are exact in int16 while |X| <= kQjlCodeMax (4·8191 < 2^15).
+// What is coded. A block's outlier channels O change the query's inlier part q_in = q − q_O, but
+// ⟨S·q_in, ±b⟩ = ⟨S·q, ±b⟩ − Σ_{o in O} q_o·⟨S_o, ±b⟩ (S_o: column o of S), and the outlier part
+// is ⟨S_out·q_O, ±b'⟩ = Σ_o q_o·⟨S_out,o, ±b'⟩ (S_out,o: S_o's first m_out rows). So S·q is coded
+// once per call and row (qjl_project, step = max_i |(S·q)_i| / 8191) and the columns of S once
+// per layer when the cache is created (QjlArgs::column_tables); a block needs no setup but its c
+// values q_o: per token, the sums of the query rows and of the block's c columns over the inlier
+// bits and of the c columns over the outlier bits, combined in fp32. Each code set's error is
+// Σ_i ρ_i·(±1), |ρ_i| <= step/2.
 
 // Constant index vectors of the QJL kernel.
 struct QjlConstants {
@@ -1074,32 +1071,38 @@ inline __m512i subset_halves(__m512i X) {
   return _mm512_add_epi16(_mm512_shuffle_epi8(X, singles), _mm512_shuffle_epi8(X, seconds));
 }
 
-// What qjl_project keeps of row r after S·q, from sketch_t_stride on: without outlier channels
-// the halves of X (m/16 vectors); in the row's last 16 floats the step (float 0), Σ X (2) and
-// max_i |(S·q)_i| (3).
+// The pair tables of the 16 codes in the low words of X's dwords (two sign bytes).
+inline void store_pair_tables(__m512i X, __m512i *tables) {
+  const __m512i halves = subset_halves(X);
+  for (uint32_t l = 0; l < 2; ++l)
+    _mm512_storeu_si512(tables + l, _mm512_add_epi16(_mm512_permutexvar_epi16(_mm512_load_si512(kQjl.low[l]), halves),
+                                                     _mm512_permutexvar_epi16(_mm512_load_si512(kQjl.high[l]), halves)));
+}
+
+// What qjl_project keeps of row r after S·q, from sketch_t_stride on: the pair tables of X (m/8),
+// and in the row's last 16 floats the step (float 0) and Σ X (2).
 struct ProjectedRow {
-  const __m512i *halves;
+  const PairTable *tables;
   float step;
   int32_t sum;
-  float largest;
 };
-float *projected_tail(const QjlArgs &a, float *sq, uint32_t r) { return sq + size_t(r + 1) * a.projected_stride - 16; }
 ProjectedRow projected_row(const QjlArgs &a, const float *sq, uint32_t r) {
   const float *row = sq + size_t(r) * a.projected_stride;
   const float *tail = row + a.projected_stride - 16;
   int32_t sum;
   std::memcpy(&sum, tail + 2, sizeof sum);
-  return {reinterpret_cast<const __m512i *>(row + a.sketch_t_stride), tail[0], sum, tail[3]};
+  return {reinterpret_cast<const PairTable *>(row + a.sketch_t_stride), tail[0], sum};
 }
 
-// acc[r][h] (lane t: token 16h + t of the span) = Σ_i X_ri·b_ti over the `bytes` sign bytes of a
-// row; dwords[2k + h]: dword k of the span's chunk h; halves: R rows, halves_stride vectors apart.
-template <uint32_t R>
-void sign_sums(const __m512i *dwords, uint32_t bytes, const __m512i *halves, size_t halves_stride,
-               __m512i acc[R][2]) {
+// sums[2j + h] (lane t: token 16h + t of the span) = Σ_i X_ji·b_ti over `bytes` sign bytes, for the
+// N code sets whose pair tables (one per byte) start at tables[j]; dwords[2k + h]: dword k of the
+// span's chunk h.
+template <uint32_t N>
+void sign_sums(const __m512i *dwords, uint32_t bytes, const PairTable *const *tables, __m512i *sums) {
   const __m512i clear = _mm512_set1_epi32(0x000F000F), tag = _mm512_set1_epi32(0x00100000);
   const __m512i ones = _mm512_set1_epi16(1);
-  for (uint32_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  __m512i acc[N][2];
+  for (uint32_t j = 0; j < N; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_si512();
   for (uint32_t k = 0; k < bytes / 4; ++k) {
     const __m512i d0 = _mm512_load_si512(dwords + 2 * k), d1 = _mm512_load_si512(dwords + 2 * k + 1);
 #pragma GCC unroll 4
@@ -1108,168 +1111,79 @@ void sign_sums(const __m512i *dwords, uint32_t bytes, const __m512i *halves, siz
       // (x & clear) | tag: the low nibble indexes words 0-15, the high one words 16-31.
       const __m512i index0 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(control, d0), clear, tag, 0xEA);
       const __m512i index1 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(control, d1), clear, tag, 0xEA);
-      const uint32_t pair = 4 * k + i, group = pair / 2;
-      const __m512i low = _mm512_load_si512(kQjl.low[pair % 2]), high = _mm512_load_si512(kQjl.high[pair % 2]);
-      for (uint32_t r = 0; r < R; ++r) {
-        const __m512i h = _mm512_loadu_si512(halves + size_t(r) * halves_stride + group);
-        const __m512i table = _mm512_add_epi16(_mm512_permutexvar_epi16(low, h), _mm512_permutexvar_epi16(high, h));
-        acc[r][0] = dpwssd(acc[r][0], _mm512_permutexvar_epi16(index0, table), ones);
-        acc[r][1] = dpwssd(acc[r][1], _mm512_permutexvar_epi16(index1, table), ones);
+      for (uint32_t j = 0; j < N; ++j) {
+        const __m512i table = _mm512_load_si512(tables[j] + 4 * k + i);
+        acc[j][0] = dpwssd(acc[j][0], _mm512_permutexvar_epi16(index0, table), ones);
+        acc[j][1] = dpwssd(acc[j][1], _mm512_permutexvar_epi16(index1, table), ones);
       }
     }
   }
-}
-
-// out[r][t] (+)= factor·norm_t·step_r·(2·acc − Σ X_r) for the span's 32 tokens from t0.
-template <uint32_t R>
-void sign_scores(__m512i acc[R][2], const uint8_t *norms, uint32_t B, uint32_t t0, float factor,
-                 const float *step, const int32_t *sum, bool add, float *out, size_t out_stride) {
-  for (uint32_t h = 0; h < 2; ++h) {
-    const uint32_t t = t0 + 16 * h;
-    const __mmask16 valid = lanes_below(t, B);
-    const __m512 norm = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, norms + 2 * size_t(t))),
-                                      _mm512_set1_ps(factor));
-    for (uint32_t r = 0; r < R; ++r) {
-      const __m512i signed_sum = _mm512_sub_epi32(_mm512_slli_epi32(acc[r][h], 1), _mm512_set1_epi32(sum[r]));
-      const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(signed_sum), _mm512_set1_ps(step[r]));
-      float *o = out + size_t(r) * out_stride + t;
-      _mm512_storeu_ps(o, add ? _mm512_fmadd_ps(norm, dot, _mm512_loadu_ps(o)) : _mm512_mul_ps(norm, dot));
-    }
+  for (uint32_t j = 0; j < N; ++j) {
+    _mm512_store_si512(sums + 2 * j, acc[j][0]);
+    _mm512_store_si512(sums + 2 * j + 1, acc[j][1]);
   }
 }
 
-bool qjl_integer_rows(uint32_t m) {
-  const uint32_t R = m / 32;
-  return m % 32 == 0 && R >= 1 && R <= 16 && (R & (R - 1)) == 0;
+constexpr uint32_t kSignSumSets = 8;  // code sets per pass: 16 accumulators
+void sign_sums(const __m512i *dwords, uint32_t bytes, const PairTable *const *tables, uint32_t n, __m512i *sums) {
+  switch (n) {
+    case 1: sign_sums<1>(dwords, bytes, tables, sums); break;
+    case 2: sign_sums<2>(dwords, bytes, tables, sums); break;
+    case 3: sign_sums<3>(dwords, bytes, tables, sums); break;
+    case 4: sign_sums<4>(dwords, bytes, tables, sums); break;
+    case 5: sign_sums<5>(dwords, bytes, tables, sums); break;
+    case 6: sign_sums<6>(dwords, bytes, tables, sums); break;
+    case 7: sign_sums<7>(dwords, bytes, tables, sums); break;
+    default: sign_sums<8>(dwords, bytes, tables, sums); break;
+  }
 }
+
 // Whether the integer kernel takes the layer (otherwise the fp32 one does, and qjl_project
 // keeps no codes).
 bool qjl_integer_layer(const QjlArgs &a) {
-  return qjl_integer_rows(a.m) && (a.m_out == 0 || a.outlier_channels == 0 || qjl_integer_rows(a.m_out));
+  const bool outliers = a.m_out && a.outlier_channels;
+  return qjl_integer_rows(a.m) && (!outliers || a.column_tables);
 }
 
-// S·q as the avx512 kernel computes it, then per row its largest magnitude and, without outlier
-// channels, its codes (header of this section).
+// S·q as the avx512 kernel computes it, then per row its codes (header of this section).
 void qjl_project(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
   avx512_kernels().qjl_project(a, q, rows, sq);
   if (!qjl_integer_layer(a)) return;
-  const uint32_t m = a.m;
-  const bool outliers = a.m_out && a.outlier_channels;
   for (uint32_t r = 0; r < rows; ++r) {
-    const float *row = sq + size_t(r) * a.projected_stride;
+    float *row = sq + size_t(r) * a.projected_stride;
     __m512 top = _mm512_setzero_ps();
-    for (uint32_t i = 0; i < m; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
+    for (uint32_t i = 0; i < a.m; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
     const float largest = _mm512_reduce_max_ps(top);
-    float *tail = projected_tail(a, sq, r);
-    tail[3] = largest;
-    if (outliers) continue;
-    const CodeScale code = code_scale(largest, kProjectionCodeMax);
-    auto *halves = reinterpret_cast<__m512i *>(sq + size_t(r) * a.projected_stride + a.sketch_t_stride);
+    const CodeScale code = code_scale(largest, kQjlCodeMax);
+    auto *tables = reinterpret_cast<__m512i *>(row + a.sketch_t_stride);
     __m512i total = _mm512_setzero_si512();
-    for (uint32_t i = 0; i < m; i += 16) {
+    for (uint32_t i = 0; i < a.m; i += 16) {
       const __m512i X = _mm512_cvtps_epi32(
           _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(code.prescale)), _mm512_set1_ps(code.factor)));
       total = _mm512_add_epi32(total, X);
-      _mm512_storeu_si512(halves + i / 16, subset_halves(X));
+      store_pair_tables(X, tables + i / 8);
     }
-    tail[0] = largest / kProjectionCodeMax;
+    float *tail = row + a.projected_stride - 16;
+    tail[0] = largest / kQjlCodeMax;
     const int32_t sum = lane_sum(total);
     std::memcpy(tail + 2, &sum, sizeof sum);
   }
 }
 
-// The codes of a block with outlier channels O (c of them) for R query rows: per 16 sketch rows
-// v·inverse_in = S_O·(q_O·inverse_in) (c FMAs) and X = round(S·q·inverse_in − v·inverse_in)
-// (m rows); then, with the largest |v| of the m_out outlier rows, V = round(v·inverse_out). Both
-// kept as their halves and sums (header of this section).
-template <uint32_t R>
-void qjl_block_halves(const QjlArgs &a, const uint8_t *outliers, uint32_t c, const float *q, const float *sq,
-                      __m512i *halves_in, __m512i *halves_out, float *v_rows, float *step_in, float *step_out,
-                      int32_t *sum_in, int32_t *sum_out) {
-  const uint32_t dp = padded_dim(a.head_dim), m = a.m, m_out = a.m_out, n = std::max(m, m_out);
-  const float *columns[256];  // S's columns of the block's outlier channels
-  float scaled[R][256];       // q_O · inverse_in
-  const float *projected[R];
-  __m512 prescale_in[R], inverse_in[R], top[R];
-  for (uint32_t j = 0; j < c; ++j) columns[j] = a.sketch_t + outliers[j] * a.sketch_t_stride;
-  for (uint32_t r = 0; r < R; ++r) {
-    const float *qr = q + size_t(r) * dp;
-    double squares = 0.0;  // in double: finite queries may square past the float range
-    for (uint32_t j = 0; j < c; ++j) squares += double(qr[outliers[j]]) * qr[outliers[j]];
-    projected[r] = sq + size_t(r) * a.projected_stride;
-    const double bound = double(projected_row(a, sq, r).largest) + double(a.outlier_row_bound) * std::sqrt(squares);
-    const CodeScale code = code_scale(float(bound), kProjectionCodeMax);
-    step_in[r] = float(bound / kProjectionCodeMax);
-    prescale_in[r] = _mm512_set1_ps(code.prescale);
-    inverse_in[r] = _mm512_set1_ps(code.factor);
-    top[r] = _mm512_setzero_ps();
-    for (uint32_t j = 0; j < c; ++j) scaled[r][j] = qr[outliers[j]] * code.prescale * code.factor;
-  }
-  __m512i total_in[R], total_out[R];
-  for (uint32_t r = 0; r < R; ++r) total_in[r] = total_out[r] = _mm512_setzero_si512();
-  for (uint32_t i = 0; i < n; i += 16) {
-    __m512 v[R];
-    const __m512 first = _mm512_loadu_ps(columns[0] + i);
-    for (uint32_t r = 0; r < R; ++r) v[r] = _mm512_mul_ps(_mm512_set1_ps(scaled[r][0]), first);
-    for (uint32_t j = 1; j < c; ++j) {
-      const __m512 column = _mm512_loadu_ps(columns[j] + i);
-      for (uint32_t r = 0; r < R; ++r) v[r] = _mm512_fmadd_ps(_mm512_set1_ps(scaled[r][j]), column, v[r]);
-    }
-    for (uint32_t r = 0; r < R; ++r) {
-      if (i < m) {
-        const __m512 x = _mm512_fmsub_ps(_mm512_mul_ps(_mm512_loadu_ps(projected[r] + i), prescale_in[r]), inverse_in[r], v[r]);
-        const __m512i X = _mm512_cvtps_epi32(x);  // nearest even
-        _mm512_store_si512(halves_in + size_t(r) * (m / 16) + i / 16, subset_halves(X));
-        total_in[r] = _mm512_add_epi32(total_in[r], X);
-      }
-      if (i < m_out) {
-        _mm512_store_ps(v_rows + size_t(r) * m_out + i, v[r]);
-        top[r] = _mm512_max_ps(top[r], _mm512_abs_ps(v[r]));
-      }
-    }
-  }
-  for (uint32_t r = 0; r < R; ++r) {
-    // v is scaled by inverse_in: its step is largest·step_in / 8191.
-    const float largest = _mm512_reduce_max_ps(top[r]);
-    const CodeScale code = code_scale(largest, kProjectionCodeMax);
-    const __m512 prescale = _mm512_set1_ps(code.prescale), inverse = _mm512_set1_ps(code.factor);
-    step_out[r] = largest / kProjectionCodeMax * step_in[r];
-    for (uint32_t i = 0; i < m_out; i += 16) {
-      const __m512i V = _mm512_cvtps_epi32(
-          _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(v_rows + size_t(r) * m_out + i), prescale), inverse));
-      _mm512_store_si512(halves_out + size_t(r) * (m_out / 16) + i / 16, subset_halves(V));
-      total_out[r] = _mm512_add_epi32(total_out[r], V);
-    }
-    sum_in[r] = lane_sum(total_in[r]);
-    sum_out[r] = lane_sum(total_out[r]);
+// The sign bits of `sketch_rows` rows at `bits` for the span's 32 tokens from t0, transposed:
+// dwords[2k + h] lane t = dword k of token t0 + 16h + t.
+void transpose_span(const uint8_t *bits, uint32_t sketch_rows, uint32_t B, uint32_t t0, __m512i *dwords) {
+  for (uint32_t h = 0; h < 2; ++h) {
+    const uint32_t t = t0 + 16 * h, valid = t < B ? B - t : 0;
+    __m512i rows[16];
+    transpose_sign_rows(sketch_rows / 32, bits + size_t(t) * (sketch_rows / 8), valid, rows);
+    for (uint32_t k = 0; k < sketch_rows / 32; ++k) _mm512_store_si512(dwords + 2 * k + h, rows[k]);
   }
 }
 
-// Scores of the span's 32 tokens from t0; halves_in: R rows, in_stride vectors apart;
-// halves_out: R rows of m_out / 16.
-template <uint32_t R>
-void qjl_span_scores(const QjlArgs &a, const uint8_t *block, uint32_t t0, bool outliers, const __m512i *halves_in,
-                     size_t in_stride, const __m512i *halves_out, const float *step_in, const int32_t *sum_in,
-                     const float *step_out, const int32_t *sum_out, __m512i *dwords, float *out, size_t out_stride) {
-  const BlockLayout &l = *a.layout;
-  const uint32_t B = a.block_tokens;
-  __m512i acc[R][2];
-  // The sign bits of `sketch_rows` rows at `bits` (tokens t0..t0+31) against one projected query.
-  const auto add_scores = [&](size_t bits, uint32_t sketch_rows, const __m512i *halves, size_t halves_stride,
-                              size_t norms, float factor, const float *step, const int32_t *sum, bool outlier_part) {
-    for (uint32_t h = 0; h < 2; ++h) {
-      const uint32_t t = t0 + 16 * h, valid = t < B ? B - t : 0;
-      __m512i rows[16];
-      transpose_sign_rows(sketch_rows / 32, block + bits + size_t(t) * (sketch_rows / 8), valid, rows);
-      for (uint32_t k = 0; k < sketch_rows / 32; ++k) _mm512_store_si512(dwords + 2 * k + h, rows[k]);
-    }
-    sign_sums<R>(dwords, sketch_rows / 8, halves, halves_stride, acc);
-    sign_scores<R>(acc, block + norms, B, t0, factor, step, sum, outlier_part, out, out_stride);
-  };
-  add_scores(l.key_bits_in, a.m, halves_in, in_stride, l.key_norm_in, a.in_factor, step_in, sum_in, false);
-  if (outliers)
-    add_scores(l.key_bits_out, a.m_out, halves_out, a.m_out / 16, l.key_norm_out, a.out_factor, step_out, sum_out,
-               true);
+// (2·sums − total)·scale of a code set's two 16-token halves, in fp32.
+inline __m512 signed_dot(__m512i sums, int32_t total, __m512 scale) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_slli_epi32(sums, 1), _mm512_set1_epi32(total))), scale);
 }
 
 void qjl_scores(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, uint32_t rows, float *out,
@@ -1278,48 +1192,71 @@ void qjl_scores(const QjlArgs &a, const uint8_t *block, const float *q, const fl
     avx512_kernels().qjl_scores(a, block, q, sq, rows, out, out_stride, scratch);
     return;
   }
-  prefetch_next_block(*a.layout, block, a.layout->key_bytes);
-  const uint32_t dp = padded_dim(a.head_dim), m = a.m, m_out = a.m_out, Bp = padded_tokens(a.block_tokens);
-  const uint32_t c = m_out ? a.outlier_channels : 0;
-  // Scratch (64-byte aligned pieces): the block's inlier and outlier halves of 4 rows, the
-  // span's transposed sign dwords, 4 rows of v (outlier rows).
-  auto *block_halves_in = reinterpret_cast<__m512i *>(scratch);
-  __m512i *block_halves_out = block_halves_in + 4 * size_t(m / 16);
-  __m512i *dwords = block_halves_out + 4 * size_t(m_out / 16);
-  float *v_rows = reinterpret_cast<float *>(dwords + 32);  // [4][m_out]
-  const uint8_t *outliers = block + a.layout->key_outlier_idx;
-  for (uint32_t r0 = 0; r0 < rows; r0 += 4) {
-    const uint32_t R = std::min(4u, rows - r0);
-    float step_in[4] = {}, step_out[4] = {};
-    int32_t sum_in[4] = {}, sum_out[4] = {};
-    const float *sq_rows = sq + size_t(r0) * a.projected_stride;
-    // Without outlier channels the call's codes are the block's.
-    const __m512i *halves_in = projected_row(a, sq_rows, 0).halves;
-    size_t in_stride = a.projected_stride / 16;
+  const BlockLayout &l = *a.layout;
+  prefetch_next_block(l, block, l.key_bytes);
+  const uint32_t dp = padded_dim(a.head_dim), m = a.m, m_out = a.m_out, B = a.block_tokens, Bp = padded_tokens(B);
+  const uint32_t c = a.column_tables ? a.outlier_channels : 0;
+  // Scratch (64-byte aligned pieces): the span's transposed inlier and outlier sign dwords; per
+  // column j and half h, the fp32 norm_out·c_d/m_out·⟨S_out,j, ±b'⟩ (its outlier dot) and then
+  // that minus norm_in·c_d/m·⟨S_j, ±b⟩ (its term: score = inlier row term + Σ_j q_j·term_j);
+  // one pass's sums.
+  auto *dwords_in = reinterpret_cast<__m512i *>(scratch);
+  __m512i *dwords_out = dwords_in + m / 16;
+  auto *terms = reinterpret_cast<__m512 *>(dwords_out + m_out / 16);
+  auto *sums = reinterpret_cast<__m512i *>(terms + 2 * size_t(c));
+  const uint8_t *outliers = block + l.key_outlier_idx;
+  const PairTable *tables[kSignSumSets];
+  const auto column = [&](uint32_t j) { return a.column_tables + outliers[j] * a.column_table_stride; };
+  const __m512 column_step = _mm512_set1_ps(a.column_step);
+  for (uint32_t t0 = 0; t0 < Bp; t0 += 32) {
+    __m512 norm_in[2], norm_out[2];  // times c_d/m and c_d/m_out
+    for (uint32_t h = 0; h < 2; ++h) {
+      const uint32_t t = t0 + 16 * h;
+      const __mmask16 valid = lanes_below(t, B);
+      norm_in[h] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, block + l.key_norm_in + 2 * size_t(t))),
+                                 _mm512_set1_ps(a.in_factor));
+      norm_out[h] = c ? _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, block + l.key_norm_out + 2 * size_t(t))),
+                                      _mm512_set1_ps(a.out_factor))
+                      : _mm512_setzero_ps();
+    }
+    transpose_span(block + l.key_bits_in, m, B, t0, dwords_in);
     if (c) {
-      const float *qr = q + size_t(r0) * dp;
-      switch (R) {
-        case 1: qjl_block_halves<1>(a, outliers, c, qr, sq_rows, block_halves_in, block_halves_out, v_rows, step_in, step_out, sum_in, sum_out); break;
-        case 2: qjl_block_halves<2>(a, outliers, c, qr, sq_rows, block_halves_in, block_halves_out, v_rows, step_in, step_out, sum_in, sum_out); break;
-        case 3: qjl_block_halves<3>(a, outliers, c, qr, sq_rows, block_halves_in, block_halves_out, v_rows, step_in, step_out, sum_in, sum_out); break;
-        default: qjl_block_halves<4>(a, outliers, c, qr, sq_rows, block_halves_in, block_halves_out, v_rows, step_in, step_out, sum_in, sum_out); break;
-      }
-      halves_in = block_halves_in;
-      in_stride = m / 16;
-    } else {
-      for (uint32_t r = 0; r < R; ++r) {
-        const ProjectedRow row = projected_row(a, sq_rows, r);
-        step_in[r] = row.step;
-        sum_in[r] = row.sum;
+      transpose_span(block + l.key_bits_out, m_out, B, t0, dwords_out);
+      for (uint32_t j0 = 0; j0 < c; j0 += kSignSumSets) {
+        const uint32_t n = std::min(kSignSumSets, c - j0);
+        for (uint32_t j = 0; j < n; ++j) tables[j] = column(j0 + j);
+        sign_sums(dwords_out, m_out / 8, tables, n, sums);
+        for (uint32_t j = 0; j < n; ++j)
+          for (uint32_t h = 0; h < 2; ++h)
+            terms[2 * (j0 + j) + h] = _mm512_mul_ps(
+                norm_out[h], signed_dot(sums[2 * j + h], a.column_sums[2 * outliers[j0 + j] + 1], column_step));
       }
     }
-    float *o = out + size_t(r0) * out_stride;
-    for (uint32_t t0 = 0; t0 < Bp; t0 += 32) {
-      switch (R) {
-        case 1: qjl_span_scores<1>(a, block, t0, c > 0, halves_in, in_stride, block_halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
-        case 2: qjl_span_scores<2>(a, block, t0, c > 0, halves_in, in_stride, block_halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
-        case 3: qjl_span_scores<3>(a, block, t0, c > 0, halves_in, in_stride, block_halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
-        default: qjl_span_scores<4>(a, block, t0, c > 0, halves_in, in_stride, block_halves_out, step_in, sum_in, step_out, sum_out, dwords, o, out_stride); break;
+    // Over the inlier bits: the c columns, then the query rows, kSignSumSets code sets a pass;
+    // every row's columns are done before its pass ends.
+    for (uint32_t e0 = 0; e0 < c + rows; e0 += kSignSumSets) {
+      const uint32_t n = std::min(kSignSumSets, c + rows - e0);
+      for (uint32_t e = e0; e < e0 + n; ++e) tables[e - e0] = e < c ? column(e) : projected_row(a, sq, e - c).tables;
+      sign_sums(dwords_in, m / 8, tables, n, sums);
+      for (uint32_t e = e0; e < e0 + n; ++e) {
+        const __m512i *sum = sums + 2 * (e - e0);
+        if (e < c) {
+          for (uint32_t h = 0; h < 2; ++h)
+            terms[2 * e + h] = _mm512_fnmadd_ps(norm_in[h], signed_dot(sum[h], a.column_sums[2 * outliers[e]], column_step),
+                                                terms[2 * e + h]);
+          continue;
+        }
+        const uint32_t r = e - c;
+        const ProjectedRow row = projected_row(a, sq, r);
+        const float *qr = q + size_t(r) * dp;
+        const __m512 step = _mm512_set1_ps(row.step);
+        __m512 score[2] = {_mm512_mul_ps(norm_in[0], signed_dot(sum[0], row.sum, step)),
+                           _mm512_mul_ps(norm_in[1], signed_dot(sum[1], row.sum, step))};
+        for (uint32_t j = 0; j < c; ++j) {
+          const __m512 qj = _mm512_set1_ps(qr[outliers[j]]);
+          for (uint32_t h = 0; h < 2; ++h) score[h] = _mm512_fmadd_ps(qj, terms[2 * j + h], score[h]);
+        }
+        for (uint32_t h = 0; h < 2; ++h) _mm512_storeu_ps(out + size_t(r) * out_stride + t0 + 16 * h, score[h]);
       }
     }
   }
@@ -1341,6 +1278,7 @@ const KernelTable &avx512_vnni_kernels() {
     t.isa = Isa::Avx512Vnni;
     t.qjl_project = &avx512_vnni::qjl_project;
     t.qjl_scores = &avx512_vnni::qjl_scores;
+    t.qjl_column_codes = true;
     t.kivi_scores = &avx512_vnni::kivi_scores;
     t.values_accumulate = &avx512_vnni::values_accumulate;
     return t;

@@ -64,7 +64,8 @@ struct PerChannelKeys : KeyMethodDefaults {
   }
 
   // CPU
-  static void prepare(const CacheSpec &spec, const LayerSpec &layer, cpu::LayerKernels &args) {
+  static void prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &,
+                      cpu::LayerKernels &args) {
     args.keys = cpu::CodesArgs{&layer.layout, spec.cfg.block_tokens, spec.cfg.head_dim, spec.cfg.key_bits, 0,
                                spec.stored_dtype};
   }

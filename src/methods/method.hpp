@@ -52,7 +52,7 @@ struct KeyMethodDefaults {
   static bool moved(const BlockLayout &, const uint8_t *, uint32_t) { return false; }
   // CPU: per-layer kernel arguments, the floats of quantize()'s scratch beyond the block's keys
   // and values, and the projected queries that score() reads after the padded queries.
-  static void prepare(const CacheSpec &, const LayerSpec &, cpu::LayerKernels &) {}
+  static void prepare(const CacheSpec &, const LayerSpec &, const cpu::KernelTable &, cpu::LayerKernels &) {}
   static size_t quantize_scratch_floats(const qjlkv_config &) { return 0; }
   static size_t projected_query_floats(const cpu::LayerKernels &) { return 0; }
   static void project_queries(const cpu::CpuLayer &, const float *, uint32_t, float *) {}

@@ -67,8 +67,9 @@ void QjlKeys::init_layers(const qjlkv_config &cfg, std::vector<LayerSpec> &layer
   }
 }
 
-void QjlKeys::prepare(const CacheSpec &spec, const LayerSpec &layer, cpu::LayerKernels &args) {
-  args.qjl = cpu::make_qjl_args(spec, layer, args.sketch_t);
+void QjlKeys::prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &kernels,
+                      cpu::LayerKernels &args) {
+  args.qjl = cpu::make_qjl_args(spec, layer, args.qjl_tables, kernels.qjl_column_codes);
 }
 
 void QjlKeys::quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block, float *scratch) {
@@ -88,10 +89,10 @@ void QjlKeys::quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block
                        outlier_keys + size_t(t) * ch, block);
   // The projections S·k_in and S_out·k_out as blocked products with the reference's sums.
   const float *columns[256];
-  for (uint32_t j = 0; j < d; ++j) columns[j] = lk.sketch_t.data() + j * lk.qjl.sketch_t_stride;
+  for (uint32_t j = 0; j < d; ++j) columns[j] = lk.qjl.sketch_t + j * lk.qjl.sketch_t_stride;
   c.kernels.qjl_sign_bits(inlier_keys, d, B, columns, d, ls.m, block + l.key_bits_in, l.key_bytes_per_token_bits_in);
   if (!ch) return;
-  for (uint32_t i = 0; i < ch; ++i) columns[i] = lk.sketch_t.data() + outlier_idx[i] * lk.qjl.sketch_t_stride;
+  for (uint32_t i = 0; i < ch; ++i) columns[i] = lk.qjl.sketch_t + outlier_idx[i] * lk.qjl.sketch_t_stride;
   c.kernels.qjl_sign_bits(outlier_keys, ch, B, columns, ch, ls.m_out, block + l.key_bits_out,
                           l.key_bytes_per_token_bits_out);
 }

@@ -62,7 +62,8 @@ struct QjlKeys : KeyMethodDefaults {
   }
 
   // CPU: the transposed sketch and the fast kernels' arguments.
-  static void prepare(const CacheSpec &spec, const LayerSpec &layer, cpu::LayerKernels &args);
+  static void prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &kernels,
+                      cpu::LayerKernels &args);
   // Inlier keys [B][d], outlier keys [B][c], channel energies [d] and order [d].
   static size_t quantize_scratch_floats(const qjlkv_config &cfg) {
     const size_t B = cfg.block_tokens, d = cfg.head_dim;

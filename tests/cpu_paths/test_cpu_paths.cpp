@@ -151,6 +151,7 @@ const KernelCase kCases[] = {
     {"qjl_long_blocks", "qjl", 128, 80, 256, 8, 64, 2, 4, 32, 4},
     {"qjl_m512_rows5", "qjl", 128, 48, 512, 4, 128, 2, 2, 32, 5},
     {"qjl_no_outliers_m128", "qjl", 64, 32, 128, 0, 0, 2, 2, 32, 4},
+    {"qjl_outliers12_rows3", "qjl", 128, 40, 256, 12, 128, 2, 2, 32, 3},  // columns in two passes
     {"kivi2", "kivi", 128, 128, 256, 8, 64, 2, 2, 32, 4},
     {"kivi4_odd", "kivi", 24, 40, 48, 8, 24, 4, 4, 24, 6},
     {"kivi8", "kivi", 64, 32, 128, 8, 32, 8, 8, 16, 1},
@@ -239,7 +240,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     queries_.resize(size_t(k.rows) * d);
     for (float &x : queries_) x = normal(rng);
     // Fast-path arguments, as the backend builds them.
-    if (cfg_.key_method == QJLKV_KEYS_QJL) qjl_ = make_qjl_args(spec_, ls, sketch_t_);
+    if (cfg_.key_method == QJLKV_KEYS_QJL) qjl_ = make_qjl_args(spec_, ls, qjl_tables_, true);
     keys_args_ = CodesArgs{&ls.layout, B, d, cfg_.key_bits, 0, spec_.stored_dtype};
     values_args_ = CodesArgs{&ls.layout,         B,
                              d,                  cfg_.value_bits,
@@ -367,8 +368,9 @@ class Kernels : public testing::TestWithParam<KernelCase> {
 
   qjlkv_config cfg_{};
   CacheSpec spec_;
-  std::vector<float> keys_, values_, queries_, sketch_t_;
+  std::vector<float> keys_, values_, queries_;
   std::vector<uint8_t> block_;
+  QjlTables qjl_tables_;
   QjlArgs qjl_;
   CodesArgs keys_args_, values_args_;
 };
