@@ -28,16 +28,23 @@ from .evaluate import DEFAULT_TEXT, load_text_tokens
 from .model import LlamaModel, grouped_attention
 
 
-def layer_statistics(model: LlamaModel, tokens: list[int], last: int = 64) -> list[dict]:
-    s = model.shape
+def layer_qkv(model: LlamaModel, tokens: list[int]):
+    """Yields each layer's (q, k, v) of an exact forward pass over `tokens` (post-RoPE)."""
     n = len(tokens)
     x = model.embedding[np.asarray(tokens)]
     positions = np.arange(n)
     causal = np.triu(np.full((n, n), -np.inf, np.float32), k=1)
-    group = s.num_q_heads // s.num_kv_heads
-    rows = []
     for layer in model.layers:
         q, k, v = model._qkv(layer, x, positions)
+        yield q, k, v
+        x = model._finish_layer(layer, x, grouped_attention(q, k, v, causal))
+
+
+def layer_statistics(model: LlamaModel, tokens: list[int], last: int = 64) -> list[dict]:
+    s = model.shape
+    group = s.num_q_heads // s.num_kv_heads
+    rows = []
+    for q, k, _ in layer_qkv(model, tokens):
         qs = q[-last:].astype(np.float64)                        # [last, Hq, d]
         ks = k.astype(np.float64)[:, np.arange(s.num_q_heads) // group]  # [n, Hq, d]
         logits = np.einsum("qhd,khd->hqk", qs, ks) / math.sqrt(s.head_dim)
@@ -52,7 +59,6 @@ def layer_statistics(model: LlamaModel, tokens: list[int], last: int = 64) -> li
                                  / np.linalg.norm(k, axis=-1).mean(0)).mean()),
             "top8": float((energy[:, :8].sum(-1) / energy.sum(-1)).mean()),
         })
-        x = model._finish_layer(layer, x, grouped_attention(q, k, v, causal))
     return rows
 
 
@@ -84,21 +90,15 @@ def kernel_error(model: LlamaModel, tokens: list[int], preset: str, isa: str | N
     """Per layer, over the last `last` queries against every key: `kernel`, the rms of the `isa`
     path's logits minus the scalar path's; `method`, the rms of the scalar path's minus q·k."""
     s = model.shape
-    n = len(tokens)
-    x = model.embedding[np.asarray(tokens)]
-    positions = np.arange(n)
-    causal = np.triu(np.full((n, n), -np.inf, np.float32), k=1)
     group = s.num_q_heads // s.num_kv_heads
     rows = []
-    for layer in model.layers:
-        q, k, v = model._qkv(layer, x, positions)
+    for q, k, v in layer_qkv(model, tokens):
         exact = np.einsum("qhd,khd->qhk", q[-last:].astype(np.float64),
                           k.astype(np.float64)[:, np.arange(s.num_q_heads) // group])
         reference = _estimated_logits(s, preset, "scalar", k, v, q[-last:])
         fast = _estimated_logits(s, preset, isa, k, v, q[-last:])
         rows.append({"kernel": float(np.sqrt(np.mean((fast - reference) ** 2))),
                      "method": float(np.sqrt(np.mean((reference - exact) ** 2)))})
-        x = model._finish_layer(layer, x, grouped_attention(q, k, v, causal))
     return rows
 
 
