@@ -1112,7 +1112,7 @@ void sign_sums(const __m512i *dwords, uint32_t bytes, const PairTable *const *ta
       const __m512i index0 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(control, d0), clear, tag, 0xEA);
       const __m512i index1 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(control, d1), clear, tag, 0xEA);
       for (uint32_t j = 0; j < N; ++j) {
-        const __m512i table = _mm512_load_si512(tables[j] + 4 * k + i);
+        const __m512i table = _mm512_loadu_si512(tables[j] + 4 * k + i);  // row tables: in sq, any alignment
         acc[j][0] = dpwssd(acc[j][0], _mm512_permutexvar_epi16(index0, table), ones);
         acc[j][1] = dpwssd(acc[j][1], _mm512_permutexvar_epi16(index1, table), ones);
       }
