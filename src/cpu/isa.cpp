@@ -172,8 +172,9 @@ size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out
   const auto words = [Bp](size_t bytes) { return (bytes + 3) / 4 * Bp + slack; };
   const size_t qjl = words(m / 8) + words(m_out / 8) + 2 * (Bp + slack) + 8 * (padded_sketch_rows(sketch_rows) + slack) +
                      4 * 16 * size_t(m / 4 + m_out / 4) + 2 * slack + 8 * Bp + 2 * slack;
-  // The integer QJL kernel (avx512vnni): sign dwords, the columns' dots, one pass's sums.
-  const size_t qjl_integer = m + m_out + 64 * size_t(cfg.outlier_channels) + 256 + slack;
+  // The integer QJL kernel (avx512vnni): the span's sign dwords, 2 vectors per column, one
+  // pass's sums (16 vectors).
+  const size_t qjl_integer = m + m_out + 32 * size_t(cfg.outlier_channels) + 256 + slack;
   // key_bits is unvalidated (and ignored) unless the keys are KIVI/OTT: size from it only then.
   const bool kivi_keys = cfg.key_method == QJLKV_KEYS_KIVI || cfg.key_method == QJLKV_KEYS_OTT;
   const size_t kivi = kivi_keys ? words(d * cfg.key_bits / 8) + 2 * (d + slack) + 4 * 16 * (d * cfg.key_bits / 4) +
