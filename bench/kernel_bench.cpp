@@ -43,7 +43,7 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
   std::vector<uint8_t> data(layout.stride * blocks, 0);
   QjlTables qjl_tables;
   QjlArgs qjl;
-  if (cfg.key_method == QJLKV_KEYS_QJL) qjl = make_qjl_args(spec, ls, qjl_tables, K.qjl_column_codes);
+  if (cfg.key_method == QJLKV_KEYS_QJL) qjl = make_qjl_args(spec, ls, qjl_tables, K.qjl_codes);
   const CodesArgs key_args{&layout, B, kDim, cfg.key_bits, 0, spec.stored_dtype};
   const CodesArgs value_args{&layout,          B, kDim, cfg.value_bits, cfg.value_group_size, spec.stored_dtype,
                              cfg.value_method, ls.value_signs.data()};

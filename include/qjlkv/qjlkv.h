@@ -554,8 +554,8 @@ QJLKV_API qjlkv_status qjlkv_cache_clear_sequence(qjlkv_cache *c, uint32_t seq);
  * and spill areas, per-block metadata. Capacity held but unused is counted
  * apart in bytes_reserved (>= bytes_used). Not cache data, so not counted:
  * the sketches (one per QJL layer, max(m, m_out) x head_dim floats, plus a
- * transposed copy on the CPU or a device copy on CUDA, and on CPUs with AVX-512
- * VNNI int16 tables of its columns, 8 bytes per entry; fixed at creation) and
+ * transposed copy on the CPU or a device copy on CUDA, and on CPUs with AVX2
+ * tables of its columns, 8 bytes per entry; fixed at creation) and
  * the scratch buffers of append/attend, which grow to the largest call and
  * are kept for the next.
  * Growing struct: see "Growing structs" at the top. */

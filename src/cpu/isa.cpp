@@ -110,14 +110,34 @@ void kivi_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_
 }
 
 namespace {
-// QjlArgs' column codes: Y_ij = round(S_ij / step), step = max |S| / kQjlCodeMax, as pair tables.
-void make_column_codes(const LayerSpec &layer, uint32_t d, QjlTables &tables, QjlArgs &a) {
+// One sign byte's table (SignTable, in `layout`) of the codes x[0..7] of its 8 rows.
+SignTable sign_table(const int32_t *x, QjlCodes layout) {
+  SignTable table{};
+  for (uint32_t nibble = 0; nibble < 2; ++nibble)
+    for (uint32_t e = 0; e < 16; ++e) {
+      int32_t sum = 0;
+      for (uint32_t bit = 0; bit < 4; ++bit)
+        if (e >> bit & 1) sum += x[4 * nibble + bit];
+      if (layout == QjlCodes::PairWords) {
+        table.words[16 * nibble + e] = int16_t(sum);
+      } else {
+        const auto biased = uint32_t(sum + kQjlSplitBias);
+        table.split[nibble][e] = uint8_t(biased & 127u);
+        table.split[2 + nibble][e] = uint8_t(biased >> 7);
+      }
+    }
+  return table;
+}
+
+// QjlArgs' column codes: Y_ij = round(S_ij / step), step = max |S| / qjl_code_max(layout).
+void make_column_codes(const LayerSpec &layer, uint32_t d, QjlCodes layout, QjlTables &tables, QjlArgs &a) {
   const uint32_t rows = layer.sketch_rows, bytes = rows / 8;
   const float *S = layer.sketch->matrix.data.data();  // [sketch_rows][d]
   float largest = 0.0f;
   for (size_t i = 0; i < size_t(rows) * d; ++i) largest = std::max(largest, std::fabs(S[i]));
-  const CodeScale code = code_scale(largest, kQjlCodeMax);
-  tables.columns.assign(size_t(d) * bytes, PairTable{});
+  const float code_max = qjl_code_max(layout);
+  const CodeScale code = code_scale(largest, code_max);
+  tables.columns.assign(size_t(d) * bytes, SignTable{});
   tables.column_sums.assign(2 * size_t(d), 0);
   std::vector<int32_t> Y(rows);
   for (uint32_t j = 0; j < d; ++j) {
@@ -126,22 +146,16 @@ void make_column_codes(const LayerSpec &layer, uint32_t d, QjlTables &tables, Qj
       if (i < layer.m) tables.column_sums[2 * j] += Y[i];
       if (i < layer.m_out) tables.column_sums[2 * j + 1] += Y[i];
     }
-    for (uint32_t b = 0; b < bytes; ++b)
-      for (uint32_t e = 0; e < 32; ++e) {
-        int32_t sum = 0;
-        for (uint32_t bit = 0; bit < 4; ++bit)
-          if (e % 16 >> bit & 1) sum += Y[8 * b + 4 * (e / 16) + bit];
-        tables.columns[size_t(j) * bytes + b].words[e] = int16_t(sum);
-      }
+    for (uint32_t b = 0; b < bytes; ++b) tables.columns[size_t(j) * bytes + b] = sign_table(&Y[8 * b], layout);
   }
   a.column_tables = tables.columns.data();
   a.column_table_stride = bytes;
   a.column_sums = tables.column_sums.data();
-  a.column_step = largest / kQjlCodeMax;
+  a.column_step = largest / code_max;
 }
 }  // namespace
 
-QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, QjlTables &tables, bool column_codes) {
+QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, QjlTables &tables, QjlCodes codes) {
   const qjlkv_config &cfg = spec.cfg;
   const uint32_t d = cfg.head_dim;
   const size_t stride = padded_sketch_rows(layer.sketch_rows);
@@ -162,8 +176,8 @@ QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, QjlTables &
   a.in_factor = spec.qjl_constant / float(layer.m);
   a.out_factor = layer.m_out ? spec.qjl_constant / float(layer.m_out) : 0.0f;
   const bool outliers = layer.m_out && cfg.outlier_channels;
-  if (column_codes && outliers && qjl_integer_rows(layer.m) && qjl_integer_rows(layer.m_out))
-    make_column_codes(layer, d, tables, a);
+  if (codes != QjlCodes::None && outliers && qjl_integer_rows(layer.m) && qjl_integer_rows(layer.m_out))
+    make_column_codes(layer, d, codes, tables, a);
   return a;
 }
 
@@ -172,9 +186,9 @@ size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out
   const auto words = [Bp](size_t bytes) { return (bytes + 3) / 4 * Bp + slack; };
   const size_t qjl = words(m / 8) + words(m_out / 8) + 2 * (Bp + slack) + 8 * (padded_sketch_rows(sketch_rows) + slack) +
                      4 * 16 * size_t(m / 4 + m_out / 4) + 2 * slack + 8 * Bp + 2 * slack;
-  // The integer QJL kernel (avx512vnni): the span's sign dwords, 2 vectors per column, one
-  // pass's sums (16 vectors).
-  const size_t qjl_integer = m + m_out + 32 * size_t(cfg.outlier_channels) + 256 + slack;
+  // The integer QJL kernels: the span's sign bytes (avx512vnni: as dwords; avx2: as two index
+  // vectors per byte), 32 floats per column, one pass's sums (16 zmm).
+  const size_t qjl_integer = 2 * size_t(m + m_out) + 32 * size_t(cfg.outlier_channels) + 256 + slack;
   // key_bits is unvalidated (and ignored) unless the keys are KIVI/OTT: size from it only then.
   const bool kivi_keys = cfg.key_method == QJLKV_KEYS_KIVI || cfg.key_method == QJLKV_KEYS_OTT;
   const size_t kivi = kivi_keys ? words(d * cfg.key_bits / 8) + 2 * (d + slack) + 4 * 16 * (d * cfg.key_bits / 4) +

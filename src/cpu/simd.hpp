@@ -31,8 +31,18 @@ inline void prefetch_next_block(const BlockLayout &l, const void *from, size_t b
     __builtin_prefetch(reinterpret_cast<const void *>(line));
 }
 
-// The integer QJL kernel's codes (avx512vnni): |code| <= kQjlCodeMax keeps a sum of 4 in int16.
-constexpr float kQjlCodeMax = 8191.0f;
+// The integer QJL kernels look up, per sign byte of a token (8 sketch rows: the low nibble rows
+// 0-3, the high nibble rows 4-7), the subset sums of the 8 rows' integer codes X, in one of two
+// layouts of a SignTable:
+// - PairWords (avx512vnni, vpermw): words[e] = Σ of X_0..X_3 over the set bits of e, words[16 + e]
+//   the same of X_4..X_7; |X| <= 8191 keeps a sum of 4 in int16.
+// - SplitBytes (avx2, vpshufb): each subset sum T (as above) plus 8192 is split into 7-bit halves,
+//   split[0][e] = low 7 bits and split[2][e] = the rest for the low nibble's T, split[1][e] and
+//   split[3][e] for the high nibble's; |X| <= 2047 keeps T + 8192 in [4, 16380], so that the two
+//   nibbles' halves add without overflow in a byte.
+enum class QjlCodes : uint8_t { None, PairWords, SplitBytes };
+constexpr float qjl_code_max(QjlCodes layout) { return layout == QjlCodes::SplitBytes ? 2047.0f : 8191.0f; }
+constexpr int32_t kQjlSplitBias = 8192;
 // Whether the integer QJL kernel takes sign rows of this count: a power-of-two number of 32-bit
 // words, at most 16.
 inline bool qjl_integer_rows(uint32_t rows) {
@@ -40,16 +50,18 @@ inline bool qjl_integer_rows(uint32_t rows) {
   return rows % 32 == 0 && words >= 1 && words <= 16 && (words & (words - 1)) == 0;
 }
 
-// The int16 subset sums of 8 codes x_0..x_7, the codes of one sign byte's sketch rows:
-// words[e] = Σ of x_j (j < 4) over the set bits j of e, words[16 + e] the same of x_4..x_7.
-struct alignas(64) PairTable {
-  int16_t words[32];
+// One sign byte's table of subset sums, in the layout of QjlCodes.
+struct alignas(64) SignTable {
+  union {
+    int16_t words[32];
+    uint8_t split[4][16];
+  };
 };
 
 // What make_qjl_args builds for one QJL layer and its arguments point into.
 struct QjlTables {
   std::vector<float> sketch_t;
-  std::vector<PairTable> columns;
+  std::vector<SignTable> columns;
   std::vector<int32_t> column_sums;
 };
 
@@ -61,19 +73,25 @@ struct QjlArgs {
   size_t sketch_t_stride = 0;       // >= sketch_rows, a multiple of 32
   size_t projected_stride = 0;      // qjl_project's rows: sketch_t_stride + 2·padded_sketch_rows(m) + 16
   float in_factor = 0.0f, out_factor = 0.0f;  // c_d/m and c_d/m_out
-  // The columns of S as codes Y_ij = round(S_ij / column_step) (|Y| <= kQjlCodeMax), for the
-  // integer kernel's outlier terms; null unless make_qjl_args was asked for them and the layer
-  // has outlier channels and suits that kernel. Channel j: the pair tables of its sketch_rows / 8
+  // The columns of S as codes Y_ij = round(S_ij / column_step) (|Y| <= qjl_code_max), for the
+  // integer kernels' outlier terms; null unless make_qjl_args was asked for them and the layer
+  // has outlier channels and suits those kernels. Channel j: the sign tables of its sketch_rows / 8
   // sign bytes at column_tables + j·column_table_stride; column_sums[2j] and [2j + 1]: Σ_i Y_ij
   // over the first m and the first m_out rows.
-  const PairTable *column_tables = nullptr;
+  const SignTable *column_tables = nullptr;
   size_t column_table_stride = 0;
   const int32_t *column_sums = nullptr;
   float column_step = 0.0f;
 };
-// The arguments of one QJL layer; fills `tables` with the layer's sketch transposed and, if
-// `column_codes`, the integer kernel's column codes.
-QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, QjlTables &tables, bool column_codes);
+// Whether the integer QJL kernels take the layer: sign rows they cover, and the column codes
+// where the layer has outlier channels (otherwise the fp32 kernels do).
+inline bool qjl_integer_layer(const QjlArgs &a) {
+  const bool outliers = a.m_out && a.outlier_channels;
+  return qjl_integer_rows(a.m) && (!outliers || a.column_tables);
+}
+// The arguments of one QJL layer; fills `tables` with the layer's sketch transposed and the
+// integer kernels' column codes in the layout `codes` (none for QjlCodes::None).
+QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, QjlTables &tables, QjlCodes codes);
 
 struct CodesArgs {  // KIVI/OTT keys or quantized values of one block
   const BlockLayout *layout = nullptr;
@@ -161,8 +179,8 @@ struct KernelTable {
   // Returns false when every score of every row is masked.
   bool (*softmax_fold)(SoftmaxRow *state, float *scores, size_t stride, uint32_t rows, uint32_t n, float scale,
                        float *acc, uint32_t d);
-  // Whether qjl_scores uses QjlArgs' column codes (make_qjl_args' column_codes).
-  bool qjl_column_codes = false;
+  // The layout of the column codes that qjl_scores uses (make_qjl_args' codes).
+  QjlCodes qjl_codes = QjlCodes::None;
 };
 
 const KernelTable &kernel_table(Isa isa);

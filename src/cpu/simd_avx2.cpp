@@ -401,6 +401,302 @@ void kivi_scores_integer(const CodesArgs &a, const uint8_t *block, const float *
   }
 }
 
+
+// ---- QJL keys in integers (SPEC §9, docs/DESIGN.md "Integer decode paths") --------------------
+// The avx512vnni kernel's arithmetic (its section "QJL keys") with AVX2's lookups: S·q and the
+// columns of S as int16 codes (|X| <= 2047), and per sign byte of a token the SplitBytes tables
+// (simd.hpp) of the subset sums of its two nibbles' codes. vpshufb looks up 32 tokens' nibbles at
+// once, one byte each: the low 7 bits of both nibbles' biased sums added in one byte, the high
+// bits in another, each accumulated over the sign bytes in 16-bit words (even and odd tokens'
+// bytes apart). A token's sum is exact: Σ_i X_i·b_i = low + 128·high − 2·8192·bytes.
+constexpr float kQjlSplitCodeMax = qjl_code_max(QjlCodes::SplitBytes);
+
+inline __m256i broadcast16(const uint8_t *p) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+}
+
+// The int16 subset sums of x_0..x_3 (T0) and x_4..x_7 (T1), the 8 codes of one sign byte (the
+// words of `codes`, broadcast to both lanes), entry e of T in word e: word e picks code i where
+// bit i of e is set (vpshufb, zero elsewhere).
+struct NibbleSelect {
+  alignas(32) uint8_t pick[8][32];  // [nibble·4 + i]
+};
+constexpr NibbleSelect make_nibble_select() {
+  NibbleSelect s{};
+  for (uint32_t n = 0; n < 2; ++n)
+    for (uint32_t i = 0; i < 4; ++i)
+      for (uint32_t e = 0; e < 16; ++e) {
+        const bool set = (e >> i) & 1;
+        const uint32_t lane_byte = 2 * (e % 8) + 16 * (e / 8), code = 4 * n + i;
+        s.pick[4 * n + i][lane_byte] = set ? uint8_t(2 * code) : 0x80;
+        s.pick[4 * n + i][lane_byte + 1] = set ? uint8_t(2 * code + 1) : 0x80;
+      }
+  return s;
+}
+constexpr NibbleSelect kNibbleSelect = make_nibble_select();
+
+// The SignTable (SplitBytes) of the 8 codes in `codes`' low 128 bits (int16).
+inline void store_split_table(__m128i codes, SignTable *table) {
+  const __m256i both = _mm256_broadcastsi128_si256(codes), bias = _mm256_set1_epi16(int16_t(kQjlSplitBias));
+  __m256i low[2], high[2];
+  for (uint32_t n = 0; n < 2; ++n) {
+    __m256i sum = bias;
+    for (uint32_t i = 0; i < 4; ++i)
+      sum = _mm256_add_epi16(sum, _mm256_shuffle_epi8(both, _mm256_load_si256(reinterpret_cast<const __m256i *>(kNibbleSelect.pick[4 * n + i]))));
+    low[n] = _mm256_and_si256(sum, _mm256_set1_epi16(127));
+    high[n] = _mm256_srli_epi16(sum, 7);
+  }
+  // vpackuswb packs per 128-bit lane (entries 0-7 of both nibbles, then 8-15): a qword
+  // permutation puts each nibble's 16 entries together.
+  _mm256_storeu_si256(reinterpret_cast<__m256i *>(table->split[0]), _mm256_permute4x64_epi64(_mm256_packus_epi16(low[0], low[1]), 0xD8));
+  _mm256_storeu_si256(reinterpret_cast<__m256i *>(table->split[2]), _mm256_permute4x64_epi64(_mm256_packus_epi16(high[0], high[1]), 0xD8));
+}
+
+// What qjl_project_integer keeps of row r after S·q, from sketch_t_stride on: the tables of its
+// codes (m/8), and in the row's last 16 floats the step (float 0) and Σ X (2).
+struct ProjectedRow {
+  const SignTable *tables;
+  float step;
+  int32_t sum;
+};
+ProjectedRow projected_row(const QjlArgs &a, const float *sq, uint32_t r) {
+  const float *row = sq + size_t(r) * a.projected_stride;
+  const float *tail = row + a.projected_stride - 16;
+  int32_t sum;
+  std::memcpy(&sum, tail + 2, sizeof sum);
+  return {reinterpret_cast<const SignTable *>(row + a.sketch_t_stride), tail[0], sum};
+}
+
+// S·q as the fp32 kernel computes it, then per row its codes X = round(S·q / step), step = max
+// |S·q| / 2047, as tables.
+void qjl_project_integer(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
+  qjl_project(a, q, rows, sq);
+  if (!qjl_integer_layer(a)) return;
+  for (uint32_t r = 0; r < rows; ++r) {
+    float *row = sq + size_t(r) * a.projected_stride;
+    __m256 top = _mm256_setzero_ps();
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (uint32_t i = 0; i < a.m; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(row + i), magnitude));
+    const float largest = V::hmax(top);
+    const CodeScale code = code_scale(largest, kQjlSplitCodeMax);
+    const __m256 prescale = _mm256_set1_ps(code.prescale), factor = _mm256_set1_ps(code.factor);
+    auto *tables = reinterpret_cast<SignTable *>(row + a.sketch_t_stride);
+    __m256i total = _mm256_setzero_si256();
+    for (uint32_t i = 0; i < a.m; i += 16) {
+      const auto codes_of = [&](uint32_t j) {
+        return _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(row + j), prescale), factor));
+      };
+      const __m256i first = codes_of(i), second = codes_of(i + 8);  // sign bytes i/8 and i/8 + 1
+      total = _mm256_add_epi32(total, _mm256_add_epi32(first, second));
+      const __m256i packed = _mm256_packs_epi32(first, second);  // lane 0: first's 0-3, second's 0-3
+      const __m256i words = _mm256_permute4x64_epi64(packed, 0xD8);  // first's 8 codes, then second's
+      store_split_table(_mm256_castsi256_si128(words), tables + i / 8);
+      store_split_table(_mm256_extracti128_si256(words, 1), tables + i / 8 + 1);
+    }
+    float *tail = row + a.projected_stride - 16;
+    tail[0] = largest / kQjlSplitCodeMax;
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i *>(lanes), total);
+    uint32_t sum = 0;  // wrapping, as the kernel's sums: codes of a non-finite projection are INT_MIN
+    for (int32_t x : lanes) sum += uint32_t(x);
+    const auto signed_sum = int32_t(sum);
+    std::memcpy(tail + 2, &signed_sum, sizeof signed_sum);
+  }
+}
+
+// The sign bytes (`bytes` per token, W = bytes/4 a power of two <= 16) of the span's 32 tokens
+// from t0 (tokens at B and past read as 0), as vpshufb indices: index[2k] byte β the low nibble
+// of sign byte k of token τ(β), index[2k + 1] its high nibble, τ(16L + 4g + i) = 8g + 4L + i (L
+// the 128-bit lane). Per 8 tokens 8g..8g+7, lane L loads the 4 tokens from 8g + 4L; log2(W)
+// rounds of in-lane even/odd dword splits leave vector k holding dword k of each (in token
+// order); a byte shuffle groups each dword's 4 bytes by byte, and a 4x4 dword transposition over
+// the 4 groups gives each byte position's 32 tokens.
+template <uint32_t W>
+void transpose_span(const uint8_t *bits, uint32_t B, uint32_t t0, __m256i *index) {
+  constexpr uint32_t bytes = 4 * W;
+  const __m256i by_byte = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  __m256i grouped[4][W];
+  for (uint32_t g = 0; g < 4; ++g) {
+    __m128i half[2][W];
+    for (uint32_t L = 0; L < 2; ++L) {
+      const uint32_t t = t0 + 8 * g + 4 * L, valid = t < B ? std::min(B - t, 4u) : 0;
+      const uint8_t *from = bits + size_t(t) * bytes;
+      for (uint32_t j = 0; j < W; ++j) {
+        if (valid == 4) {
+          half[L][j] = _mm_loadu_si128(reinterpret_cast<const __m128i *>(from + 16 * j));
+        } else {  // dwords 4j..4j+3 of the 4 tokens' rows, those past the valid tokens as 0
+          const __m128i dword = _mm_add_epi32(_mm_set1_epi32(int(4 * j)), _mm_setr_epi32(0, 1, 2, 3));
+          const __m128i mask = _mm_cmpgt_epi32(_mm_set1_epi32(int(valid * W)), dword);
+          half[L][j] = _mm_maskload_epi32(reinterpret_cast<const int *>(from + 16 * j), mask);
+        }
+      }
+    }
+    __m256i z[W];
+    for (uint32_t j = 0; j < W; ++j) z[j] = _mm256_set_m128i(half[1][j], half[0][j]);
+    for (uint32_t n = W; n > 1; n /= 2) {
+      __m256i y[W];
+      for (uint32_t i = 0; i < W / 2; ++i) {
+        const __m256 a = _mm256_castsi256_ps(z[2 * i]), b = _mm256_castsi256_ps(z[2 * i + 1]);
+        y[i] = _mm256_castps_si256(_mm256_shuffle_ps(a, b, 0x88));
+        y[W / 2 + i] = _mm256_castps_si256(_mm256_shuffle_ps(a, b, 0xDD));
+      }
+      for (uint32_t i = 0; i < W; ++i) z[i] = y[i];
+    }
+    for (uint32_t k = 0; k < W; ++k) grouped[g][k] = _mm256_shuffle_epi8(z[k], by_byte);
+  }
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (uint32_t k = 0; k < W; ++k) {
+    const __m256i lo01 = _mm256_unpacklo_epi32(grouped[0][k], grouped[1][k]), hi01 = _mm256_unpackhi_epi32(grouped[0][k], grouped[1][k]);
+    const __m256i lo23 = _mm256_unpacklo_epi32(grouped[2][k], grouped[3][k]), hi23 = _mm256_unpackhi_epi32(grouped[2][k], grouped[3][k]);
+    const __m256i position[4] = {_mm256_unpacklo_epi64(lo01, lo23), _mm256_unpackhi_epi64(lo01, lo23),
+                                 _mm256_unpacklo_epi64(hi01, hi23), _mm256_unpackhi_epi64(hi01, hi23)};
+    for (uint32_t b = 0; b < 4; ++b) {
+      _mm256_store_si256(index + 2 * (4 * k + b), _mm256_and_si256(position[b], nibble));
+      _mm256_store_si256(index + 2 * (4 * k + b) + 1, _mm256_and_si256(_mm256_srli_epi16(position[b], 4), nibble));
+    }
+  }
+}
+
+void transpose_span(const uint8_t *bits, uint32_t bytes, uint32_t B, uint32_t t0, __m256i *index) {
+  switch (bytes / 4) {
+    case 1: transpose_span<1>(bits, B, t0, index); break;
+    case 2: transpose_span<2>(bits, B, t0, index); break;
+    case 4: transpose_span<4>(bits, B, t0, index); break;
+    case 8: transpose_span<8>(bits, B, t0, index); break;
+    default: transpose_span<16>(bits, B, t0, index); break;
+  }
+}
+
+// sums[j][v] (lane i: token 8v + i of the span) = Σ_k (low + 128·high) of code set j's tables
+// tables[j][k] at the span's sign bytes k < bytes (index from transpose_span): Σ_i X_i·b_i +
+// 2·8192·bytes. The 16-bit sums stay below 2^15 (bytes <= 64, 254 a byte).
+template <uint32_t N>
+void sign_sums(const __m256i *index, uint32_t bytes, const SignTable *const *tables, __m256i (*sums)[4]) {
+  __m256i low_all[N], low_odd[N], high_all[N], high_odd[N];
+  for (uint32_t j = 0; j < N; ++j) low_all[j] = low_odd[j] = high_all[j] = high_odd[j] = _mm256_setzero_si256();
+  for (uint32_t k = 0; k < bytes; ++k) {
+    const __m256i lo = _mm256_load_si256(index + 2 * k), hi = _mm256_load_si256(index + 2 * k + 1);
+    for (uint32_t j = 0; j < N; ++j) {
+      const SignTable &t = tables[j][k];
+      const __m256i low = _mm256_add_epi8(_mm256_shuffle_epi8(broadcast16(t.split[0]), lo), _mm256_shuffle_epi8(broadcast16(t.split[1]), hi));
+      const __m256i high = _mm256_add_epi8(_mm256_shuffle_epi8(broadcast16(t.split[2]), lo), _mm256_shuffle_epi8(broadcast16(t.split[3]), hi));
+      // Word w holds even byte 2w plus 256 times odd byte 2w + 1: the odd bytes are summed apart.
+      low_all[j] = _mm256_add_epi16(low_all[j], low);
+      low_odd[j] = _mm256_add_epi16(low_odd[j], _mm256_srli_epi16(low, 8));
+      high_all[j] = _mm256_add_epi16(high_all[j], high);
+      high_odd[j] = _mm256_add_epi16(high_odd[j], _mm256_srli_epi16(high, 8));
+    }
+  }
+  const __m256i weights = _mm256_set1_epi32(0x00800001);  // (low, high) word pairs times (1, 128)
+  for (uint32_t j = 0; j < N; ++j) {
+    const __m256i low_even = _mm256_sub_epi16(low_all[j], _mm256_slli_epi16(low_odd[j], 8));
+    const __m256i high_even = _mm256_sub_epi16(high_all[j], _mm256_slli_epi16(high_odd[j], 8));
+    // Word w of the even sums is token τ(2w), of the odd ones τ(2w + 1); per lane L, the words'
+    // first half holds groups 0 and 1 (tokens 4L, 4L + 2, 8 + 4L, 10 + 4L plus 0 or 1), the second
+    // groups 2 and 3.
+    const __m256i even01 = _mm256_madd_epi16(_mm256_unpacklo_epi16(low_even, high_even), weights);
+    const __m256i even23 = _mm256_madd_epi16(_mm256_unpackhi_epi16(low_even, high_even), weights);
+    const __m256i odd01 = _mm256_madd_epi16(_mm256_unpacklo_epi16(low_odd[j], high_odd[j]), weights);
+    const __m256i odd23 = _mm256_madd_epi16(_mm256_unpackhi_epi16(low_odd[j], high_odd[j]), weights);
+    sums[j][0] = _mm256_unpacklo_epi32(even01, odd01);
+    sums[j][1] = _mm256_unpackhi_epi32(even01, odd01);
+    sums[j][2] = _mm256_unpacklo_epi32(even23, odd23);
+    sums[j][3] = _mm256_unpackhi_epi32(even23, odd23);
+  }
+}
+
+// Code sets per pass: 16 accumulators would not fit the 16 ymm registers with the indices.
+constexpr uint32_t kSignSumSets = 2;
+void sign_sums(const __m256i *index, uint32_t bytes, const SignTable *const *tables, uint32_t n, __m256i (*sums)[4]) {
+  if (n == 1) sign_sums<1>(index, bytes, tables, sums);
+  else sign_sums<2>(index, bytes, tables, sums);
+}
+
+// (2·Σ_i X_i·b_i − Σ_i X_i)·scale from sign_sums' biased sums; `offset` = 2·2·8192·bytes + Σ_i X_i.
+inline __m256 signed_dot(__m256i sums, int32_t offset, __m256 scale) {
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_slli_epi32(sums, 1), _mm256_set1_epi32(offset))), scale);
+}
+
+// 8 tokens' fp16 numbers from t (those at B and past as 0), as fp32.
+inline __m256 load_halves(const uint8_t *p, uint32_t t, uint32_t B) {
+  if (t + 8 <= B) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p + 2 * size_t(t))));
+  alignas(16) uint16_t halves[8] = {};
+  if (t < B) std::memcpy(halves, p + 2 * size_t(t), 2 * size_t(B - t));
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i *>(halves)));
+}
+
+void qjl_scores_integer(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, uint32_t rows,
+                        float *out, size_t out_stride, float *scratch) {
+  if (!qjl_integer_layer(a)) {
+    qjl_scores(a, block, q, sq, rows, out, out_stride, scratch);
+    return;
+  }
+  const BlockLayout &l = *a.layout;
+  prefetch_next_block(l, block, l.key_bytes);
+  const uint32_t dp = padded_dim(a.head_dim), m = a.m, m_out = a.m_out, B = a.block_tokens, Bp = padded_tokens(B);
+  const uint32_t c = a.column_tables ? a.outlier_channels : 0, bytes_in = m / 8, bytes_out = m_out / 8;
+  // Scratch (32-byte aligned pieces): the span's inlier and outlier indices; per column j and
+  // vector v, norm_out·c_d/m_out·⟨S_out,j, ±b'⟩ and then that minus norm_in·c_d/m·⟨S_j, ±b⟩ (the
+  // column's term: score = inlier row term + Σ_j q_j·term_j).
+  auto *index_in = reinterpret_cast<__m256i *>(scratch);
+  __m256i *index_out = index_in + 2 * bytes_in;
+  auto *terms = reinterpret_cast<__m256 (*)[4]>(index_out + 2 * bytes_out);
+  const uint8_t *outliers = block + l.key_outlier_idx;
+  const auto column = [&](uint32_t j) { return a.column_tables + outliers[j] * a.column_table_stride; };
+  const __m256 column_step = _mm256_set1_ps(a.column_step);
+  const SignTable *tables[kSignSumSets];
+  __m256i sums[kSignSumSets][4];
+  for (uint32_t t0 = 0; t0 < Bp; t0 += 32) {
+    __m256 norm_in[4], norm_out[4];  // times c_d/m and c_d/m_out
+    for (uint32_t v = 0; v < 4; ++v) {
+      norm_in[v] = _mm256_mul_ps(load_halves(block + l.key_norm_in, t0 + 8 * v, B), _mm256_set1_ps(a.in_factor));
+      norm_out[v] = c ? _mm256_mul_ps(load_halves(block + l.key_norm_out, t0 + 8 * v, B), _mm256_set1_ps(a.out_factor))
+                      : _mm256_setzero_ps();
+    }
+    transpose_span(block + l.key_bits_in, bytes_in, B, t0, index_in);
+    if (c) {
+      transpose_span(block + l.key_bits_out, bytes_out, B, t0, index_out);
+      for (uint32_t j0 = 0; j0 < c; j0 += kSignSumSets) {
+        const uint32_t n = std::min(kSignSumSets, c - j0);
+        for (uint32_t j = 0; j < n; ++j) tables[j] = column(j0 + j);
+        sign_sums(index_out, bytes_out, tables, n, sums);
+        for (uint32_t j = 0; j < n; ++j) {
+          const int32_t offset = 2 * 2 * kQjlSplitBias * int32_t(bytes_out) + a.column_sums[2 * outliers[j0 + j] + 1];
+          for (uint32_t v = 0; v < 4; ++v) terms[j0 + j][v] = _mm256_mul_ps(norm_out[v], signed_dot(sums[j][v], offset, column_step));
+        }
+      }
+    }
+    // Over the inlier bits: the c columns, then the query rows, kSignSumSets code sets a pass;
+    // every row's columns are done before its pass.
+    for (uint32_t e0 = 0; e0 < c + rows; e0 += kSignSumSets) {
+      const uint32_t n = std::min(kSignSumSets, c + rows - e0);
+      for (uint32_t e = e0; e < e0 + n; ++e) tables[e - e0] = e < c ? column(e) : projected_row(a, sq, e - c).tables;
+      sign_sums(index_in, bytes_in, tables, n, sums);
+      for (uint32_t e = e0; e < e0 + n; ++e) {
+        const __m256i *sum = sums[e - e0];
+        if (e < c) {
+          const int32_t offset = 2 * 2 * kQjlSplitBias * int32_t(bytes_in) + a.column_sums[2 * outliers[e]];
+          for (uint32_t v = 0; v < 4; ++v)
+            terms[e][v] = _mm256_fnmadd_ps(norm_in[v], signed_dot(sum[v], offset, column_step), terms[e][v]);
+          continue;
+        }
+        const uint32_t r = e - c;
+        const ProjectedRow row = projected_row(a, sq, r);
+        const float *qr = q + size_t(r) * dp;
+        const __m256 step = _mm256_set1_ps(row.step);
+        const int32_t offset = int32_t(uint32_t(2 * 2 * kQjlSplitBias) * bytes_in + uint32_t(row.sum));
+        __m256 score[4];
+        for (uint32_t v = 0; v < 4; ++v) score[v] = _mm256_mul_ps(norm_in[v], signed_dot(sum[v], offset, step));
+        for (uint32_t j = 0; j < c; ++j) {
+          const __m256 qj = _mm256_set1_ps(qr[outliers[j]]);
+          for (uint32_t v = 0; v < 4; ++v) score[v] = _mm256_fmadd_ps(qj, terms[j][v], score[v]);
+        }
+        for (uint32_t v = 0; v < 4; ++v) _mm256_storeu_ps(out + size_t(r) * out_stride + t0 + 8 * v, score[v]);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace qjlkv::cpu::avx2
 
@@ -415,6 +711,9 @@ const KernelTable &avx2_kernels() {
   static constexpr KernelTable table = [] {
     KernelTable t = avx2::make_table(Isa::Avx2);
     t.kivi_scores = &avx2::kivi_scores_integer;
+    t.qjl_project = &avx2::qjl_project_integer;
+    t.qjl_scores = &avx2::qjl_scores_integer;
+    t.qjl_codes = QjlCodes::SplitBytes;
     return t;
   }();
   return table;

@@ -975,7 +975,7 @@ void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w,
 // ---- QJL keys -------------------------------------------------------------------------------------
 // With b_i a token's sign bits, ⟨x, ±b⟩ = 2·Σ_i x_i·b_i − Σ_i x_i. The kernel takes Σ_i x_i·b_i on
 // int16 codes X ≈ x/step FastScan-style: every byte of a token's sign bits (two nibbles, 8 sketch
-// rows) indexes the codes' pair table (PairTable, vpermw: words 0-15 the 16 subset sums of the
+// rows) indexes the codes' pair table (SignTable in the PairWords layout, vpermw: words 0-15 the 16 subset sums of the
 // low nibble's 4 codes, words 16-31 the high nibble's) and vpdpwssd adds the pair into the
 // token's int32 sum, 16 tokens per instruction; all code sets of a pass share each index vector.
 // Tables are exact in int16 while |X| <= kQjlCodeMax (4·8191 < 2^15).
@@ -987,6 +987,8 @@ void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w,
 // values q_o: per token, the sums of the query rows and of the block's c columns over the inlier
 // bits and of the c columns over the outlier bits, combined in fp32. Each code set's error is
 // Σ_i ρ_i·(±1), |ρ_i| <= step/2.
+
+constexpr float kQjlCodeMax = qjl_code_max(QjlCodes::PairWords);
 
 // Constant index vectors of the QJL kernel.
 struct QjlConstants {
@@ -1082,7 +1084,7 @@ inline void store_pair_tables(__m512i X, __m512i *tables) {
 // What qjl_project keeps of row r after S·q, from sketch_t_stride on: the pair tables of X (m/8),
 // and in the row's last 16 floats the step (float 0) and Σ X (2).
 struct ProjectedRow {
-  const PairTable *tables;
+  const SignTable *tables;
   float step;
   int32_t sum;
 };
@@ -1091,14 +1093,14 @@ ProjectedRow projected_row(const QjlArgs &a, const float *sq, uint32_t r) {
   const float *tail = row + a.projected_stride - 16;
   int32_t sum;
   std::memcpy(&sum, tail + 2, sizeof sum);
-  return {reinterpret_cast<const PairTable *>(row + a.sketch_t_stride), tail[0], sum};
+  return {reinterpret_cast<const SignTable *>(row + a.sketch_t_stride), tail[0], sum};
 }
 
 // sums[2j + h] (lane t: token 16h + t of the span) = Σ_i X_ji·b_ti over `bytes` sign bytes, for the
 // N code sets whose pair tables (one per byte) start at tables[j]; dwords[2k + h]: dword k of the
 // span's chunk h.
 template <uint32_t N>
-void sign_sums(const __m512i *dwords, uint32_t bytes, const PairTable *const *tables, __m512i *sums) {
+void sign_sums(const __m512i *dwords, uint32_t bytes, const SignTable *const *tables, __m512i *sums) {
   const __m512i clear = _mm512_set1_epi32(0x000F000F), tag = _mm512_set1_epi32(0x00100000);
   const __m512i ones = _mm512_set1_epi16(1);
   __m512i acc[N][2];
@@ -1125,7 +1127,7 @@ void sign_sums(const __m512i *dwords, uint32_t bytes, const PairTable *const *ta
 }
 
 constexpr uint32_t kSignSumSets = 8;  // code sets per pass: 16 accumulators
-void sign_sums(const __m512i *dwords, uint32_t bytes, const PairTable *const *tables, uint32_t n, __m512i *sums) {
+void sign_sums(const __m512i *dwords, uint32_t bytes, const SignTable *const *tables, uint32_t n, __m512i *sums) {
   switch (n) {
     case 1: sign_sums<1>(dwords, bytes, tables, sums); break;
     case 2: sign_sums<2>(dwords, bytes, tables, sums); break;
@@ -1136,13 +1138,6 @@ void sign_sums(const __m512i *dwords, uint32_t bytes, const PairTable *const *ta
     case 7: sign_sums<7>(dwords, bytes, tables, sums); break;
     default: sign_sums<8>(dwords, bytes, tables, sums); break;
   }
-}
-
-// Whether the integer kernel takes the layer (otherwise the fp32 one does, and qjl_project
-// keeps no codes).
-bool qjl_integer_layer(const QjlArgs &a) {
-  const bool outliers = a.m_out && a.outlier_channels;
-  return qjl_integer_rows(a.m) && (!outliers || a.column_tables);
 }
 
 // S·q as the avx512 kernel computes it, then per row its codes (header of this section).
@@ -1205,7 +1200,7 @@ void qjl_scores(const QjlArgs &a, const uint8_t *block, const float *q, const fl
   auto *terms = reinterpret_cast<__m512 *>(dwords_out + m_out / 16);
   auto *sums = reinterpret_cast<__m512i *>(terms + 2 * size_t(c));
   const uint8_t *outliers = block + l.key_outlier_idx;
-  const PairTable *tables[kSignSumSets];
+  const SignTable *tables[kSignSumSets];
   const auto column = [&](uint32_t j) { return a.column_tables + outliers[j] * a.column_table_stride; };
   const __m512 column_step = _mm512_set1_ps(a.column_step);
   for (uint32_t t0 = 0; t0 < Bp; t0 += 32) {
@@ -1278,7 +1273,7 @@ const KernelTable &avx512_vnni_kernels() {
     t.isa = Isa::Avx512Vnni;
     t.qjl_project = &avx512_vnni::qjl_project;
     t.qjl_scores = &avx512_vnni::qjl_scores;
-    t.qjl_column_codes = true;
+    t.qjl_codes = QjlCodes::PairWords;
     t.kivi_scores = &avx512_vnni::kivi_scores;
     t.values_accumulate = &avx512_vnni::values_accumulate;
     return t;

@@ -69,7 +69,7 @@ void QjlKeys::init_layers(const qjlkv_config &cfg, std::vector<LayerSpec> &layer
 
 void QjlKeys::prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &kernels,
                       cpu::LayerKernels &args) {
-  args.qjl = cpu::make_qjl_args(spec, layer, args.qjl_tables, kernels.qjl_column_codes);
+  args.qjl = cpu::make_qjl_args(spec, layer, args.qjl_tables, kernels.qjl_codes);
 }
 
 void QjlKeys::quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block, float *scratch) {

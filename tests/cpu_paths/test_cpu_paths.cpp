@@ -40,11 +40,12 @@ std::vector<Isa> supported_isas() {
 // budget (ScoresWithinErrorBudget), not to float tolerance. (QJL sketches whose rows are not a
 // power-of-two number of 32-bit words fall back to the fp32 kernel; they are held to the budget
 // all the same.) AVX2 and AVX-512 score KIVI/OTT keys in integers (the AVX2 kernel) when
-// head_dim is a multiple of 16.
+// head_dim is a multiple of 16, and QJL keys (the AVX2 kernel) too.
 bool integer_key_scores(Isa isa, const qjlkv_config &cfg) {
   const bool codes = cfg.key_method == QJLKV_KEYS_KIVI || cfg.key_method == QJLKV_KEYS_OTT;
-  return (isa == Isa::Avx512Vnni && (codes || cfg.key_method == QJLKV_KEYS_QJL)) ||
-         ((isa == Isa::Avx2 || isa == Isa::Avx512) && codes && cfg.head_dim % 16 == 0);
+  const bool qjl = cfg.key_method == QJLKV_KEYS_QJL;
+  return (isa == Isa::Avx512Vnni && (codes || qjl)) ||
+         ((isa == Isa::Avx2 || isa == Isa::Avx512) && ((codes && cfg.head_dim % 16 == 0) || qjl));
 }
 // Likewise for value sums (ValueSumsWithinErrorBudget): rotated Lloyd-Max codes of 2 to 4 bits
 // in 16-channel chunks; uniform codes of 2 to 8 bits in 16-channel chunks, with groups of 8 or a
@@ -241,7 +242,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     queries_.resize(size_t(k.rows) * d);
     for (float &x : queries_) x = normal(rng);
     // Fast-path arguments, as the backend builds them.
-    if (cfg_.key_method == QJLKV_KEYS_QJL) qjl_ = make_qjl_args(spec_, ls, qjl_tables_, true);
+    if (cfg_.key_method == QJLKV_KEYS_QJL) qjl_ = make_qjl_args(spec_, ls, qjl_tables_, QjlCodes::None);
     keys_args_ = CodesArgs{&ls.layout, B, d, cfg_.key_bits, 0, spec_.stored_dtype};
     values_args_ = CodesArgs{&ls.layout,         B,
                              d,                  cfg_.value_bits,
@@ -269,15 +270,17 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     float *scratch = aligned<float>(scratch_storage, kernel_scratch_floats(cfg_, ls.m, ls.m_out, ls.sketch_rows));
     switch (cfg_.key_method) {
       case QJLKV_KEYS_QJL: {
-        float *sq = aligned<float>(sq_storage, rows * qjl_.projected_stride);
-        K.qjl_project(qjl_, q.data(), rows, sq);
+        QjlTables tables;  // the path's own column codes, as the backend builds them for it
+        const QjlArgs qjl = make_qjl_args(spec_, ls, tables, K.qjl_codes);
+        float *sq = aligned<float>(sq_storage, rows * qjl.projected_stride);
+        K.qjl_project(qjl, q.data(), rows, sq);
         for (uint32_t r = 0; r < rows; ++r)
           for (uint32_t i = 0; i < ls.sketch_rows; ++i) {
-            EXPECT_NEAR(sq[r * qjl_.projected_stride + i], sq_ref[size_t(r) * ls.sketch_rows + i], 1e-4f)
+            EXPECT_NEAR(sq[r * qjl.projected_stride + i], sq_ref[size_t(r) * ls.sketch_rows + i], 1e-4f)
                 << isa_name(K.isa) << " projection row " << r << " sketch row " << i;
             if (testing::Test::HasFailure()) return out;
           }
-        K.qjl_scores(qjl_, block_.data(), q.data(), sq, rows, out, Bp, scratch);
+        K.qjl_scores(qjl, block_.data(), q.data(), sq, rows, out, Bp, scratch);
         break;
       }
       case QJLKV_KEYS_EXACT:
