@@ -122,21 +122,20 @@ SignTable sign_table(const int32_t *x, QjlCodes layout) {
         table.words[16 * nibble + e] = int16_t(sum);
       } else {
         const auto biased = uint32_t(sum + kQjlSplitBias);
-        table.split[nibble][e] = uint8_t(biased & 127u);
-        table.split[2 + nibble][e] = uint8_t(biased >> 7);
+        table.split[nibble][e] = uint8_t(biased & 255u);
+        table.split[2 + nibble][e] = uint8_t(biased >> 8);
       }
     }
   return table;
 }
 
-// QjlArgs' column codes: Y_ij = round(S_ij / step), step = max |S| / qjl_code_max(layout).
+// QjlArgs' column codes: Y_ij = round(S_ij / step), step = max |S| / kQjlCodeMax.
 void make_column_codes(const LayerSpec &layer, uint32_t d, QjlCodes layout, QjlTables &tables, QjlArgs &a) {
   const uint32_t rows = layer.sketch_rows, bytes = rows / 8;
   const float *S = layer.sketch->matrix.data.data();  // [sketch_rows][d]
   float largest = 0.0f;
   for (size_t i = 0; i < size_t(rows) * d; ++i) largest = std::max(largest, std::fabs(S[i]));
-  const float code_max = qjl_code_max(layout);
-  const CodeScale code = code_scale(largest, code_max);
+  const CodeScale code = code_scale(largest, kQjlCodeMax);
   tables.columns.assign(size_t(d) * bytes, SignTable{});
   tables.column_sums.assign(2 * size_t(d), 0);
   std::vector<int32_t> Y(rows);
@@ -151,7 +150,7 @@ void make_column_codes(const LayerSpec &layer, uint32_t d, QjlCodes layout, QjlT
   a.column_tables = tables.columns.data();
   a.column_table_stride = bytes;
   a.column_sums = tables.column_sums.data();
-  a.column_step = largest / code_max;
+  a.column_step = largest / kQjlCodeMax;
 }
 }  // namespace
 

@@ -32,17 +32,15 @@ inline void prefetch_next_block(const BlockLayout &l, const void *from, size_t b
 }
 
 // The integer QJL kernels look up, per sign byte of a token (8 sketch rows: the low nibble rows
-// 0-3, the high nibble rows 4-7), the subset sums of the 8 rows' integer codes X, in one of two
-// layouts of a SignTable:
-// - PairWords (avx512vnni, vpermw): words[e] = Σ of X_0..X_3 over the set bits of e, words[16 + e]
-//   the same of X_4..X_7; |X| <= 8191 keeps a sum of 4 in int16.
-// - SplitBytes (avx2, vpshufb): each subset sum T (as above) plus 8192 is split into 7-bit halves,
-//   split[0][e] = low 7 bits and split[2][e] = the rest for the low nibble's T, split[1][e] and
-//   split[3][e] for the high nibble's; |X| <= 2047 keeps T + 8192 in [4, 16380], so that the two
-//   nibbles' halves add without overflow in a byte.
+// 0-3, the high nibble rows 4-7), the subset sums of the 8 rows' integer codes X, |X| <=
+// kQjlCodeMax (4·8191 < 2^15: a sum of 4 fits int16), in one of two layouts of a SignTable:
+// - PairWords (avx512vnni, vpermw): words[e] = T0[e], the sum of X_0..X_3 over the set bits of e,
+//   and words[16 + e] = T1[e], the same of X_4..X_7.
+// - SplitBytes (avx2, vpshufb): U = T + kQjlSplitBias in [4, 65532] split into bytes, split[0][e]
+//   and split[2][e] the low and high byte of T0[e]'s, split[1][e] and split[3][e] of T1[e]'s.
 enum class QjlCodes : uint8_t { None, PairWords, SplitBytes };
-constexpr float qjl_code_max(QjlCodes layout) { return layout == QjlCodes::SplitBytes ? 2047.0f : 8191.0f; }
-constexpr int32_t kQjlSplitBias = 8192;
+constexpr float kQjlCodeMax = 8191.0f;
+constexpr int32_t kQjlSplitBias = 32768;
 // Whether the integer QJL kernel takes sign rows of this count: a power-of-two number of 32-bit
 // words, at most 16.
 inline bool qjl_integer_rows(uint32_t rows) {
@@ -73,7 +71,7 @@ struct QjlArgs {
   size_t sketch_t_stride = 0;       // >= sketch_rows, a multiple of 32
   size_t projected_stride = 0;      // qjl_project's rows: sketch_t_stride + 2·padded_sketch_rows(m) + 16
   float in_factor = 0.0f, out_factor = 0.0f;  // c_d/m and c_d/m_out
-  // The columns of S as codes Y_ij = round(S_ij / column_step) (|Y| <= qjl_code_max), for the
+  // The columns of S as codes Y_ij = round(S_ij / column_step) (|Y| <= kQjlCodeMax), for the
   // integer kernels' outlier terms; null unless make_qjl_args was asked for them and the layer
   // has outlier channels and suits those kernels. Channel j: the sign tables of its sketch_rows / 8
   // sign bytes at column_tables + j·column_table_stride; column_sums[2j] and [2j + 1]: Σ_i Y_ij

@@ -403,14 +403,12 @@ void kivi_scores_integer(const CodesArgs &a, const uint8_t *block, const float *
 
 
 // ---- QJL keys in integers (SPEC §9, docs/DESIGN.md "Integer decode paths") --------------------
-// The avx512vnni kernel's arithmetic (its section "QJL keys") with AVX2's lookups: S·q and the
-// columns of S as int16 codes (|X| <= 2047), and per sign byte of a token the SplitBytes tables
-// (simd.hpp) of the subset sums of its two nibbles' codes. vpshufb looks up 32 tokens' nibbles at
-// once, one byte each: the low 7 bits of both nibbles' biased sums added in one byte, the high
-// bits in another, each accumulated over the sign bytes in 16-bit words (even and odd tokens'
-// bytes apart). A token's sum is exact: Σ_i X_i·b_i = low + 128·high − 2·8192·bytes.
-constexpr float kQjlSplitCodeMax = qjl_code_max(QjlCodes::SplitBytes);
-
+// The avx512vnni kernel's arithmetic and codes (its section "QJL keys": the same integer sums)
+// with AVX2's lookups: per sign byte of a token the SplitBytes tables (simd.hpp) of the subset
+// sums of its two nibbles' codes, biased to U in [4, 65532]. vpshufb looks up 32 tokens' nibbles
+// at once, one byte each, the low and the high bytes of U apart; each is accumulated over the
+// sign bytes in 16-bit words (even and odd tokens' bytes apart), and a token's sum comes out
+// exact: Σ_i X_i·b_i = Σ low + 256·Σ high − 2·32768·bytes.
 inline __m256i broadcast16(const uint8_t *p) {
   return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
 }
@@ -437,14 +435,15 @@ constexpr NibbleSelect kNibbleSelect = make_nibble_select();
 
 // The SignTable (SplitBytes) of the 8 codes in `codes`' low 128 bits (int16).
 inline void store_split_table(__m128i codes, SignTable *table) {
-  const __m256i both = _mm256_broadcastsi128_si256(codes), bias = _mm256_set1_epi16(int16_t(kQjlSplitBias));
+  // T + 32768 wraps in int16 to U as an unsigned word.
+  const __m256i both = _mm256_broadcastsi128_si256(codes), bias = _mm256_set1_epi16(int16_t(kQjlSplitBias - 65536));
   __m256i low[2], high[2];
   for (uint32_t n = 0; n < 2; ++n) {
     __m256i sum = bias;
     for (uint32_t i = 0; i < 4; ++i)
       sum = _mm256_add_epi16(sum, _mm256_shuffle_epi8(both, _mm256_load_si256(reinterpret_cast<const __m256i *>(kNibbleSelect.pick[4 * n + i]))));
-    low[n] = _mm256_and_si256(sum, _mm256_set1_epi16(127));
-    high[n] = _mm256_srli_epi16(sum, 7);
+    low[n] = _mm256_and_si256(sum, _mm256_set1_epi16(255));
+    high[n] = _mm256_srli_epi16(sum, 8);
   }
   // vpackuswb packs per 128-bit lane (entries 0-7 of both nibbles, then 8-15): a qword
   // permutation puts each nibble's 16 entries together.
@@ -468,7 +467,7 @@ ProjectedRow projected_row(const QjlArgs &a, const float *sq, uint32_t r) {
 }
 
 // S·q as the fp32 kernel computes it, then per row its codes X = round(S·q / step), step = max
-// |S·q| / 2047, as tables.
+// |S·q| / kQjlCodeMax, as tables.
 void qjl_project_integer(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
   qjl_project(a, q, rows, sq);
   if (!qjl_integer_layer(a)) return;
@@ -478,7 +477,7 @@ void qjl_project_integer(const QjlArgs &a, const float *q, uint32_t rows, float 
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (uint32_t i = 0; i < a.m; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(row + i), magnitude));
     const float largest = V::hmax(top);
-    const CodeScale code = code_scale(largest, kQjlSplitCodeMax);
+    const CodeScale code = code_scale(largest, kQjlCodeMax);
     const __m256 prescale = _mm256_set1_ps(code.prescale), factor = _mm256_set1_ps(code.factor);
     auto *tables = reinterpret_cast<SignTable *>(row + a.sketch_t_stride);
     __m256i total = _mm256_setzero_si256();
@@ -494,7 +493,7 @@ void qjl_project_integer(const QjlArgs &a, const float *q, uint32_t rows, float 
       store_split_table(_mm256_extracti128_si256(words, 1), tables + i / 8 + 1);
     }
     float *tail = row + a.projected_stride - 16;
-    tail[0] = largest / kQjlSplitCodeMax;
+    tail[0] = largest / kQjlCodeMax;
     alignas(32) int32_t lanes[8];
     _mm256_store_si256(reinterpret_cast<__m256i *>(lanes), total);
     uint32_t sum = 0;  // wrapping, as the kernel's sums: codes of a non-finite projection are INT_MIN
@@ -567,9 +566,9 @@ void transpose_span(const uint8_t *bits, uint32_t bytes, uint32_t B, uint32_t t0
   }
 }
 
-// sums[j][v] (lane i: token 8v + i of the span) = Σ_k (low + 128·high) of code set j's tables
-// tables[j][k] at the span's sign bytes k < bytes (index from transpose_span): Σ_i X_i·b_i +
-// 2·8192·bytes. The 16-bit sums stay below 2^15 (bytes <= 64, 254 a byte).
+// sums[j][v] (lane i: token 8v + i of the span) = Σ_k U of code set j's tables tables[j][k] at the
+// span's sign bytes k < bytes (index from transpose_span) = Σ_i X_i·b_i + 2·32768·bytes. The
+// 16-bit sums of either byte stay below 2^15 (bytes <= 64, 2·255 a byte).
 template <uint32_t N>
 void sign_sums(const __m256i *index, uint32_t bytes, const SignTable *const *tables, __m256i (*sums)[4]) {
   __m256i low_all[N], low_odd[N], high_all[N], high_odd[N];
@@ -578,16 +577,17 @@ void sign_sums(const __m256i *index, uint32_t bytes, const SignTable *const *tab
     const __m256i lo = _mm256_load_si256(index + 2 * k), hi = _mm256_load_si256(index + 2 * k + 1);
     for (uint32_t j = 0; j < N; ++j) {
       const SignTable &t = tables[j][k];
-      const __m256i low = _mm256_add_epi8(_mm256_shuffle_epi8(broadcast16(t.split[0]), lo), _mm256_shuffle_epi8(broadcast16(t.split[1]), hi));
-      const __m256i high = _mm256_add_epi8(_mm256_shuffle_epi8(broadcast16(t.split[2]), lo), _mm256_shuffle_epi8(broadcast16(t.split[3]), hi));
-      // Word w holds even byte 2w plus 256 times odd byte 2w + 1: the odd bytes are summed apart.
-      low_all[j] = _mm256_add_epi16(low_all[j], low);
-      low_odd[j] = _mm256_add_epi16(low_odd[j], _mm256_srli_epi16(low, 8));
-      high_all[j] = _mm256_add_epi16(high_all[j], high);
-      high_odd[j] = _mm256_add_epi16(high_odd[j], _mm256_srli_epi16(high, 8));
+      const __m256i low0 = _mm256_shuffle_epi8(broadcast16(t.split[0]), lo), low1 = _mm256_shuffle_epi8(broadcast16(t.split[1]), hi);
+      const __m256i high0 = _mm256_shuffle_epi8(broadcast16(t.split[2]), lo), high1 = _mm256_shuffle_epi8(broadcast16(t.split[3]), hi);
+      // Word w holds even byte 2w plus 256 times odd byte 2w + 1 (mod 2^16): the odd bytes are
+      // also summed apart, which recovers the even ones.
+      low_all[j] = _mm256_add_epi16(low_all[j], _mm256_add_epi16(low0, low1));
+      low_odd[j] = _mm256_add_epi16(low_odd[j], _mm256_add_epi16(_mm256_srli_epi16(low0, 8), _mm256_srli_epi16(low1, 8)));
+      high_all[j] = _mm256_add_epi16(high_all[j], _mm256_add_epi16(high0, high1));
+      high_odd[j] = _mm256_add_epi16(high_odd[j], _mm256_add_epi16(_mm256_srli_epi16(high0, 8), _mm256_srli_epi16(high1, 8)));
     }
   }
-  const __m256i weights = _mm256_set1_epi32(0x00800001);  // (low, high) word pairs times (1, 128)
+  const __m256i weights = _mm256_set1_epi32(0x01000001);  // (low, high) word pairs times (1, 256)
   for (uint32_t j = 0; j < N; ++j) {
     const __m256i low_even = _mm256_sub_epi16(low_all[j], _mm256_slli_epi16(low_odd[j], 8));
     const __m256i high_even = _mm256_sub_epi16(high_all[j], _mm256_slli_epi16(high_odd[j], 8));
@@ -612,7 +612,7 @@ void sign_sums(const __m256i *index, uint32_t bytes, const SignTable *const *tab
   else sign_sums<2>(index, bytes, tables, sums);
 }
 
-// (2·Σ_i X_i·b_i − Σ_i X_i)·scale from sign_sums' biased sums; `offset` = 2·2·8192·bytes + Σ_i X_i.
+// (2·Σ_i X_i·b_i − Σ_i X_i)·scale from sign_sums' biased sums; `offset` = 2·2·32768·bytes + Σ_i X_i.
 inline __m256 signed_dot(__m256i sums, int32_t offset, __m256 scale) {
   return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_slli_epi32(sums, 1), _mm256_set1_epi32(offset))), scale);
 }
@@ -661,7 +661,7 @@ void qjl_scores_integer(const QjlArgs &a, const uint8_t *block, const float *q, 
         for (uint32_t j = 0; j < n; ++j) tables[j] = column(j0 + j);
         sign_sums(index_out, bytes_out, tables, n, sums);
         for (uint32_t j = 0; j < n; ++j) {
-          const int32_t offset = 2 * 2 * kQjlSplitBias * int32_t(bytes_out) + a.column_sums[2 * outliers[j0 + j] + 1];
+          const int32_t offset = 4 * kQjlSplitBias * int32_t(bytes_out) + a.column_sums[2 * outliers[j0 + j] + 1];
           for (uint32_t v = 0; v < 4; ++v) terms[j0 + j][v] = _mm256_mul_ps(norm_out[v], signed_dot(sums[j][v], offset, column_step));
         }
       }
@@ -675,7 +675,7 @@ void qjl_scores_integer(const QjlArgs &a, const uint8_t *block, const float *q, 
       for (uint32_t e = e0; e < e0 + n; ++e) {
         const __m256i *sum = sums[e - e0];
         if (e < c) {
-          const int32_t offset = 2 * 2 * kQjlSplitBias * int32_t(bytes_in) + a.column_sums[2 * outliers[e]];
+          const int32_t offset = 4 * kQjlSplitBias * int32_t(bytes_in) + a.column_sums[2 * outliers[e]];
           for (uint32_t v = 0; v < 4; ++v)
             terms[e][v] = _mm256_fnmadd_ps(norm_in[v], signed_dot(sum[v], offset, column_step), terms[e][v]);
           continue;
@@ -684,7 +684,7 @@ void qjl_scores_integer(const QjlArgs &a, const uint8_t *block, const float *q, 
         const ProjectedRow row = projected_row(a, sq, r);
         const float *qr = q + size_t(r) * dp;
         const __m256 step = _mm256_set1_ps(row.step);
-        const int32_t offset = int32_t(uint32_t(2 * 2 * kQjlSplitBias) * bytes_in + uint32_t(row.sum));
+        const int32_t offset = int32_t(uint32_t(4 * kQjlSplitBias) * bytes_in + uint32_t(row.sum));
         __m256 score[4];
         for (uint32_t v = 0; v < 4; ++v) score[v] = _mm256_mul_ps(norm_in[v], signed_dot(sum[v], offset, step));
         for (uint32_t j = 0; j < c; ++j) {

@@ -988,8 +988,6 @@ void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w,
 // bits and of the c columns over the outlier bits, combined in fp32. Each code set's error is
 // Σ_i ρ_i·(±1), |ρ_i| <= step/2.
 
-constexpr float kQjlCodeMax = qjl_code_max(QjlCodes::PairWords);
-
 // Constant index vectors of the QJL kernel.
 struct QjlConstants {
   // vpmultishiftqb: from dwords holding 4 sign-bit bytes of a token, byte i's low nibble into the

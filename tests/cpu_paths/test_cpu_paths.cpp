@@ -154,6 +154,7 @@ const KernelCase kCases[] = {
     {"qjl_no_outliers_m128", "qjl", 64, 32, 128, 0, 0, 2, 2, 32, 4},
     {"qjl_outliers12_rows3", "qjl", 128, 40, 256, 12, 128, 2, 2, 32, 3},  // columns in two passes
     {"qjl_m32_outliers100", "qjl", 128, 32, 32, 100, 32, 2, 2, 32, 2},   // the integer scratch at its largest
+    {"qjl_preset_rows8", "qjl", 128, 32, 256, 4, 128, 2, 2, 64, 8},
     {"kivi2", "kivi", 128, 128, 256, 8, 64, 2, 2, 32, 4},
     {"kivi4_odd", "kivi", 24, 40, 48, 8, 24, 4, 4, 24, 6},
     {"kivi8", "kivi", 64, 32, 128, 8, 32, 8, 8, 16, 1},
