@@ -87,6 +87,27 @@ inline bool qjl_integer_layer(const QjlArgs &a) {
   const bool outliers = a.m_out && a.outlier_channels;
   return qjl_integer_rows(a.m) && (!outliers || a.column_tables);
 }
+// What an integer kernel's qjl_project keeps of row r of `sq` after S·q: from sketch_t_stride
+// on, the sign tables of the row's codes X (m/8, in the kernel's QjlCodes layout), and in the
+// row's last 16 floats the codes' step (float 0) and Σ X (float 2, an int32's bytes).
+struct ProjectedRow {
+  const SignTable *tables;
+  float step;
+  int32_t sum;
+};
+inline ProjectedRow projected_row(const QjlArgs &a, const float *sq, uint32_t r) {
+  const float *row = sq + size_t(r) * a.projected_stride;
+  const float *tail = row + a.projected_stride - 16;
+  int32_t sum;
+  std::memcpy(&sum, tail + 2, sizeof sum);
+  return {reinterpret_cast<const SignTable *>(row + a.sketch_t_stride), tail[0], sum};
+}
+inline void store_projected_tail(const QjlArgs &a, float *sq, uint32_t r, float step, int32_t sum) {
+  float *tail = sq + size_t(r + 1) * a.projected_stride - 16;
+  tail[0] = step;
+  std::memcpy(tail + 2, &sum, sizeof sum);
+}
+
 // The arguments of one QJL layer; fills `tables` with the layer's sketch transposed and the
 // integer kernels' column codes in the layout `codes` (none for QjlCodes::None).
 QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, QjlTables &tables, QjlCodes codes);

@@ -451,21 +451,6 @@ inline void store_split_table(__m128i codes, SignTable *table) {
   _mm256_storeu_si256(reinterpret_cast<__m256i *>(table->split[2]), _mm256_permute4x64_epi64(_mm256_packus_epi16(high[0], high[1]), 0xD8));
 }
 
-// What qjl_project_integer keeps of row r after S·q, from sketch_t_stride on: the tables of its
-// codes (m/8), and in the row's last 16 floats the step (float 0) and Σ X (2).
-struct ProjectedRow {
-  const SignTable *tables;
-  float step;
-  int32_t sum;
-};
-ProjectedRow projected_row(const QjlArgs &a, const float *sq, uint32_t r) {
-  const float *row = sq + size_t(r) * a.projected_stride;
-  const float *tail = row + a.projected_stride - 16;
-  int32_t sum;
-  std::memcpy(&sum, tail + 2, sizeof sum);
-  return {reinterpret_cast<const SignTable *>(row + a.sketch_t_stride), tail[0], sum};
-}
-
 // S·q as the fp32 kernel computes it, then per row its codes X = round(S·q / step), step = max
 // |S·q| / kQjlCodeMax, as tables.
 void qjl_project_integer(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
@@ -492,14 +477,11 @@ void qjl_project_integer(const QjlArgs &a, const float *q, uint32_t rows, float 
       store_split_table(_mm256_castsi256_si128(words), tables + i / 8);
       store_split_table(_mm256_extracti128_si256(words, 1), tables + i / 8 + 1);
     }
-    float *tail = row + a.projected_stride - 16;
-    tail[0] = largest / kQjlCodeMax;
     alignas(32) int32_t lanes[8];
     _mm256_store_si256(reinterpret_cast<__m256i *>(lanes), total);
     uint32_t sum = 0;  // wrapping, as the kernel's sums: codes of a non-finite projection are INT_MIN
     for (int32_t x : lanes) sum += uint32_t(x);
-    const auto signed_sum = int32_t(sum);
-    std::memcpy(tail + 2, &signed_sum, sizeof signed_sum);
+    store_projected_tail(a, sq, r, largest / kQjlCodeMax, int32_t(sum));
   }
 }
 

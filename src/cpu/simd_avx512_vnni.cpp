@@ -1079,21 +1079,6 @@ inline void store_pair_tables(__m512i X, __m512i *tables) {
                                                      _mm512_permutexvar_epi16(_mm512_load_si512(kQjl.high[l]), halves)));
 }
 
-// What qjl_project keeps of row r after S·q, from sketch_t_stride on: the pair tables of X (m/8),
-// and in the row's last 16 floats the step (float 0) and Σ X (2).
-struct ProjectedRow {
-  const SignTable *tables;
-  float step;
-  int32_t sum;
-};
-ProjectedRow projected_row(const QjlArgs &a, const float *sq, uint32_t r) {
-  const float *row = sq + size_t(r) * a.projected_stride;
-  const float *tail = row + a.projected_stride - 16;
-  int32_t sum;
-  std::memcpy(&sum, tail + 2, sizeof sum);
-  return {reinterpret_cast<const SignTable *>(row + a.sketch_t_stride), tail[0], sum};
-}
-
 // sums[2j + h] (lane t: token 16h + t of the span) = Σ_i X_ji·b_ti over `bytes` sign bytes, for the
 // N code sets whose pair tables (one per byte) start at tables[j]; dwords[2k + h]: dword k of the
 // span's chunk h.
@@ -1156,10 +1141,7 @@ void qjl_project(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
       total = _mm512_add_epi32(total, X);
       store_pair_tables(X, tables + i / 8);
     }
-    float *tail = row + a.projected_stride - 16;
-    tail[0] = largest / kQjlCodeMax;
-    const int32_t sum = lane_sum(total);
-    std::memcpy(tail + 2, &sum, sizeof sum);
+    store_projected_tail(a, sq, r, largest / kQjlCodeMax, lane_sum(total));
   }
 }
 
