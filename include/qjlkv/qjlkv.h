@@ -71,8 +71,8 @@
  *   nothing is read or written. packaging/VERSIONING.md has the policy.
  * Environment. QJLKV_CPU_ISA=scalar|avx2|avx512|avx512vnni forces the
  *   instruction set of the CPU kernels (unset or empty: the best the CPU runs;
- *   avx2 and avx512 compute KIVI/OTT key scores in integers, avx512vnni also QJL
- *   key scores and rotated Lloyd-Max and uniform value sums, within the error
+ *   avx2 and avx512 compute KIVI/OTT and QJL key scores in integers,
+ *   avx512vnni also rotated Lloyd-Max and uniform value sums, within the error
  *   budget of docs/DESIGN.md; layouts the integer kernels do not cover keep fp32,
  *   as does scalar). qjlkv_cache_create
  *   of a CPU cache fails with INVALID_ARGUMENT for any other value and with
