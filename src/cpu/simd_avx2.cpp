@@ -401,7 +401,6 @@ void kivi_scores_integer(const CodesArgs &a, const uint8_t *block, const float *
   }
 }
 
-
 // ---- QJL keys in integers (SPEC §9, docs/DESIGN.md "Integer decode paths") --------------------
 // The avx512vnni kernel's arithmetic and codes (its section "QJL keys": the same integer sums)
 // with AVX2's lookups: per sign byte of a token the SplitBytes tables (simd.hpp) of the subset
