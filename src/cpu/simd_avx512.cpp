@@ -221,8 +221,8 @@ void kivi_scores_fastest(const CodesArgs &a, const uint8_t *block, const float *
   else kivi_scores(a, block, q, rows, out, out_stride, scratch);
 }
 
-// QJL keys likewise: the AVX2 integer kernel (1.8x faster than these fp32 tables on this
-// machine's `Kernels` benchmark) for the layers it takes, these tables else.
+// QJL keys likewise: the AVX2 integer kernel (keys about 1.6x faster than these fp32 tables on
+// this machine's `Kernels` benchmark) for the layers it takes, these tables else.
 void qjl_project_fastest(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
   if (qjl_integer_layer(a)) avx2_kernels().qjl_project(a, q, rows, sq);
   else qjl_project(a, q, rows, sq);
