@@ -13,15 +13,26 @@
 namespace qjlkv {
 namespace {
 
-// How long the caller of parallel_for waits for the workers' last tasks before sleeping.
-constexpr auto kSpinWait = std::chrono::microseconds(200);
-
 void spin_pause() {
 #if defined(__x86_64__) || defined(__i386__)
   _mm_pause();
 #else
   std::this_thread::yield();
 #endif
+}
+
+// How long the caller of parallel_for waits for the workers' last tasks before sleeping, and
+// the workers for the next call after one with another_follows.
+constexpr auto kSpinWait = std::chrono::microseconds(200);
+
+// Polls done() with pause instructions until it is true or kSpinWait has passed.
+template <class Done>
+void poll(Done done) {
+  const auto deadline = std::chrono::steady_clock::now() + kSpinWait;
+  for (unsigned i = 1; !done(); ++i) {
+    spin_pause();
+    if (i % 64 == 0 && std::chrono::steady_clock::now() > deadline) return;
+  }
 }
 
 }  // namespace
@@ -67,15 +78,21 @@ void ThreadPool::worker_loop() {
     wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
     if (stopping_) return;
     seen = generation_;
+    const bool another_follows = another_follows_;
     ++busy_;
     lock.unlock();
     run_tasks(worker);
     lock.lock();
     if (--busy_ == 0) done_.notify_all();
+    if (another_follows) {
+      lock.unlock();
+      poll([&] { return stopping_.load() || generation_.load() != seen; });
+      lock.lock();
+    }
   }
 }
 
-void ThreadPool::parallel_for(size_t n, TaskRef task) {
+void ThreadPool::parallel_for(size_t n, TaskRef task, bool another_follows) {
   std::unique_lock serving(serving_, std::defer_lock);
   if (workers_.empty() || n <= 1 || !serving.try_lock()) {
     for (size_t i = 0; i < n; ++i) task(i, 0);
@@ -88,6 +105,7 @@ void ThreadPool::parallel_for(size_t n, TaskRef task) {
     task_ = &task;
     task_count_ = n;
     next_.store(0);
+    another_follows_ = another_follows;
     ++generation_;
   }
   wake_.notify_all();
@@ -96,11 +114,7 @@ void ThreadPool::parallel_for(size_t n, TaskRef task) {
   // since a wake-up from sleep costs tens of microseconds on a virtual machine (a decode step at
   // 1k tokens is about a hundred).
   const auto finished = [&] { return busy_.load(std::memory_order_acquire) == 0 && next_.load() >= task_count_; };
-  const auto deadline = std::chrono::steady_clock::now() + kSpinWait;
-  for (unsigned i = 1; !finished(); ++i) {
-    spin_pause();
-    if (i % 64 == 0 && std::chrono::steady_clock::now() > deadline) break;
-  }
+  poll(finished);
   std::unique_lock lock(mutex_);
   done_.wait(lock, finished);
 }

@@ -49,8 +49,11 @@ class ThreadPool {
   // Several threads may call it at once (caches sharing the pool): the workers serve one call
   // at a time, and a call that finds them busy runs on its calling thread alone (worker 0).
   // Once its own share is done the caller waits for the workers' last tasks awake, for up to
-  // 200 µs, before it sleeps; idle workers sleep.
-  void parallel_for(size_t n, TaskRef task);
+  // 200 µs, before it sleeps. Idle workers sleep, except after a call with another_follows
+  // (the caller's next step is another parallel_for, e.g. the next phase of one decode step):
+  // then they wait for it awake, for up to 200 µs, since a wake-up from sleep costs tens of
+  // microseconds on a virtual machine.
+  void parallel_for(size_t n, TaskRef task, bool another_follows = false);
 
  private:
   void worker_loop();
@@ -66,8 +69,10 @@ class ThreadPool {
   std::atomic<size_t> next_{0};
   std::atomic<unsigned> busy_{0};  // changed under mutex_; read without it while the caller waits
   unsigned next_worker_id_ = 1;
-  uint64_t generation_ = 0;
-  bool stopping_ = false;
+  // Changed under mutex_; read without it by workers waiting awake for the next call.
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stopping_{false};
+  bool another_follows_ = false;  // of the call being served
 };
 
 }  // namespace qjlkv

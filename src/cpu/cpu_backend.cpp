@@ -633,16 +633,23 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   const auto *query_bytes = static_cast<const uint8_t *>(queries);
   const size_t q_seq_bytes = q_seq_elems * spec().io_elem;
   // 1: queries (and projections) per head; 2: the tasks; 3: per head, merge the tasks in order.
-  pool_->parallel_for(heads, [&](size_t index, unsigned) {
-    float *q = head_buffers + index * head_floats;
-    load_queries(layer, query_bytes + (index / Hkv) * q_seq_bytes, queries_per_seq, uint32_t(index % Hkv), q,
-                 q + size_t(rows) * dp);
-  });
+  // The workers stay awake from one phase to the next (another_follows).
+  pool_->parallel_for(
+      heads,
+      [&](size_t index, unsigned) {
+        float *q = head_buffers + index * head_floats;
+        load_queries(layer, query_bytes + (index / Hkv) * q_seq_bytes, queries_per_seq, uint32_t(index % Hkv), q,
+                     q + size_t(rows) * dp);
+      },
+      true);
   const AttendCall call{&found, rows, queries_per_seq, scale, head_buffers, head_floats};
-  pool_->parallel_for(attend_tasks_.size(), [&](size_t index, unsigned worker) {
-    attend_task(layer, call, attend_tasks_[index], partials + index * partial_floats,
-                worker_scratch + worker * worker_floats);
-  });
+  pool_->parallel_for(
+      attend_tasks_.size(),
+      [&](size_t index, unsigned worker) {
+        attend_task(layer, call, attend_tasks_[index], partials + index * partial_floats,
+                    worker_scratch + worker * worker_floats);
+      },
+      true);
   const size_t q_row_elems = size_t(cfg.num_q_heads) * d;
   // Logits beyond the float range (huge queries or scale) give inf − inf: refuse rather than
   // return NaN, naming the first such row.
