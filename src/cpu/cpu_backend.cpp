@@ -676,7 +676,7 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
         for (uint32_t j = 0; j < d; ++j) into[j] += factor * acc[size_t(r) * dp + j];
       }
       if (rotated) {
-        rotate_inverse(spec().layers[layer].value_signs.data(), d, merged_rotated, merged_rotated);
+        kernels_->rotate_inverse(spec().layers[layer].value_signs.data(), d, merged_rotated);
         for (uint32_t j = 0; j < d; ++j) merged[j] += merged_rotated[j];
       }
       if (!std::isfinite(top) || !std::isfinite(sum)) {
@@ -688,8 +688,10 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
       const float inverse = 1.0f / sum;  // every query sees at least its own position
       for (uint32_t j = 0; j < d; ++j) merged[j] *= inverse;
       const uint32_t i = r / G, g = r % G;
-      store_row(merged, d, dtype_of(cfg), static_cast<uint8_t *>(out) + (index / Hkv) * q_seq_bytes,
-                i * q_row_elems + size_t(head * G + g) * d);
+      uint8_t *row_out = static_cast<uint8_t *>(out) + (index / Hkv) * q_seq_bytes +
+                         (i * q_row_elems + size_t(head * G + g) * d) * spec().io_elem;
+      if (dtype_of(cfg) == QJLKV_DTYPE_F32) std::memcpy(row_out, merged, d * sizeof(float));
+      else kernels_->store_16bit(merged, d, dtype_of(cfg), reinterpret_cast<uint16_t *>(row_out));  // inf stays inf
     }
   });
   if (const uint64_t row_id = overflow.load(); row_id != ~uint64_t(0)) {

@@ -198,6 +198,8 @@ struct KernelTable {
   // Returns false when every score of every row is masked.
   bool (*softmax_fold)(SoftmaxRow *state, float *scores, size_t stride, uint32_t rows, uint32_t n, float scale,
                        float *acc, uint32_t d);
+  // rotate_inverse of lloyd_max.hpp in place (x = diag(signs)·H·x), the sums in another order.
+  void (*rotate_inverse)(const float *signs, uint32_t d, float *x);
   // The layout of the column codes that qjl_scores uses (make_qjl_args' codes).
   QjlCodes qjl_codes = QjlCodes::None;
 };

@@ -661,6 +661,24 @@ TEST(KernelsSoftmax, FoldMatchesReference) {
   }
 }
 
+TEST(KernelsRotation, InverseMatchesReference) {
+  std::mt19937 rng(23);
+  std::normal_distribution<float> normal;
+  // Powers of two below, at and above every vector width, and sums of unequal blocks.
+  for (uint32_t d : {1u, 2u, 8u, 16u, 24u, 40u, 64u, 72u, 96u, 128u, 200u, 256u}) {
+    std::vector<float> signs(d), y(d), want(d);
+    for (float &s : signs) s = rng() % 2 ? 1.0f : -1.0f;
+    for (float &v : y) v = normal(rng);
+    rotate_inverse(signs.data(), d, y.data(), want.data());
+    for (Isa isa : supported_isas()) {
+      std::vector<float> x = y;
+      kernel_table(isa).rotate_inverse(signs.data(), d, x.data());
+      for (uint32_t j = 0; j < d; ++j)
+        ASSERT_NEAR(x[j], want[j], 2e-6f * (1.0f + std::fabs(want[j]))) << isa_name(isa) << " d " << d << " channel " << j;
+    }
+  }
+}
+
 TEST(KernelsConversions, LoadsChecksAndRoundingMatchReference) {
   std::mt19937 rng(17);
   std::normal_distribution<float> normal;
