@@ -213,6 +213,10 @@ const KernelTable &scalar_kernels();
 const KernelTable &avx2_kernels();
 const KernelTable &avx512_kernels();
 const KernelTable &avx512_vnni_kernels();  // avx512 with integer decode kernels
+// The integer QJL paths' shared steps: S·q in fp32 on AVX-512 (the fp32 kernels' qjl_project;
+// the sums in the same order at every width), and the SplitBytes codes of its rows on AVX2.
+void qjl_project_avx512(const QjlArgs &a, const float *q, uint32_t rows, float *sq);
+void qjl_code_rows_avx2(const QjlArgs &a, uint32_t rows, float *sq);
 
 // Scratch (floats) that qjl_scores, kivi_scores and values_accumulate need for one block.
 size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out, uint32_t sketch_rows);

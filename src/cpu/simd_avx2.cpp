@@ -450,11 +450,9 @@ inline void store_split_table(__m128i codes, SignTable *table) {
   _mm256_storeu_si256(reinterpret_cast<__m256i *>(table->split[2]), _mm256_permute4x64_epi64(_mm256_packus_epi16(high[0], high[1]), 0xD8));
 }
 
-// S·q as the fp32 kernel computes it, then per row its codes X = round(S·q / step), step = max
+// Per row of S·q (sq as qjl_project leaves it) its codes X = round(S·q / step), step = max
 // |S·q| / kQjlCodeMax, as tables.
-void qjl_project_integer(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
-  qjl_project(a, q, rows, sq);
-  if (!qjl_integer_layer(a)) return;
+void qjl_code_rows(const QjlArgs &a, uint32_t rows, float *sq) {
   for (uint32_t r = 0; r < rows; ++r) {
     float *row = sq + size_t(r) * a.projected_stride;
     __m256 top = _mm256_setzero_ps();
@@ -482,6 +480,12 @@ void qjl_project_integer(const QjlArgs &a, const float *q, uint32_t rows, float 
     for (int32_t x : lanes) sum += uint32_t(x);
     store_projected_tail(a, sq, r, largest / kQjlCodeMax, int32_t(sum));
   }
+}
+
+// S·q as the fp32 kernel computes it, then its codes.
+void qjl_project_integer(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
+  qjl_project(a, q, rows, sq);
+  if (qjl_integer_layer(a)) qjl_code_rows(a, rows, sq);
 }
 
 // The sign bytes (`bytes` per token, W = bytes/4 a power of two <= 16) of the span's 32 tokens
@@ -688,6 +692,8 @@ void qjl_scores_integer(const QjlArgs &a, const uint8_t *block, const float *q, 
 #endif
 
 namespace qjlkv::cpu {
+void qjl_code_rows_avx2(const QjlArgs &a, uint32_t rows, float *sq) { avx2::qjl_code_rows(a, rows, sq); }
+
 const KernelTable &avx2_kernels() {
   static constexpr KernelTable table = [] {
     KernelTable t = avx2::make_table(Isa::Avx2);
@@ -703,6 +709,8 @@ const KernelTable &avx2_kernels() {
 
 #else  // not x86-64: never selected (isa_supported is false)
 namespace qjlkv::cpu {
+void qjl_code_rows_avx2(const QjlArgs &a, uint32_t rows, float *sq) { avx2::qjl_code_rows(a, rows, sq); }
+
 const KernelTable &avx2_kernels() { return scalar_kernels(); }
 }  // namespace qjlkv::cpu
 #endif

@@ -224,8 +224,8 @@ void kivi_scores_fastest(const CodesArgs &a, const uint8_t *block, const float *
 // QJL keys likewise: the AVX2 integer kernel (keys about 1.6x faster than these fp32 tables on
 // this machine's `Kernels` benchmark) for the layers it takes, these tables else.
 void qjl_project_fastest(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
-  if (qjl_integer_layer(a)) avx2_kernels().qjl_project(a, q, rows, sq);
-  else qjl_project(a, q, rows, sq);
+  qjl_project(a, q, rows, sq);
+  if (qjl_integer_layer(a)) qjl_code_rows_avx2(a, rows, sq);
 }
 void qjl_scores_fastest(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, uint32_t rows,
                         float *out, size_t out_stride, float *scratch) {
@@ -243,6 +243,10 @@ void qjl_scores_fastest(const QjlArgs &a, const uint8_t *block, const float *q, 
 #endif
 
 namespace qjlkv::cpu {
+void qjl_project_avx512(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
+  avx512::qjl_project(a, q, rows, sq);
+}
+
 const KernelTable &avx512_kernels() {
   static constexpr KernelTable table = [] {
     KernelTable t = avx512::make_table(Isa::Avx512);
@@ -258,6 +262,10 @@ const KernelTable &avx512_kernels() {
 
 #else  // not x86-64: never selected (isa_supported is false)
 namespace qjlkv::cpu {
+void qjl_project_avx512(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
+  avx512::qjl_project(a, q, rows, sq);
+}
+
 const KernelTable &avx512_kernels() { return scalar_kernels(); }
 }  // namespace qjlkv::cpu
 #endif

@@ -1125,7 +1125,7 @@ void sign_sums(const __m512i *dwords, uint32_t bytes, const SignTable *const *ta
 
 // S·q as the avx512 kernel computes it, then per row its codes (header of this section).
 void qjl_project(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
-  avx512_kernels().qjl_project(a, q, rows, sq);
+  qjl_project_avx512(a, q, rows, sq);
   if (!qjl_integer_layer(a)) return;
   for (uint32_t r = 0; r < rows; ++r) {
     float *row = sq + size_t(r) * a.projected_stride;
