@@ -213,7 +213,7 @@ const KernelTable &scalar_kernels();
 const KernelTable &avx2_kernels();
 const KernelTable &avx512_kernels();
 const KernelTable &avx512_vnni_kernels();  // avx512 with integer decode kernels
-// The integer QJL paths' shared steps: S·q in fp32 on AVX-512 (the fp32 kernels' qjl_project;
+// The integer QJL paths' shared steps (x86-64 only): S·q in fp32 on AVX-512 (the fp32 kernels' qjl_project;
 // the sums in the same order at every width), and the SplitBytes codes of its rows on AVX2.
 void qjl_project_avx512(const QjlArgs &a, const float *q, uint32_t rows, float *sq);
 void qjl_code_rows_avx2(const QjlArgs &a, uint32_t rows, float *sq);

@@ -709,8 +709,6 @@ const KernelTable &avx2_kernels() {
 
 #else  // not x86-64: never selected (isa_supported is false)
 namespace qjlkv::cpu {
-void qjl_code_rows_avx2(const QjlArgs &a, uint32_t rows, float *sq) { avx2::qjl_code_rows(a, rows, sq); }
-
 const KernelTable &avx2_kernels() { return scalar_kernels(); }
 }  // namespace qjlkv::cpu
 #endif

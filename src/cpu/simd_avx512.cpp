@@ -262,10 +262,6 @@ const KernelTable &avx512_kernels() {
 
 #else  // not x86-64: never selected (isa_supported is false)
 namespace qjlkv::cpu {
-void qjl_project_avx512(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
-  avx512::qjl_project(a, q, rows, sq);
-}
-
 const KernelTable &avx512_kernels() { return scalar_kernels(); }
 }  // namespace qjlkv::cpu
 #endif
