@@ -1,9 +1,12 @@
 // Worker threads shared by several caches (qjlkv_workers_create, qjlkv_cache_set_workers): the
-// same stored bytes and outputs as a cache's own threads, from one thread or several at once.
+// same stored bytes and outputs as a cache's own threads, from one thread or several at once;
+// and the pool behind them (src/threads.hpp).
+#include <atomic>
 #include <filesystem>
 #include <thread>
 
 #include "testing.hpp"
+#include "threads.hpp"
 
 namespace {
 
@@ -100,6 +103,35 @@ TEST(Workers, CachesSharingWorkersRunConcurrently) {
     });
   for (std::thread &t : threads) t.join();
   for (int i = 0; i < kThreads; ++i) EXPECT_TRUE(got[i] == expected[i]) << "thread " << i;
+}
+
+// Rounds of 0 to 6 tasks, every other one saying that another follows (the workers then wait
+// for it awake), from two threads sharing the pool: every index of every round runs exactly
+// once, on a worker number the pool has, and the pool stops while its workers wait awake.
+TEST(Workers, PoolRunsEachIndexOnceWhetherWorkersSleepOrWaitAwake) {
+  auto pool = std::make_unique<qjlkv::ThreadPool>(3, "test");
+  const auto rounds = [&](int caller) {
+    for (int round = 0; round < 300; ++round) {
+      const size_t n = size_t(round + caller) % 7;
+      std::vector<std::atomic<int>> runs(n);
+      std::atomic<bool> worker_in_range{true};
+      pool->parallel_for(
+          n,
+          [&](size_t index, unsigned worker) {
+            runs[index].fetch_add(1);
+            if (worker >= pool->size()) worker_in_range = false;
+          },
+          round % 2 == 0);
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(runs[i].load(), 1) << "caller " << caller << " round " << round;
+      ASSERT_TRUE(worker_in_range.load());
+    }
+  };
+  std::thread other(rounds, 1);
+  rounds(0);
+  other.join();
+  pool->parallel_for(
+      4, [](size_t, unsigned) {}, true);
+  pool.reset();  // right after a round that said another follows
 }
 
 // Threads of this process (Linux: /proc/self/task); -1 where that is not available.
