@@ -90,16 +90,27 @@ inline __mmask16 lanes_below(uint32_t first, uint32_t end) {
   return first + 16 <= end ? __mmask16(0xffff) : first < end ? __mmask16((1u << (end - first)) - 1u) : __mmask16(0);
 }
 
+// x and the dword at p, broadcast (embedded broadcast: a load, where GCC rematerialized the
+// constant with a vpbroadcastd from a general register, a shuffle-port operation, at each use).
+inline __m512i and_broadcast(__m512i x, const uint32_t *p) {
+#if defined(__clang__)
+  return _mm512_and_si512(x, _mm512_set1_epi32(int(*p)));
+#else
+  asm("vpandd %1%{1to16%}, %0, %0" : "+v"(x) : "m"(*p));
+  return x;
+#endif
+}
+
 template <uint32_t BITS>
 inline __m512i unpack64(const uint8_t *src) {
   if constexpr (BITS == 8) {
     return _mm512_loadu_si512(src);
   } else {
     static constexpr Unpack kUnpack = make_unpack(BITS);
+    static constexpr uint32_t kCodeBits = 0x01010101u * ((1u << BITS) - 1u);
     const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64(1) << (8 * BITS)) - 1u, src);  // never reads past them
     const __m512i placed = _mm512_permutexvar_epi8(_mm512_load_si512(kUnpack.gather), bytes);
-    return _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kUnpack.shifts), placed),
-                            _mm512_set1_epi8(char((1u << BITS) - 1u)));
+    return and_broadcast(_mm512_multishift_epi64_epi8(_mm512_load_si512(kUnpack.shifts), placed), &kCodeBits);
   }
 }
 
@@ -155,8 +166,10 @@ void codes_scores(const BlockLayout &layout, const uint8_t *codes, size_t row_by
   const auto digit = [&](uint32_t r, uint32_t j, uint32_t part) {
     return _mm512_loadu_si512(digits + ((size_t(r) * chunks + j) * 2 + part) * 64);
   };
-  for (uint32_t t0 = 0; t0 < Bp; t0 += 16) {
-    prefetch_next_block(layout, codes + t0 * row_bytes, (std::min(t0 + 16, B) - std::min(t0, B)) * row_bytes);
+  // 16 tokens from t0; kAll: all below B (no test per token, which made GCC rematerialize the
+  // unpacking's constants in each branch).
+  const auto tokens16 = [&](uint32_t t0, auto kAll) {
+    const size_t stride = row_bytes;  // a local: through the capture GCC reloaded it for every token
     alignas(64) float partial[R][4][16];  // Σ code·Q per 4-token group; exact below 2^24 per digit
     for (uint32_t g = 0; g < 4; g += 2) {
       __m512i hi[2][R], lo[2][R];
@@ -168,7 +181,7 @@ void codes_scores(const BlockLayout &layout, const uint8_t *codes, size_t row_by
           const uint32_t t = t0 + 4 * (g + k);
           __m512i u[4];
           for (uint32_t i = 0; i < 4; ++i)
-            u[i] = t + i < B ? unpack64<BITS>(codes + (t + i) * row_bytes + 8 * BITS * h) : _mm512_setzero_si512();
+            u[i] = kAll || t + i < B ? unpack64<BITS>(codes + (t + i) * stride + 8 * BITS * h) : _mm512_setzero_si512();
           transpose_lanes(u, x[k]);
         }
         for (uint32_t c = 0; c < 4; ++c)
@@ -189,6 +202,11 @@ void codes_scores(const BlockLayout &layout, const uint8_t *codes, size_t row_by
     for (uint32_t r = 0; r < R; ++r)
       _mm512_storeu_ps(out + size_t(r) * out_stride + t0,
                        _mm512_fmadd_ps(sum_partials(partial[r]), _mm512_set1_ps(step[r]), _mm512_set1_ps(offset[r])));
+  };
+  for (uint32_t t0 = 0; t0 < Bp; t0 += 16) {
+    prefetch_next_block(layout, codes + t0 * row_bytes, (std::min(t0 + 16, B) - std::min(t0, B)) * row_bytes);
+    if (t0 + 16 <= B) tokens16(t0, std::true_type{});
+    else tokens16(t0, std::false_type{});
   }
 }
 
