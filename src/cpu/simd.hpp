@@ -18,8 +18,11 @@ namespace qjlkv::cpu {
 // Decode reads a head's blocks in order, each right after the previous one in memory, and the
 // hardware prefetchers alone left the kernels waiting on memory (a q3 step at 32k tokens about
 // 2x slower). So every decode kernel requests the next block's copy of the bytes it reads, one
-// stride ahead: the integer kernels a few lines at a time as they go (half a block at once
-// filled the miss buffers: kivi at 32k ≈ 12 % slower, q4 ≈ 20 %), the others up front. Blocks
+// stride ahead: the integer kernels a few lines at a time as they go, the others up front. Each
+// software prefetch holds one of the core's few L1 miss buffers until its line arrives, and one
+// that finds none free stalls the core: half a block at once made kivi at 32k ≈ 12 % slower and
+// q4 ≈ 20 %, and with 32 tokens' value codes at once 18 % of the samples of q4's value sums fell
+// on the instruction after a prefetch (docs/PERFORMANCE.md, 2026-12-04). Blocks
 // over kPrefetchedBlockBytes (16-bit keys) are left to the hardware, which streams them at full
 // rate. The last block of a run prefetches past it: prefetches never fault, so the address is
 // formed as an integer, not as a pointer past the buffer.

@@ -158,7 +158,7 @@ inline __m512 sum_partials(const float (*partial)[16]) {
 // digits: per row and 16-channel chunk j, the hi then the lo digits, each 16 bytes broadcast to 64.
 // Two groups of 4 tokens share each digit load: with one group, the 2·R digit loads per chunk
 // outnumbered the vpdpbusd they fed half the time (loads, not multiplies, set the pace).
-// Requests the next block's copy of each 16 tokens' codes as it starts them (prefetch_next_block).
+// Requests the next block's copy of each 8 tokens' codes as it starts them (prefetch_next_block).
 template <uint32_t BITS, uint32_t R>
 void codes_scores(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d,
                   const int8_t *digits, const float *step, const float *offset, float *out, size_t out_stride) {
@@ -172,6 +172,8 @@ void codes_scores(const BlockLayout &layout, const uint8_t *codes, size_t row_by
     const size_t stride = row_bytes;  // a local: through the capture GCC reloaded it for every token
     alignas(64) float partial[R][4][16];  // Σ code·Q per 4-token group; exact below 2^24 per digit
     for (uint32_t g = 0; g < 4; g += 2) {
+      const uint32_t first = t0 + 4 * g, end = kAll ? first + 8 : std::min(first + 8, std::max(first, B));
+      prefetch_next_block(layout, codes + first * stride, (end - first) * stride);
       __m512i hi[2][R], lo[2][R];
       for (uint32_t k = 0; k < 2; ++k)
         for (uint32_t r = 0; r < R; ++r) hi[k][r] = lo[k][r] = _mm512_setzero_si512();
@@ -204,7 +206,6 @@ void codes_scores(const BlockLayout &layout, const uint8_t *codes, size_t row_by
                        _mm512_fmadd_ps(sum_partials(partial[r]), _mm512_set1_ps(step[r]), _mm512_set1_ps(offset[r])));
   };
   for (uint32_t t0 = 0; t0 < Bp; t0 += 16) {
-    prefetch_next_block(layout, codes + t0 * row_bytes, (std::min(t0 + 16, B) - std::min(t0, B)) * row_bytes);
     if (t0 + 16 <= B) tokens16(t0, std::true_type{});
     else tokens16(t0, std::false_type{});
   }
@@ -342,10 +343,11 @@ void kivi_scores(const CodesArgs &a, const uint8_t *block, const float *q, uint3
 // against (L_t, L_t+1) of one channel; the int32 sums go to the fp32 accumulators every
 // kFlushTokens tokens, within int32: kFlushTokens·kWeightCodeMax·kLevelCodeMax < 2^31. (Flushing
 // every 32 tokens with levels to 16000 cost q3's values ≈ 10 % more time for ≈ 10 % less error:
-// 1.1–1.6e-4 of the sums instead of 1.2–1.8e-4, tests/cpu_paths.) The next block's codes are requested kPrefetchTokens tokens
-// at a time: whole flushes at once were slower at 32k tokens (simd.hpp).
+// 1.1–1.6e-4 of the sums instead of 1.2–1.8e-4, tests/cpu_paths.) The next block's codes are
+// requested kPrefetchTokens tokens at a time (prefetch_next_block in simd.hpp: larger bursts
+// waited for miss buffers).
 constexpr float kWeightCodeMax = 4095.0f, kLevelCodeMax = 8000.0f;
-constexpr uint32_t kFlushTokens = 64, kPrefetchTokens = 32;
+constexpr uint32_t kFlushTokens = 64, kPrefetchTokens = 8;
 static_assert(double(kFlushTokens) * kWeightCodeMax * kLevelCodeMax < 2147483647.0);
 
 // Per 16-channel chunk j of a 128-channel half (16·BITS bytes of a row): vpermt2b places, in
