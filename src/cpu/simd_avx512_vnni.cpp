@@ -172,8 +172,8 @@ void codes_scores(const BlockLayout &layout, const uint8_t *codes, size_t row_by
     const size_t stride = row_bytes;  // a local: through the capture GCC reloaded it for every token
     alignas(64) float partial[R][4][16];  // Σ code·Q per 4-token group; exact below 2^24 per digit
     for (uint32_t g = 0; g < 4; g += 2) {
-      const uint32_t first = t0 + 4 * g, end = kAll ? first + 8 : std::min(first + 8, std::max(first, B));
-      prefetch_next_block(layout, codes + first * stride, (end - first) * stride);
+      const uint32_t first = t0 + 4 * g;
+      prefetch_next_block(layout, codes + first * stride, (std::min(first + 8, B) - std::min(first, B)) * stride);
       __m512i hi[2][R], lo[2][R];
       for (uint32_t k = 0; k < 2; ++k)
         for (uint32_t r = 0; r < R; ++r) hi[k][r] = lo[k][r] = _mm512_setzero_si512();
