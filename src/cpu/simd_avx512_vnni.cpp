@@ -64,12 +64,16 @@ inline __m512i dpwssd_broadcast(__m512i sum, __m512i a, const int16_t *p) {
 // Per block and query row, q'_c = q_c·scale_c is quantized to Q_c = round(q'_c / step) with
 // |Q_c| <= 127·256, step = max|q'| / (127·256), and split into two int8 digits
 // Q = 256·hi + lo (hi in [-127, 127], lo in [-128, 127]): two vpdpbusd with the u8 codes give
-// Σ code·hi and Σ code·lo exactly. The rounding residuals ρ_c = q'_c − step·Q_c are not lost:
-// Σ ρ_c·code_c is taken as mid·Σ ρ_c with mid = (2^bits − 1)/2, so the error is
-// Σ ρ_c·(code_c − mid), |ρ_c| <= step/2, about 1/(2·127·256·sqrt(3)) of max|q'| per channel.
+// Σ code·hi and Σ code·lo exactly. The error is Σ ρ_c·code_c with ρ_c = q'_c − step·Q_c,
+// |ρ_c| <= step/2: about 1/(2·127·256·sqrt(3)) of max|q'| per channel and unit of code, far below
+// the budget (taking Σ ρ_c·code_c as mid·Σ ρ_c halved it and cost a fifth of query_digits).
 constexpr float kQueryCodeMax = 127.0f * 256.0f;
 
-// Byte constants of the code unpacking, per bit width.
+// Byte constants of the code unpacking, per bit width. The 8·BITS source bytes end a 32-byte
+// load (kUnpackLoad) that starts before them: a plain load, where a masked one that read no byte
+// past them was a second operation on the vector ports (the bytes before a block's codes are
+// its scales and minima, so the load stays in the block).
+constexpr uint32_t kUnpackLoad = 32;
 struct Unpack {
   alignas(64) uint8_t gather[64];  // vpermb: qword q takes the BITS bytes of codes 8q..8q+7
   alignas(64) uint8_t shifts[64];  // vpmultishiftqb: byte i of a qword starts at bit BITS·i
@@ -78,13 +82,12 @@ constexpr Unpack make_unpack(uint32_t bits) {
   Unpack u{};
   for (uint32_t q = 0; q < 8; ++q)
     for (uint32_t i = 0; i < 8; ++i) {
-      u.gather[8 * q + i] = uint8_t(bits * q + i);
+      u.gather[8 * q + i] = uint8_t(kUnpackLoad - 8 * bits + bits * q + i);
       u.shifts[8 * q + i] = uint8_t(bits * i);
     }
   return u;
 }
 
-// Codes 64h..64h+63 of a packed row as bytes (BITS·8 source bytes at row + 8·BITS·h).
 // The lanes of [first, first + 16) that lie below `end`.
 inline __mmask16 lanes_below(uint32_t first, uint32_t end) {
   return first + 16 <= end ? __mmask16(0xffff) : first < end ? __mmask16((1u << (end - first)) - 1u) : __mmask16(0);
@@ -101,6 +104,8 @@ inline __m512i and_broadcast(__m512i x, const uint32_t *p) {
 #endif
 }
 
+// Codes 64h..64h+63 of a packed row as bytes (BITS·8 source bytes at row + 8·BITS·h, of which
+// the kUnpackLoad bytes before their end are read).
 template <uint32_t BITS>
 inline __m512i unpack64(const uint8_t *src) {
   if constexpr (BITS == 8) {
@@ -108,7 +113,9 @@ inline __m512i unpack64(const uint8_t *src) {
   } else {
     static constexpr Unpack kUnpack = make_unpack(BITS);
     static constexpr uint32_t kCodeBits = 0x01010101u * ((1u << BITS) - 1u);
-    const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64(1) << (8 * BITS)) - 1u, src);  // never reads past them
+    static_assert(8 * BITS <= kUnpackLoad);
+    const auto *load = reinterpret_cast<const __m256i *>(src + 8 * BITS - kUnpackLoad);
+    const __m512i bytes = _mm512_castsi256_si512(_mm256_loadu_si256(load));
     const __m512i placed = _mm512_permutexvar_epi8(_mm512_load_si512(kUnpack.gather), bytes);
     return and_broadcast(_mm512_multishift_epi64_epi8(_mm512_load_si512(kUnpack.shifts), placed), &kCodeBits);
   }
@@ -244,14 +251,14 @@ constexpr DigitBytes make_digit_bytes() {
 constexpr DigitBytes kDigitBytes = make_digit_bytes();
 
 // Per block, the digits of R <= 4 query rows (q_stride floats apart) into digits[r][j][2][64],
-// their steps, and offset[r] = Σ_c q_c·min_c + mid·Σ_c ρ_c. scale, mins: the block's per-channel
-// key scales and minima in fp32; scaled: scratch for R rows of q·scale. The rows share every
-// load of scale and mins and every horizontal reduction.
+// their steps, and offset[r] = Σ_c q_c·min_c. scale, mins: the block's per-channel key scales and
+// minima in fp32; scaled: scratch for R rows of q·scale. The rows share every load of scale and
+// mins and every horizontal reduction.
 template <uint32_t R>
-void query_digits(const float *q, size_t q_stride, const float *scale, const float *mins, uint32_t d, float mid,
+void query_digits(const float *q, size_t q_stride, const float *scale, const float *mins, uint32_t d,
                   float *scaled, int8_t *digits, float *step, float *offset) {
-  __m512 top[4], dot[4], rho[4];
-  for (uint32_t r = 0; r < 4; ++r) top[r] = dot[r] = rho[r] = _mm512_setzero_ps();
+  __m512 top[4], dot[4];
+  for (uint32_t r = 0; r < 4; ++r) top[r] = dot[r] = _mm512_setzero_ps();
   for (uint32_t j = 0; j < d; j += 16) {
     const __m512 s = _mm512_loadu_ps(scale + j), m = _mm512_loadu_ps(mins + j);
     for (uint32_t r = 0; r < R; ++r) {
@@ -261,26 +268,26 @@ void query_digits(const float *q, size_t q_stride, const float *scale, const flo
       dot[r] = _mm512_fmadd_ps(x, m, dot[r]);
     }
   }
-  alignas(64) float largest[16], sums[16], residuals[16];
+  alignas(64) float largest[16], sums[16];
   _mm512_store_ps(largest, reduce_rows4(top, MaxOp{}));
   _mm512_store_ps(sums, reduce_rows4(dot, AddOp{}));
   const __m512i hi_bytes = _mm512_load_si512(kDigitBytes.hi), lo_bytes = _mm512_load_si512(kDigitBytes.lo);
   for (uint32_t r = 0; r < R; ++r) {
     const CodeScale code = code_scale(largest[4 * r], kQueryCodeMax);
     step[r] = largest[4 * r] > 0.0f ? largest[4 * r] / kQueryCodeMax : 0.0f;
-    const __m512 prescale = _mm512_set1_ps(code.prescale), factor = _mm512_set1_ps(code.factor);
-    const __m512 row_step = _mm512_set1_ps(step[r]);
+    offset[r] = sums[4 * r];
+    float *row = scaled + size_t(r) * d;
+    if (code.prescale != 1.0f)  // tiny rows only: then one multiply per chunk below
+      for (uint32_t j = 0; j < d; j += 16)
+        _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(code.prescale)));
+    const __m512 factor = _mm512_set1_ps(code.factor);
     for (uint32_t j = 0; j < d; j += 16) {
-      const __m512 product = _mm512_loadu_ps(scaled + size_t(r) * d + j);
-      const __m512i Q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(product, prescale), factor));  // nearest even
-      rho[r] = _mm512_add_ps(rho[r], _mm512_fnmadd_ps(_mm512_cvtepi32_ps(Q), row_step, product));
+      const __m512i Q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + j), factor));  // nearest even
       int8_t *chunk = digits + (size_t(r) * (d / 16) + j / 16) * 128;
       _mm512_storeu_si512(chunk, _mm512_permutexvar_epi8(hi_bytes, _mm512_add_epi32(Q, _mm512_set1_epi32(128))));
       _mm512_storeu_si512(chunk + 64, _mm512_permutexvar_epi8(lo_bytes, Q));
     }
   }
-  _mm512_store_ps(residuals, reduce_rows4(rho, AddOp{}));
-  for (uint32_t r = 0; r < R; ++r) offset[r] = sums[4 * r] + residuals[4 * r] * mid;
 }
 
 template <uint32_t BITS, uint32_t R>
@@ -288,7 +295,7 @@ void kivi_rows(const CodesArgs &a, const uint8_t *block, const float *q, size_t 
                const float *mins, float *scaled, int8_t *digits, float *out, size_t out_stride) {
   const BlockLayout &l = *a.layout;
   float step[R], offset[R];
-  query_digits<R>(q, q_stride, scale, mins, a.head_dim, float((1u << BITS) - 1u) * 0.5f, scaled, digits, step, offset);
+  query_digits<R>(q, q_stride, scale, mins, a.head_dim, scaled, digits, step, offset);
   codes_scores<BITS, R>(l, block + l.key_codes, l.key_bytes_per_token_codes, a.block_tokens, a.head_dim, digits,
                         step, offset, out, out_stride);
 }
@@ -350,26 +357,39 @@ constexpr float kWeightCodeMax = 4095.0f, kLevelCodeMax = 8000.0f;
 constexpr uint32_t kFlushTokens = 64, kPrefetchTokens = 8;
 static_assert(double(kFlushTokens) * kWeightCodeMax * kLevelCodeMax < 2147483647.0);
 
-// Per 16-channel chunk j of a 128-channel half (16·BITS bytes of a row): vpermt2b places, in
-// qword k, the two bytes holding channels 16j+2k, 16j+2k+1 of token A (bytes 0-1) and of token B
-// (bytes 2-3, from the second source); vpmultishiftqb then puts each code in the low bits of its
-// word: words (ch 2k, A), (ch 2k, B), (ch 2k+1, A), (ch 2k+1, B). Bits above the code are left
-// in place: the level table repeats every 2^BITS entries, and vpermw reads 5 index bits.
+// Bytes [end − 32, end) of two consecutive rows, token A's in bytes 0-31 and token B's in bytes
+// 32-63: a 32-byte load and one inserted from memory, where a masked load of each row and a
+// two-source vpermt2b took three more operations on the vector ports. The value codes' bytes
+// that a tile reads end its window: before them lie the block's value scales and keys (at least
+// 32 bytes), so the loads stay in the block and never pass the rows. B is even (block_tokens is
+// a multiple of 8), so every token has its pair.
+inline __m512i row_pair(const uint8_t *end, size_t row_bytes) {
+  const auto *a = reinterpret_cast<const __m256i *>(end - 32);
+  const auto *b = reinterpret_cast<const __m256i *>(end + row_bytes - 32);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(a)), _mm256_loadu_si256(b), 1);
+}
+
+// Per 16-channel chunk z of a tile of CZ chunks (2·BITS·CZ bytes of a row, the end of a row_pair
+// window): vpermb places, in qword k, the two bytes holding channels 16z+2k, 16z+2k+1 of token A
+// (bytes 0-1) and of token B (bytes 2-3); vpmultishiftqb then puts each code in the low bits of
+// its word: words (ch 2k, A), (ch 2k, B), (ch 2k+1, A), (ch 2k+1, B). Bits above the code are
+// left in place: the level table repeats every 2^BITS entries, and vpermw reads 5 index bits.
 struct ValueUnpack {
-  alignas(64) uint8_t place[8][64];
-  alignas(64) uint8_t shifts[8][64];
+  alignas(64) uint8_t place[4][64];
+  alignas(64) uint8_t shifts[64];  // the same for every chunk: a chunk starts on a byte
 };
-constexpr ValueUnpack make_value_unpack(uint32_t bits) {
+constexpr ValueUnpack make_value_unpack(uint32_t bits, uint32_t cz) {
   ValueUnpack u{};
-  for (uint32_t j = 0; j < 8; ++j)
+  const uint32_t window = 32 - 2 * bits * cz;  // where the tile's bytes start in each half
+  for (uint32_t z = 0; z < cz; ++z)
     for (uint32_t k = 0; k < 8; ++k) {
-      const uint32_t bit = (16 * j + 2 * k) * bits, byte = bit / 8, shift = bit % 8;
-      const uint8_t source[8] = {uint8_t(byte), uint8_t(byte + 1), uint8_t(64 + byte), uint8_t(65 + byte), 0, 0, 0, 0};
+      const uint32_t bit = 2 * k * bits, byte = window + 2 * bits * z + bit / 8, shift = bit % 8;
+      const uint8_t source[8] = {uint8_t(byte), uint8_t(byte + 1), uint8_t(32 + byte), uint8_t(33 + byte), 0, 0, 0, 0};
       const uint8_t offsets[8] = {uint8_t(shift), 0, uint8_t(16 + shift), 0, uint8_t(shift + bits), 0,
                                   uint8_t(16 + shift + bits), 0};
       for (uint32_t i = 0; i < 8; ++i) {
-        u.place[j][8 * k + i] = uint8_t(source[i] & 127u);
-        u.shifts[j][8 * k + i] = offsets[i];
+        u.place[z][8 * k + i] = source[i];
+        u.shifts[8 * k + i] = offsets[i];
       }
     }
   return u;
@@ -381,11 +401,9 @@ template <uint32_t BITS, uint32_t R, uint32_t CZ>
 void lloyd_max_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t half,
                     uint32_t j0, __m512i levels, const int16_t *P, uint32_t P_stride, const float (*unit)[2],
                     float *acc, uint32_t dp) {
-  static constexpr ValueUnpack kUnpack = make_value_unpack(BITS);
-  // The half's bytes of a row (fewer in a last half of under 128 channels): never past the row.
-  const size_t bytes = std::min<size_t>(16 * BITS, row_bytes - size_t(half) * 16 * BITS);
-  const __mmask64 load_mask = bytes >= 64 ? ~__mmask64(0) : (__mmask64(1) << bytes) - 1u;
-  const uint8_t *first = codes + size_t(half) * 16 * BITS;
+  static constexpr ValueUnpack kUnpack = make_value_unpack(BITS, CZ);
+  static_assert(2 * BITS * CZ <= 32);
+  const uint8_t *tile_end = codes + size_t(half) * 16 * BITS + 2 * BITS * (j0 + CZ);  // of row 0
   for (uint32_t t0 = 0; t0 < B; t0 += kFlushTokens) {
     __m512i sum[R][CZ];
     for (uint32_t r = 0; r < R; ++r)
@@ -394,8 +412,7 @@ void lloyd_max_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_
     for (uint32_t t = t0; t < end; t += 2) {
       if (half == 0 && j0 == 0 && t % kPrefetchTokens == 0)
         prefetch_next_block(layout, codes + t * row_bytes, (std::min(end, t + kPrefetchTokens) - t) * row_bytes);
-      const __m512i a = _mm512_maskz_loadu_epi8(load_mask, first + t * row_bytes);
-      const __m512i b = t + 1 < B ? _mm512_maskz_loadu_epi8(load_mask, first + (t + 1) * row_bytes) : _mm512_setzero_si512();
+      const __m512i rows = row_pair(tile_end + t * row_bytes, row_bytes);
       __m512i weight[R];
       for (uint32_t r = 0; r < R; ++r) {
         int32_t pair;
@@ -403,8 +420,8 @@ void lloyd_max_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_
         weight[r] = _mm512_set1_epi32(pair);
       }
       for (uint32_t z = 0; z < CZ; ++z) {
-        const __m512i placed = _mm512_permutex2var_epi8(a, _mm512_load_si512(kUnpack.place[j0 + z]), b);
-        const __m512i index = _mm512_multishift_epi64_epi8(_mm512_load_si512(kUnpack.shifts[j0 + z]), placed);
+        const __m512i placed = _mm512_permutexvar_epi8(_mm512_load_si512(kUnpack.place[z]), rows);
+        const __m512i index = _mm512_multishift_epi64_epi8(_mm512_load_si512(kUnpack.shifts), placed);
         const __m512i level = _mm512_permutexvar_epi16(index, levels);
         for (uint32_t r = 0; r < R; ++r) sum[r][z] = dpwssd(sum[r][z], level, weight[r]);
       }
@@ -419,14 +436,15 @@ void lloyd_max_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_
 }
 
 // 2-bit codes, 64 channels from c0 (a multiple of 64): the 16 bytes of a row that hold them,
-// 4 codes each. vpermt2b puts byte j of token A in word 2j and of token B in word 2j + 1; the
-// level table T0 (entry i: level of i's bits 0-1) and T2 (bits 2-3), on those words and on them
-// shifted right by 4, give the levels of channels 4j + k for k = 0..3 in dword lane j: one
-// vpermt2b, one shift and four vpermw per 64 channels of a pair, where lloyd_max_tile takes
-// three shuffles per 16. The sums come out with channel 4j + k in lane j of sum[r][k] and are
+// 4 codes each. vpermb puts byte j of token A in word 2j and of token B in word 2j + 1 (from a
+// row_pair); the level table T0 (entry i: level of i's bits 0-1) and T2 (bits 2-3), on those
+// words and on them shifted right by 4, give the levels of channels 4j + k for k = 0..3 in dword
+// lane j: one vpermb, one shift and four vpermw per 64 channels of a pair, where lloyd_max_tile
+// takes three shuffles per 16. The sums come out with channel 4j + k in lane j of sum[r][k] and are
 // put in channel order at the flush (a 4x4 transpose within and then across 128-bit lanes).
-// vpermt2b indices for the 2-bit tiles: lane j takes byte b(j) = (j % n)·16/n + j/n of a
-// 16-byte run of each of two tokens (A in word 2j, B in word 2j + 1, low bytes), n = 1, 2, 4.
+// vpermb indices for the 2-bit tiles: lane j takes byte b(j) = (j % n)·16/n + j/n of the 16-byte
+// runs of two tokens in a row_pair, bytes 16-31 (A, to word 2j) and 48-63 (B, to word 2j + 1),
+// n = 1, 2, 4.
 struct TwoBitPlace {
   alignas(64) uint8_t place[3][64];        // per log2 n
   alignas(64) uint32_t byte_order[3][16];  // lane b of the result takes lane j with b(j) = b
@@ -437,8 +455,8 @@ constexpr TwoBitPlace make_two_bit_place() {
     const uint32_t n = 1u << log;
     for (uint32_t j = 0; j < 16; ++j) {
       const uint32_t byte = (j % n) * (16 / n) + j / n;
-      p.place[log][4 * j] = uint8_t(byte);
-      p.place[log][4 * j + 2] = uint8_t(64 + byte);
+      p.place[log][4 * j] = uint8_t(16 + byte);
+      p.place[log][4 * j + 2] = uint8_t(48 + byte);
       p.byte_order[log][byte] = j;
     }
   }
@@ -464,7 +482,7 @@ void lloyd_max_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row
                      uint32_t dp) {
   const __m512i place = _mm512_load_si512(kTwoBitPlace.place[0]);
   const __m512i T0 = levels, T2 = _mm512_permutexvar_epi16(_mm512_load_si512(kLevelBits23.index), levels);
-  const uint8_t *first = codes + c0 / 4;
+  const uint8_t *tile_end = codes + c0 / 4 + 16;  // of row 0
   for (uint32_t t0 = 0; t0 < B; t0 += kFlushTokens) {
     __m512i sum[R][4];
     for (uint32_t r = 0; r < R; ++r)
@@ -473,10 +491,8 @@ void lloyd_max_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row
     for (uint32_t t = t0; t < end; t += 2) {
       if (c0 == 0 && t % kPrefetchTokens == 0)
         prefetch_next_block(layout, codes + t * row_bytes, (std::min(end, t + kPrefetchTokens) - t) * row_bytes);
-      const __m512i a = _mm512_maskz_loadu_epi8(0xFFFF, first + t * row_bytes);
-      const __m512i b =
-          t + 1 < B ? _mm512_maskz_loadu_epi8(0xFFFF, first + (t + 1) * row_bytes) : _mm512_setzero_si512();
-      const __m512i placed = _mm512_permutex2var_epi8(a, place, b), shifted = _mm512_srli_epi16(placed, 4);
+      const __m512i placed = _mm512_permutexvar_epi8(place, row_pair(tile_end + t * row_bytes, row_bytes));
+      const __m512i shifted = _mm512_srli_epi16(placed, 4);
       const __m512i level[4] = {_mm512_permutexvar_epi16(placed, T0), _mm512_permutexvar_epi16(placed, T2),
                                 _mm512_permutexvar_epi16(shifted, T0), _mm512_permutexvar_epi16(shifted, T2)};
 #pragma GCC unroll 4
@@ -774,12 +790,13 @@ void uniform_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_by
 // 2-bit codes, 64 channels from c0 (a multiple of 64) in groups of g = 64/n channels (n = 1:
 // one group, g a multiple of 64; n = 2 or 4: g = 32 or 16). Lane j takes byte
 // b(j) = (j % n)·g/4 + j/n of the tile's 16 (4 channels, of group j % n), so that one broadcast
-// of the n P dwords of a token pair serves every lane. vpermt2b puts byte b(j) of token A in
-// word 2j and of token B in word 2j + 1, the high bytes zero; the word w = c0 + 4c1 + 16c2 +
-// 64c3 of the byte's codes and w >> 2, w >> 4, w >> 6 are multiplied unmasked (S_k = Σ P·(w >> 2k)),
-// and at the flush C_k = S_k − 4·S_k+1 recovers each channel's Σ P·code exactly (mod 2^32, where
-// the true sums fit). One vpermt2b and three shifts per 64 channels of a pair, where
-// uniform_tile takes three operations per 16; the flush puts the lanes back in channel order.
+// of the n P dwords of a token pair serves every lane. vpermb puts byte b(j) of token A in word
+// 2j and of token B in word 2j + 1 (from a row_pair), the high bytes zero; the word w = c0 + 4c1
+// + 16c2 + 64c3 of the byte's codes and w >> 2, w >> 4, w >> 6 are multiplied unmasked
+// (S_k = Σ P·(w >> 2k)), and at the flush C_k = S_k − 4·S_k+1 recovers each channel's Σ P·code
+// exactly (mod 2^32, where the true sums fit). One vpermb and three shifts per 64 channels of a
+// pair, where uniform_tile takes three operations per 16; the flush puts the lanes back in
+// channel order.
 
 template <uint32_t R, uint32_t n>
 void uniform_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g,
@@ -788,7 +805,7 @@ void uniform_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row_b
   constexpr uint32_t kLog = n == 1 ? 0 : n == 2 ? 1 : 2;
   const __m512i place = _mm512_load_si512(kTwoBitPlace.place[kLog]);
   const uint32_t g0 = c0 / g;  // the tile's first group
-  const uint8_t *first = codes + c0 / 4;
+  const uint8_t *tile_end = codes + c0 / 4 + 16;  // of row 0
   constexpr uint32_t kFlush = uniform_flush_tokens(2);
   for (uint32_t t0 = 0; t0 < B; t0 += kFlush) {
     __m512i sum[R][4];
@@ -798,10 +815,8 @@ void uniform_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row_b
     for (uint32_t t = t0; t < end; t += 2) {
       if (c0 == 0 && (t - t0) % 16 == 0)
         prefetch_next_block(layout, codes + t * row_bytes, (std::min(end, t + 16) - t) * row_bytes);
-      const __m512i a = _mm512_maskz_loadu_epi8(0xFFFF, first + t * row_bytes);
-      const __m512i b =
-          t + 1 < B ? _mm512_maskz_loadu_epi8(0xFFFF, first + (t + 1) * row_bytes) : _mm512_setzero_si512();
-      const __m512i word = _mm512_maskz_permutex2var_epi8(__mmask64(0x5555555555555555ull), a, place, b);
+      const __m512i word = _mm512_maskz_permutexvar_epi8(__mmask64(0x5555555555555555ull), place,
+                                                         row_pair(tile_end + t * row_bytes, row_bytes));
       const __m512i shifted[4] = {word, _mm512_srli_epi16(word, 2), _mm512_srli_epi16(word, 4),
                                   _mm512_srli_epi16(word, 6)};
 #pragma GCC unroll 4
