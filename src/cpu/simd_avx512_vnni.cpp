@@ -162,21 +162,20 @@ inline __m512 sum_partials(const float (*partial)[16]) {
 }
 
 // Scores of R query rows over the block's codes: out[r][t] = step[r]·Σ_c Q_rc·code_tc + offset[r].
-// digits: per row and 16-channel chunk j, the hi then the lo digits, each 16 bytes broadcast to 64.
+// digits: per 16-channel chunk j and row, the hi then the lo digits, each 16 bytes broadcast to 64
+// (chunk-major: a chunk's loads are one pointer and immediate offsets).
 // Two groups of 4 tokens share each digit load: with one group, the 2·R digit loads per chunk
 // outnumbered the vpdpbusd they fed half the time (loads, not multiplies, set the pace).
 // Requests the next block's copy of each 8 tokens' codes as it starts them (prefetch_next_block).
 template <uint32_t BITS, uint32_t R>
 void codes_scores(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d,
                   const int8_t *digits, const float *step, const float *offset, float *out, size_t out_stride) {
-  const uint32_t chunks = d / 16, halves = d / 64, Bp = padded_tokens(B);
-  const auto digit = [&](uint32_t r, uint32_t j, uint32_t part) {
-    return _mm512_loadu_si512(digits + ((size_t(r) * chunks + j) * 2 + part) * 64);
-  };
+  const uint32_t halves = d / 64, Bp = padded_tokens(B);
   // 16 tokens from t0; kAll: all below B (no test per token, which made GCC rematerialize the
   // unpacking's constants in each branch).
   const auto tokens16 = [&](uint32_t t0, auto kAll) {
-    const size_t stride = row_bytes;  // a local: through the capture GCC reloaded it for every token
+    const size_t stride = row_bytes;  // locals: through the captures GCC reloaded them for every token
+    const int8_t *const digit_base = digits;
     alignas(64) float partial[R][4][16];  // Σ code·Q per 4-token group; exact below 2^24 per digit
     for (uint32_t g = 0; g < 4; g += 2) {
       const uint32_t first = t0 + 4 * g;
@@ -193,9 +192,11 @@ void codes_scores(const BlockLayout &layout, const uint8_t *codes, size_t row_by
             u[i] = kAll || t + i < B ? unpack64<BITS>(codes + (t + i) * stride + 8 * BITS * h) : _mm512_setzero_si512();
           transpose_lanes(u, x[k]);
         }
+        const int8_t *half_digits = digit_base + size_t(h) * 4 * R * 128;
         for (uint32_t c = 0; c < 4; ++c)
           for (uint32_t r = 0; r < R; ++r) {
-            __m512i high = digit(r, 4 * h + c, 0), low = digit(r, 4 * h + c, 1);
+            __m512i high = _mm512_loadu_si512(half_digits + (c * R + r) * 128);
+            __m512i low = _mm512_loadu_si512(half_digits + (c * R + r) * 128 + 64);
             asm("" : "+v"(high), "+v"(low));  // one load each: the compiler would fold one per use
             for (uint32_t k = 0; k < 2; ++k) {
               hi[k][r] = dpbusd(hi[k][r], x[k][c], high);
@@ -250,7 +251,7 @@ constexpr DigitBytes make_digit_bytes() {
 }
 constexpr DigitBytes kDigitBytes = make_digit_bytes();
 
-// Per block, the digits of R <= 4 query rows (q_stride floats apart) into digits[r][j][2][64],
+// Per block, the digits of R <= 4 query rows (q_stride floats apart) into digits[j][r][2][64],
 // their steps, and offset[r] = Σ_c q_c·min_c. scale, mins: the block's per-channel key scales and
 // minima in fp32; scaled: scratch for R rows of q·scale. The rows share every load of scale and
 // mins and every horizontal reduction.
@@ -283,7 +284,7 @@ void query_digits(const float *q, size_t q_stride, const float *scale, const flo
     const __m512 factor = _mm512_set1_ps(code.factor);
     for (uint32_t j = 0; j < d; j += 16) {
       const __m512i Q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + j), factor));  // nearest even
-      int8_t *chunk = digits + (size_t(r) * (d / 16) + j / 16) * 128;
+      int8_t *chunk = digits + (size_t(j / 16) * R + r) * 128;
       _mm512_storeu_si512(chunk, _mm512_permutexvar_epi8(hi_bytes, _mm512_add_epi32(Q, _mm512_set1_epi32(128))));
       _mm512_storeu_si512(chunk + 64, _mm512_permutexvar_epi8(lo_bytes, Q));
     }
