@@ -358,6 +358,13 @@ constexpr float kWeightCodeMax = 4095.0f, kLevelCodeMax = 8000.0f;
 constexpr uint32_t kFlushTokens = 64, kPrefetchTokens = 8;
 static_assert(double(kFlushTokens) * kWeightCodeMax * kLevelCodeMax < 2147483647.0);
 
+// out + sums·unit[0]·unit[1] (unit: what one P·L step is worth, as two normal floats; unit[1] is
+// 1 but for tiny weights, and then a multiply is saved).
+inline __m512 add_units(__m512 sums, const float unit[2], __m512 out) {
+  if (unit[1] == 1.0f) return _mm512_fmadd_ps(sums, _mm512_set1_ps(unit[0]), out);
+  return _mm512_fmadd_ps(_mm512_mul_ps(sums, _mm512_set1_ps(unit[0])), _mm512_set1_ps(unit[1]), out);
+}
+
 // Bytes [end − 32, end) of two consecutive rows, token A's in bytes 0-31 and token B's in bytes
 // 32-63: a 32-byte load and one inserted from memory, where a masked load of each row and a
 // two-source vpermt2b took three more operations on the vector ports. The value codes' bytes
@@ -430,8 +437,7 @@ void lloyd_max_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_
     for (uint32_t r = 0; r < R; ++r)
       for (uint32_t z = 0; z < CZ; ++z) {
         float *a = acc + size_t(r) * dp + 128 * half + 16 * (j0 + z);
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[r][z]), _mm512_set1_ps(unit[r][0])),
-                                            _mm512_set1_ps(unit[r][1]), _mm512_loadu_ps(a)));
+        _mm512_storeu_ps(a, add_units(_mm512_cvtepi32_ps(sum[r][z]), unit[r], _mm512_loadu_ps(a)));
       }
   }
 }
@@ -508,12 +514,12 @@ void lloyd_max_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row
 #pragma GCC unroll 4
     for (uint32_t r = 0; r < R; ++r) {
       __m512 v[4];
-      for (uint32_t k = 0; k < 4; ++k) v[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r][k]), _mm512_set1_ps(unit[r][0]));
+      for (uint32_t k = 0; k < 4; ++k) v[k] = _mm512_cvtepi32_ps(sum[r][k]);
       __m512 x[4];  // x[m]: channels 16m..16m+15
       channel_order(v, x);
       for (uint32_t m = 0; m < 4; ++m) {
         float *out = acc + size_t(r) * dp + c0 + 16 * m;
-        _mm512_storeu_ps(out, _mm512_fmadd_ps(x[m], _mm512_set1_ps(unit[r][1]), _mm512_loadu_ps(out)));
+        _mm512_storeu_ps(out, add_units(x[m], unit[r], _mm512_loadu_ps(out)));
       }
     }
   }
@@ -546,7 +552,9 @@ void lloyd_max_group(const BlockLayout &layout, const uint8_t *codes, size_t row
                      int16_t *P, uint32_t P_stride, float *acc) {
   // Weights past B are not read (masked): they need not be zero.
   const auto weighted = [&](uint32_t r, uint32_t t) {
-    return _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes_below(t, B), w + r * w_stride + t), _mm512_loadu_ps(scales + t));
+    const float *from = w + r * w_stride + t;
+    const __m512 weights = t + 16 <= B ? _mm512_loadu_ps(from) : _mm512_maskz_loadu_ps(lanes_below(t, B), from);
+    return _mm512_mul_ps(weights, _mm512_loadu_ps(scales + t));
   };
   __m512 top[4];
   for (uint32_t r = 0; r < 4; ++r) top[r] = _mm512_setzero_ps();
@@ -559,9 +567,12 @@ void lloyd_max_group(const BlockLayout &layout, const uint8_t *codes, size_t row
     const CodeScale code = code_scale(largest[4 * r], kWeightCodeMax);
     const __m512 prescale = _mm512_set1_ps(code.prescale), factor = _mm512_set1_ps(code.factor);
     int16_t *Pr = P + size_t(r) * P_stride;
-    for (uint32_t t = 0; t < P_stride; t += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i *>(Pr + t), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(
-                                                                   _mm512_mul_ps(_mm512_mul_ps(weighted(r, t), prescale), factor))));
+    for (uint32_t t = 0; t < P_stride; t += 16) {
+      __m512 x = weighted(r, t);
+      if (code.prescale != 1.0f) x = _mm512_mul_ps(x, prescale);  // tiny weights only
+      const __m512i codes16 = _mm512_cvtps_epi32(_mm512_mul_ps(x, factor));
+      _mm256_storeu_si256(reinterpret_cast<__m256i *>(Pr + t), _mm512_cvtepi32_epi16(codes16));
+    }
     unit[r][0] = largest[4 * r] * code.prescale / kWeightCodeMax * (largest_level / kLevelCodeMax);
     unit[r][1] = 1.0f / code.prescale;
   }
