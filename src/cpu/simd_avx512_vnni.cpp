@@ -68,6 +68,7 @@ inline __m512i dpwssd_broadcast(__m512i sum, __m512i a, const int16_t *p) {
 // |ρ_c| <= step/2: about 1/(2·127·256·sqrt(3)) of max|q'| per channel and unit of code, far below
 // the budget (taking Σ ρ_c·code_c as mid·Σ ρ_c halved it and cost a fifth of query_digits).
 constexpr float kQueryCodeMax = 127.0f * 256.0f;
+static_assert(255.0 * kQueryCodeMax * QJLKV_MAX_HEAD_DIM < 2147483647.0, "Σ code·Q must fit int32");
 
 // Byte constants of the code unpacking, per bit width. The 8·BITS source bytes end a 32-byte
 // load (kUnpackLoad) that starts before them: a plain load, where a masked one that read no byte
@@ -150,15 +151,13 @@ inline void channel_order(const __m512 v[4], __m512 x[4]) {
 
 // Sums the 4 dword partials of every token: partial[g] holds tokens 4g..4g+3, token 4g + i in
 // 128-bit lane i; the result has token k in lane k.
-inline __m512 sum_partials(const float (*partial)[16]) {
-  const __m512 s0 = _mm512_load_ps(partial[0]), s1 = _mm512_load_ps(partial[1]);
-  const __m512 s2 = _mm512_load_ps(partial[2]), s3 = _mm512_load_ps(partial[3]);
-  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(s0, s1), _mm512_unpackhi_ps(s0, s1));
-  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(s2, s3), _mm512_unpackhi_ps(s2, s3));
-  const __m512 sum = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))));
+inline __m512i sum_partials(const __m512i *partial) {
+  const __m512i s0 = partial[0], s1 = partial[1], s2 = partial[2], s3 = partial[3];
+  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(s0, s1), _mm512_unpackhi_epi32(s0, s1));
+  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(s2, s3), _mm512_unpackhi_epi32(s2, s3));
+  const __m512i sum = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
   // Lane 4i + g now holds token 4g + i.
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sum);
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sum);
 }
 
 // Scores of R query rows over the block's codes: out[r][t] = step[r]·Σ_c Q_rc·code_tc + offset[r].
@@ -176,7 +175,8 @@ void codes_scores(const BlockLayout &layout, const uint8_t *codes, size_t row_by
   const auto tokens16 = [&](uint32_t t0, auto kAll) {
     const size_t stride = row_bytes;  // locals: through the captures GCC reloaded them for every token
     const int8_t *const digit_base = digits;
-    alignas(64) float partial[R][4][16];  // Σ code·Q per 4-token group; exact below 2^24 per digit
+    // Σ code·Q per 4-token group, in int32 (exactly: see kQueryCodeMax).
+    __m512i partial[R][4];
     for (uint32_t g = 0; g < 4; g += 2) {
       const uint32_t first = t0 + 4 * g;
       prefetch_next_block(layout, codes + first * stride, (std::min(first + 8, B) - std::min(first, B)) * stride);
@@ -205,13 +205,11 @@ void codes_scores(const BlockLayout &layout, const uint8_t *codes, size_t row_by
           }
       }
       for (uint32_t k = 0; k < 2; ++k)
-        for (uint32_t r = 0; r < R; ++r)
-          _mm512_store_ps(partial[r][g + k], _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[k][r]), _mm512_set1_ps(256.0f),
-                                                             _mm512_cvtepi32_ps(lo[k][r])));
+        for (uint32_t r = 0; r < R; ++r) partial[r][g + k] = _mm512_add_epi32(_mm512_slli_epi32(hi[k][r], 8), lo[k][r]);
     }
     for (uint32_t r = 0; r < R; ++r)
-      _mm512_storeu_ps(out + size_t(r) * out_stride + t0,
-                       _mm512_fmadd_ps(sum_partials(partial[r]), _mm512_set1_ps(step[r]), _mm512_set1_ps(offset[r])));
+      _mm512_storeu_ps(out + size_t(r) * out_stride + t0, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_partials(partial[r])),
+                                                                          _mm512_set1_ps(step[r]), _mm512_set1_ps(offset[r])));
   };
   for (uint32_t t0 = 0; t0 < Bp; t0 += 16) {
     if (t0 + 16 <= B) tokens16(t0, std::true_type{});
