@@ -20,3 +20,7 @@ class GemmProbe {
 // Kernels/<isa>/<preset>: one block's scores, softmax and value sums on hot data, per
 // instruction set this CPU supports.
 void register_kernel_benchmarks();
+
+// VectorPorts/<instruction>: the vector-port operations of AVX-512 instructions (port_probe.cpp),
+// where the CPU has AVX-512 VBMI and VNNI.
+void register_port_benchmarks();

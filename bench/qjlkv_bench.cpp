@@ -16,6 +16,9 @@
 //                      one 4096-token prefill into an empty sequence: Mtoken_heads_per_s and,
 //                      for qjl, the fraction of the GEMM rate its sketch products reach, against
 //                      a GEMM of the same shape run alternately in the same loop
+//   Kernels/<isa>/<preset>, VectorPorts/<instruction>
+//                      white-box: the kernels on hot data (kernel_bench.cpp) and the vector-port
+//                      operations of AVX-512 instructions (port_probe.cpp)
 // Each step attends one layer; successive steps cycle over enough layers (up to the model's
 // count) that the bytes read exceed the last-level cache, as a real decode step's would.
 // QJLKV_BENCH_THREADS sets config.num_threads (default 0: the cores available).
@@ -336,6 +339,7 @@ void register_all() {
   RegisterBenchmark("ReadBandwidth", bm_read_bandwidth)->UseRealTime()->Unit(benchmark::kMillisecond);
   RegisterBenchmark("Gemm", bm_gemm)->UseRealTime()->Unit(benchmark::kMillisecond);
   register_kernel_benchmarks();
+  register_port_benchmarks();
   for (const Shape &shape : kShapes) {
     const std::string model = shape.name;
     for (uint32_t context : kContexts)
