@@ -402,7 +402,7 @@ struct ValueUnpack {
 };
 constexpr ValueUnpack make_value_unpack(uint32_t bits, uint32_t cz) {
   ValueUnpack u{};
-  const uint32_t window = 32 - 2 * bits * cz;  // where the tile's bytes start in each half
+  const uint32_t window = 32 - 2 * bits * cz;  // where the tile's bytes start in a token's 32
   for (uint32_t z = 0; z < cz; ++z)
     for (uint32_t k = 0; k < 8; ++k) {
       const uint32_t bit = 2 * k * bits, byte = window + 2 * bits * z + bit / 8, shift = bit % 8;
