@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cpu/isa.hpp"
 #include "probes.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -79,7 +80,8 @@ void bm_port_probe(benchmark::State &state, Probe probe) {
 }  // namespace
 
 void register_port_benchmarks() {
-  if (!__builtin_cpu_supports("avx512vbmi") || !__builtin_cpu_supports("avx512vnni")) return;
+  // The instructions probed are those of the avx512vnni kernels.
+  if (!qjlkv::cpu::isa_supported(qjlkv::cpu::Isa::Avx512Vnni)) return;
   const struct {
     const char *name;
     Probe probe;

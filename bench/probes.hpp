@@ -22,5 +22,5 @@ class GemmProbe {
 void register_kernel_benchmarks();
 
 // VectorPorts/<instruction>: the vector-port operations of AVX-512 instructions (port_probe.cpp),
-// where the CPU has AVX-512 VBMI and VNNI.
+// where the CPU runs the avx512vnni kernels.
 void register_port_benchmarks();

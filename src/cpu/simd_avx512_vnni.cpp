@@ -72,11 +72,17 @@ inline __m512i dpwssd_broadcast(__m512i sum, __m512i a, const int16_t *p) {
 constexpr float kQueryCodeMax = 127.0f * 256.0f;
 static_assert(255.0 * kQueryCodeMax * QJLKV_MAX_HEAD_DIM < 2147483647.0, "Σ code·Q must fit int32");
 
-// Byte constants of the code unpacking, per bit width. The 8·BITS source bytes end a 32-byte
-// load (kUnpackLoad) that starts before them: a plain load, where a masked one that read no byte
-// past them was a second operation on the vector ports (the bytes before a block's codes are
-// its scales and minima, so the load stays in the block).
-constexpr uint32_t kUnpackLoad = 32;
+// The kBytesEndingAt bytes before `end`: how the kernels read packed codes, a plain load where a
+// masked one that read no byte past them was a second operation on the vector ports. Before a
+// block's key codes lie its scales and minima, before its value codes its value scales and keys
+// (at least 32 bytes either way), so the loads stay in the block and never pass the rows.
+constexpr uint32_t kBytesEndingAt = 32;
+inline __m256i bytes_ending_at(const uint8_t *end) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(end - kBytesEndingAt));
+}
+
+// Byte constants of the code unpacking, per bit width (the 8·BITS source bytes end a
+// bytes_ending_at load).
 struct Unpack {
   alignas(64) uint8_t gather[64];  // vpermb: qword q takes the BITS bytes of codes 8q..8q+7
   alignas(64) uint8_t shifts[64];  // vpmultishiftqb: byte i of a qword starts at bit BITS·i
@@ -85,7 +91,7 @@ constexpr Unpack make_unpack(uint32_t bits) {
   Unpack u{};
   for (uint32_t q = 0; q < 8; ++q)
     for (uint32_t i = 0; i < 8; ++i) {
-      u.gather[8 * q + i] = uint8_t(kUnpackLoad - 8 * bits + bits * q + i);
+      u.gather[8 * q + i] = uint8_t(kBytesEndingAt - 8 * bits + bits * q + i);
       u.shifts[8 * q + i] = uint8_t(bits * i);
     }
   return u;
@@ -107,8 +113,8 @@ inline __m512i and_broadcast(__m512i x, const uint32_t *p) {
 #endif
 }
 
-// Codes 64h..64h+63 of a packed row as bytes (BITS·8 source bytes at row + 8·BITS·h, of which
-// the kUnpackLoad bytes before their end are read).
+// Codes 64h..64h+63 of a packed row as bytes (BITS·8 source bytes at row + 8·BITS·h, read by
+// bytes_ending_at their end).
 template <uint32_t BITS>
 inline __m512i unpack64(const uint8_t *src) {
   if constexpr (BITS == 8) {
@@ -116,9 +122,8 @@ inline __m512i unpack64(const uint8_t *src) {
   } else {
     static constexpr Unpack kUnpack = make_unpack(BITS);
     static constexpr uint32_t kCodeBits = 0x01010101u * ((1u << BITS) - 1u);
-    static_assert(8 * BITS <= kUnpackLoad);
-    const auto *load = reinterpret_cast<const __m256i *>(src + 8 * BITS - kUnpackLoad);
-    const __m512i bytes = _mm512_castsi256_si512(_mm256_loadu_si256(load));
+    static_assert(8 * BITS <= kBytesEndingAt);
+    const __m512i bytes = _mm512_castsi256_si512(bytes_ending_at(src + 8 * BITS));
     const __m512i placed = _mm512_permutexvar_epi8(_mm512_load_si512(kUnpack.gather), bytes);
     return and_broadcast(_mm512_multishift_epi64_epi8(_mm512_load_si512(kUnpack.shifts), placed), &kCodeBits);
   }
@@ -380,15 +385,13 @@ inline __m512 add_units(__m512 sums, const float unit[2], __m512 out) {
 }
 
 // Bytes [end − 32, end) of two consecutive rows, token A's in bytes 0-31 and token B's in bytes
-// 32-63: a 32-byte load and one inserted from memory, where a masked load of each row and a
-// two-source vpermt2b took three more operations on the vector ports. The value codes' bytes
-// that a tile reads end its window: before them lie the block's value scales and keys (at least
-// 32 bytes), so the loads stay in the block and never pass the rows. B is even (block_tokens is
-// a multiple of 8), so every token has its pair.
+// 32-63: two bytes_ending_at loads, the second inserted from memory, where a masked load of each
+// row and a two-source vpermt2b took three more operations on the vector ports. The value codes'
+// bytes that a tile reads end its window. B is even (block_tokens is a multiple of 8), so every
+// token has its pair.
 inline __m512i row_pair(const uint8_t *end, size_t row_bytes) {
-  const auto *a = reinterpret_cast<const __m256i *>(end - 32);
-  const auto *b = reinterpret_cast<const __m256i *>(end + row_bytes - 32);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(a)), _mm256_loadu_si256(b), 1);
+  static_assert(kBytesEndingAt == 32, "a row_pair is two 32-byte halves");
+  return _mm512_inserti64x4(_mm512_castsi256_si512(bytes_ending_at(end)), bytes_ending_at(end + row_bytes), 1);
 }
 
 // Per 16-channel chunk z of a tile of CZ chunks (2·BITS·CZ bytes of a row, the end of a row_pair
@@ -564,7 +567,8 @@ template <uint32_t BITS, uint32_t R>
 void lloyd_max_group(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t d,
                      __m512i levels, float largest_level, const float *scales, const float *w, size_t w_stride,
                      int16_t *P, uint32_t P_stride, float *acc) {
-  // Weights past B are not read (masked): they need not be zero.
+  // Weights past B are not read (masked): they need not be zero. Whole chunks load unmasked (a
+  // masked load is a second operation on the vector ports).
   const auto weighted = [&](uint32_t r, uint32_t t) {
     const float *from = w + r * w_stride + t;
     const __m512 weights = t + 16 <= B ? _mm512_loadu_ps(from) : _mm512_maskz_loadu_ps(lanes_below(t, B), from);
