@@ -62,15 +62,21 @@ inline __m512i dpwssd_broadcast(__m512i sum, __m512i a, const int16_t *p) {
 }
 
 // Per block and query row, q'_c = q_c·scale_c is quantized to Q_c = round(q'_c / step) with
-// |Q_c| <= 127·256, step = max|q'| / (127·256), and split into two int8 digits
-// Q = 256·hi + lo (hi in [-127, 127], lo in [-128, 127]): two vpdpbusd with the u8 codes give
-// Σ code·hi and Σ code·lo exactly. The rounding residuals ρ_c = q'_c − step·Q_c are not lost:
+// |Q_c| <= 127·256, step = max|q'| / (127·256), and split into two byte digits Q = 256·hi + lo:
+// two vpdpbusd with the codes give Σ code·hi and Σ code·lo exactly. hi is signed; lo is Q's low
+// byte, unsigned, multiplied as vpdpbusd's unsigned operand against the codes as signed bytes
+// (codes of up to 4 bits fit), so that both digits are bytes of Q, taken by one vpermb. 8-bit
+// codes need the unsigned side themselves: then lo is signed (lo in [-128, 127], hi = (Q + 128)
+// >> 8). The rounding residuals ρ_c = q'_c − step·Q_c are not lost:
 // Σ ρ_c·code_c is taken as mid·Σ ρ_c with mid = (2^bits − 1)/2, so the error is
 // Σ ρ_c·(code_c − mid), |ρ_c| <= step/2, about 1/(2·127·256·sqrt(3)) of max|q'| per channel.
 // (Without that term the error doubled, to 0.8–2.4e-5 of ‖q‖·‖k‖, and q4's mean KL moved by 2 %
 // in tools/eval.)
 constexpr float kQueryCodeMax = 127.0f * 256.0f;
 static_assert(255.0 * kQueryCodeMax * QJLKV_MAX_HEAD_DIM < 2147483647.0, "Σ code·Q must fit int32");
+template <uint32_t BITS>
+constexpr bool kSignedLow = BITS > 7;
+constexpr uint32_t kDigitChunkBytes = 32;  // a chunk's hi and lo digits of one row
 
 // The kBytesEndingAt bytes before `end`: how the kernels read packed codes, a plain load where a
 // masked one that read no byte past them was a second operation on the vector ports. Before a
@@ -168,8 +174,9 @@ inline __m512i sum_partials(const __m512i *partial) {
 }
 
 // Scores of R query rows over the block's codes: out[r][t] = step[r]·Σ_c Q_rc·code_tc + offset[r].
-// digits: per 16-channel chunk j and row, the hi then the lo digits, each 16 bytes broadcast to 64
-// (chunk-major: a chunk's loads are one pointer and immediate offsets).
+// digits: per 16-channel chunk j and row, the 16 hi then the 16 lo digits (query_digits), each
+// broadcast to the four 128-bit lanes as it is loaded (a load, no vector-port operation; chunk-major:
+// a chunk's loads are one pointer and immediate offsets).
 // Two groups of 4 tokens share each digit load: with one group, the 2·R digit loads per chunk
 // outnumbered the vpdpbusd they fed half the time (loads, not multiplies, set the pace).
 // Requests the next block's copy of each 8 tokens' codes as it starts them (prefetch_next_block).
@@ -199,15 +206,15 @@ void codes_scores(const BlockLayout &layout, const uint8_t *codes, size_t row_by
             u[i] = kAll || t + i < B ? unpack64<BITS>(codes + (t + i) * stride + 8 * BITS * h) : _mm512_setzero_si512();
           transpose_lanes(u, x[k]);
         }
-        const int8_t *half_digits = digit_base + size_t(h) * 4 * R * 128;
+        const int8_t *half_digits = digit_base + size_t(h) * 4 * R * kDigitChunkBytes;
         for (uint32_t c = 0; c < 4; ++c)
           for (uint32_t r = 0; r < R; ++r) {
-            __m512i high = _mm512_loadu_si512(half_digits + (c * R + r) * 128);
-            __m512i low = _mm512_loadu_si512(half_digits + (c * R + r) * 128 + 64);
-            asm("" : "+v"(high), "+v"(low));  // one load each: the compiler would fold one per use
+            const int8_t *chunk = half_digits + (c * R + r) * kDigitChunkBytes;
+            const __m512i high = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i *>(chunk)));
+            const __m512i low = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i *>(chunk + 16)));
             for (uint32_t k = 0; k < 2; ++k) {
               hi[k][r] = dpbusd(hi[k][r], x[k][c], high);
-              lo[k][r] = dpbusd(lo[k][r], x[k][c], low);
+              lo[k][r] = kSignedLow<BITS> ? dpbusd(lo[k][r], x[k][c], low) : dpbusd(lo[k][r], low, x[k][c]);
             }
           }
       }
@@ -241,29 +248,31 @@ inline __m512 reduce_rows4(const __m512 v[4], Op op) {
   return op(e, _mm512_permute_ps(e, 0xB1));
 }
 
-// vpermb indices that split 16 int32 Q into their digits, broadcast to the 4 lanes: lo is byte 0
-// of Q, hi = (Q + 128) >> 8 is byte 1 of Q + 128 (|hi| <= 127).
+// vpermb indices that put the digits of 16 int32 Q in bytes 0-31: hi (byte 1 of each) in bytes
+// 0-15, lo (byte 0) in bytes 16-31. With signed lo they are taken from Q + 128, whose byte 1 is
+// (Q + 128) >> 8 and byte 0 lo with its top bit flipped (kLowSignBits flips it back).
 struct DigitBytes {
-  alignas(64) uint8_t hi[64];
-  alignas(64) uint8_t lo[64];
+  alignas(64) uint8_t index[64];
+  alignas(64) uint8_t low_sign[64];
 };
 constexpr DigitBytes make_digit_bytes() {
   DigitBytes b{};
-  for (uint32_t i = 0; i < 64; ++i) {
-    b.lo[i] = uint8_t(4 * (i % 16));
-    b.hi[i] = uint8_t(4 * (i % 16) + 1);
+  for (uint32_t i = 0; i < 16; ++i) {
+    b.index[i] = uint8_t(4 * i + 1);
+    b.index[16 + i] = uint8_t(4 * i);
+    b.low_sign[16 + i] = 0x80;
   }
   return b;
 }
 constexpr DigitBytes kDigitBytes = make_digit_bytes();
 
-// Per block, the digits of R <= 4 query rows (q_stride floats apart) into digits[j][r][2][64],
+// Per block, the digits of R <= 4 query rows (q_stride floats apart) into digits[j][r][2][16],
 // their steps, and offset[r] = Σ_c q_c·min_c + mid·Σ_c ρ_c, taken as
 // Σ_c q_c·(min_c + mid·scale_c) − mid·step·Σ_c Q_c (the Q_c summed exactly in int32: one add per
 // chunk, where summing each ρ_c took three). scale, mins: the block's per-channel key scales and
 // minima in fp32; scaled: scratch for R rows of q·scale. The rows share every load of scale and
 // mins and every horizontal reduction.
-template <uint32_t R>
+template <uint32_t R, bool kSignedLowDigit>
 void query_digits(const float *q, size_t q_stride, const float *scale, const float *mins, uint32_t d, float mid,
                   float *scaled, int8_t *digits, float *step, float *offset) {
   __m512 top[4], dot[4];
@@ -281,7 +290,7 @@ void query_digits(const float *q, size_t q_stride, const float *scale, const flo
   alignas(64) float largest[16], sums[16];
   _mm512_store_ps(largest, reduce_rows4(top, MaxOp{}));
   _mm512_store_ps(sums, reduce_rows4(dot, AddOp{}));
-  const __m512i hi_bytes = _mm512_load_si512(kDigitBytes.hi), lo_bytes = _mm512_load_si512(kDigitBytes.lo);
+  const __m512i digit_bytes = _mm512_load_si512(kDigitBytes.index);
   __m512 factor[R];
   for (uint32_t r = 0; r < R; ++r) {
     const CodeScale code = code_scale(largest[4 * r], kQueryCodeMax);
@@ -297,11 +306,16 @@ void query_digits(const float *q, size_t q_stride, const float *scale, const flo
   for (uint32_t r = 0; r < R; ++r) total[r] = _mm512_setzero_si512();
   int8_t *chunk = digits;
   for (uint32_t j = 0; j < d; j += 16)  // the rows together: one loop, R independent chains
-    for (uint32_t r = 0; r < R; ++r, chunk += 128) {
+    for (uint32_t r = 0; r < R; ++r, chunk += kDigitChunkBytes) {
       const __m512i Q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(scaled + size_t(r) * d + j), factor[r]));
       total[r] = _mm512_add_epi32(total[r], Q);
-      _mm512_storeu_si512(chunk, _mm512_permutexvar_epi8(hi_bytes, _mm512_add_epi32(Q, _mm512_set1_epi32(128))));
-      _mm512_storeu_si512(chunk + 64, _mm512_permutexvar_epi8(lo_bytes, Q));  // Q nearest even
+      __m512i bytes;
+      if constexpr (kSignedLowDigit)
+        bytes = _mm512_xor_si512(_mm512_permutexvar_epi8(digit_bytes, _mm512_add_epi32(Q, _mm512_set1_epi32(128))),
+                                 _mm512_load_si512(kDigitBytes.low_sign));
+      else
+        bytes = _mm512_permutexvar_epi8(digit_bytes, Q);
+      _mm256_storeu_si256(reinterpret_cast<__m256i *>(chunk), _mm512_castsi512_si256(bytes));
     }
   __m512 totals[4];
   for (uint32_t r = 0; r < 4; ++r) totals[r] = r < R ? _mm512_cvtepi32_ps(total[r]) : _mm512_setzero_ps();
@@ -315,7 +329,7 @@ void kivi_rows(const CodesArgs &a, const uint8_t *block, const float *q, size_t 
                const float *mins, float *scaled, int8_t *digits, float *out, size_t out_stride) {
   const BlockLayout &l = *a.layout;
   float step[R], offset[R];
-  query_digits<R>(q, q_stride, scale, mins, a.head_dim, float((1u << BITS) - 1u) * 0.5f, scaled, digits, step, offset);
+  query_digits<R, kSignedLow<BITS>>(q, q_stride, scale, mins, a.head_dim, float((1u << BITS) - 1u) * 0.5f, scaled, digits, step, offset);
   codes_scores<BITS, R>(l, block + l.key_codes, l.key_bytes_per_token_codes, a.block_tokens, a.head_dim, digits,
                         step, offset, out, out_stride);
 }
