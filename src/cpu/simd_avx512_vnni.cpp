@@ -270,16 +270,20 @@ constexpr DigitBytes kDigitBytes = make_digit_bytes();
 // their steps, and offset[r] = Σ_c q_c·min_c + mid·Σ_c ρ_c, taken as
 // Σ_c q_c·(min_c + mid·scale_c) − mid·step·Σ_c Q_c (the Q_c summed exactly in int32: one add per
 // chunk, where summing each ρ_c took three). scale, mins: the block's per-channel key scales and
-// minima in fp32; scaled: scratch for R rows of q·scale. The rows share every load of scale and
-// mins and every horizontal reduction.
+// minima (fp16, converted as they are read: through fp32 scratch they were a store and a reload
+// more per block); scaled: scratch for R rows of q·scale. The rows share every conversion of
+// scale and mins and every horizontal reduction.
+inline __m512 load_f16(const uint8_t *p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)));
+}
 template <uint32_t R, bool kSignedLowDigit>
-void query_digits(const float *q, size_t q_stride, const float *scale, const float *mins, uint32_t d, float mid,
+void query_digits(const float *q, size_t q_stride, const uint8_t *scale, const uint8_t *mins, uint32_t d, float mid,
                   float *scaled, int8_t *digits, float *step, float *offset) {
   __m512 top[4], dot[4];
   for (uint32_t r = 0; r < 4; ++r) top[r] = dot[r] = _mm512_setzero_ps();
   for (uint32_t j = 0; j < d; j += 16) {
-    const __m512 s = _mm512_loadu_ps(scale + j);
-    const __m512 m = _mm512_fmadd_ps(s, _mm512_set1_ps(mid), _mm512_loadu_ps(mins + j));  // min + mid·scale
+    const __m512 s = load_f16(scale + 2 * j);
+    const __m512 m = _mm512_fmadd_ps(s, _mm512_set1_ps(mid), load_f16(mins + 2 * j));  // min + mid·scale
     for (uint32_t r = 0; r < R; ++r) {
       const __m512 x = _mm512_loadu_ps(q + r * q_stride + j), product = _mm512_mul_ps(x, s);
       _mm512_storeu_ps(scaled + size_t(r) * d + j, product);
@@ -325,11 +329,11 @@ void query_digits(const float *q, size_t q_stride, const float *scale, const flo
 }
 
 template <uint32_t BITS, uint32_t R>
-void kivi_rows(const CodesArgs &a, const uint8_t *block, const float *q, size_t q_stride, const float *scale,
-               const float *mins, float *scaled, int8_t *digits, float *out, size_t out_stride) {
+void kivi_rows(const CodesArgs &a, const uint8_t *block, const float *q, size_t q_stride, float *scaled,
+               int8_t *digits, float *out, size_t out_stride) {
   const BlockLayout &l = *a.layout;
   float step[R], offset[R];
-  query_digits<R, kSignedLow<BITS>>(q, q_stride, scale, mins, a.head_dim, float((1u << BITS) - 1u) * 0.5f, scaled, digits, step, offset);
+  query_digits<R, kSignedLow<BITS>>(q, q_stride, block + l.key_scale, block + l.key_min, a.head_dim, float((1u << BITS) - 1u) * 0.5f, scaled, digits, step, offset);
   codes_scores<BITS, R>(l, block + l.key_codes, l.key_bytes_per_token_codes, a.block_tokens, a.head_dim, digits,
                         step, offset, out, out_stride);
 }
@@ -339,26 +343,22 @@ void kivi_scores_bits(const CodesArgs &a, const uint8_t *block, const float *q, 
                       size_t out_stride, float *scratch) {
   const BlockLayout &l = *a.layout;
   const uint32_t d = a.head_dim, dp = padded_dim(d);  // d % 64 == 0 here
-  // scratch: scales [d], minima [d], q·scale [4][d], then the digits of 4 rows
-  float *scale = scratch, *mins = scale + d, *scaled = mins + d;
+  // scratch: q·scale [4][d], then the digits of 4 rows
+  float *scaled = scratch;
   auto *digits = reinterpret_cast<int8_t *>(scaled + 4 * size_t(d));
   // The next block's scales and minima now, its codes as codes_scores reaches them, then the rest
   // (OTT's mask).
   const size_t codes_end = l.key_codes + size_t(a.block_tokens) * l.key_bytes_per_token_codes;
   prefetch_next_block(l, block, l.key_codes);
   prefetch_next_block(l, block + codes_end, l.key_bytes - codes_end);
-  for (uint32_t j = 0; j < d; j += 16) {
-    _mm512_storeu_ps(scale + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(block + l.key_scale + 2 * j))));
-    _mm512_storeu_ps(mins + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(block + l.key_min + 2 * j))));
-  }
   for (uint32_t r0 = 0; r0 < rows; r0 += 4) {
     const float *qr = q + size_t(r0) * dp;
     float *o = out + size_t(r0) * out_stride;
     switch (std::min(4u, rows - r0)) {
-      case 1: kivi_rows<BITS, 1>(a, block, qr, dp, scale, mins, scaled, digits, o, out_stride); break;
-      case 2: kivi_rows<BITS, 2>(a, block, qr, dp, scale, mins, scaled, digits, o, out_stride); break;
-      case 3: kivi_rows<BITS, 3>(a, block, qr, dp, scale, mins, scaled, digits, o, out_stride); break;
-      default: kivi_rows<BITS, 4>(a, block, qr, dp, scale, mins, scaled, digits, o, out_stride); break;
+      case 1: kivi_rows<BITS, 1>(a, block, qr, dp, scaled, digits, o, out_stride); break;
+      case 2: kivi_rows<BITS, 2>(a, block, qr, dp, scaled, digits, o, out_stride); break;
+      case 3: kivi_rows<BITS, 3>(a, block, qr, dp, scaled, digits, o, out_stride); break;
+      default: kivi_rows<BITS, 4>(a, block, qr, dp, scaled, digits, o, out_stride); break;
     }
   }
 }
