@@ -90,6 +90,7 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
     for (uint32_t b = 0; b < blocks; ++b)
       K.values_accumulate(value_args, &data[size_t(b) * layout.stride], &weights[size_t(b) * kRows * Bp], Bp, kRows,
                           acc.data(), scratch);
+    K.values_in_channel_order(value_args, kRows, acc.data());
     const double t3 = thread_seconds();
     keys_s += t1 - t0;
     softmax_s += t2 - t1;

@@ -565,6 +565,7 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
           value_method.accumulate(context, block, weights, Bp, rows, acc, kernel_scratch);
       }
     });
+    K.values_in_channel_order(lk.values, rows, acc);
     return;
   }
   // Exact tokens in chunks of B: row t of keys/values starts at element t * row_stride.

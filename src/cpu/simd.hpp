@@ -185,6 +185,11 @@ struct KernelTable {
   // stored: rotated Lloyd-Max values stay rotated, as in values_accumulate_block.
   void (*values_accumulate)(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride,
                             uint32_t rows, float *acc, float *scratch);
+  // values_accumulate may keep each row of acc in its own order of channels (a layer's blocks all
+  // the same order; avx512vnni's 2-bit Lloyd-Max sums, which saves it a shuffle of every block's
+  // sums); this puts the rows back in channel order, once after the last block. Between the two,
+  // acc may only be scaled as a whole (softmax_fold) or added to by values_accumulate.
+  void (*values_in_channel_order)(const CodesArgs &a, uint32_t rows, float *acc);
   // ---- appending: the reference quantizers' exact results, vectorized ----
   // dst[i] = element first + i of src (dtype), for i < n.
   void (*load_floats)(const void *src, qjlkv_dtype dtype, size_t first, size_t n, float *dst);

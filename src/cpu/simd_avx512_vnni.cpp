@@ -478,8 +478,10 @@ void lloyd_max_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_
 // row_pair); the level table T0 (entry i: level of i's bits 0-1) and T2 (bits 2-3), on those
 // words and on them shifted right by 4, give the levels of channels 4j + k for k = 0..3 in dword
 // lane j: one vpermb, one shift and four vpermw per 64 channels of a pair, where lloyd_max_tile
-// takes three shuffles per 16. The sums come out with channel 4j + k in lane j of sum[r][k] and are
-// put in channel order at the flush (a 4x4 transpose within and then across 128-bit lanes).
+// takes three shuffles per 16. The sums come out with channel 4j + k in lane j of sum[r][k] and
+// stay so in acc (channels c0 + 4j + k at c0 + 16k + j): values_in_channel_order puts them back
+// once per attend, where doing it at each flush took 16 shuffles per row and tile of every block.
+// (A layer's blocks all take these tiles, for channels [0, 64·floor(d / 64)).)
 // vpermb indices for the 2-bit tiles: lane j takes byte b(j) = (j % n)·16/n + j/n of the 16-byte
 // runs of two tokens in a row_pair, bytes 16-31 (A, to word 2j) and 48-63 (B, to word 2j + 1),
 // n = 1, 2, 4.
@@ -543,16 +545,11 @@ void lloyd_max_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row
       }
     }
 #pragma GCC unroll 4
-    for (uint32_t r = 0; r < R; ++r) {
-      __m512 v[4];
-      for (uint32_t k = 0; k < 4; ++k) v[k] = _mm512_cvtepi32_ps(sum[r][k]);
-      __m512 x[4];  // x[m]: channels 16m..16m+15
-      channel_order(v, x);
-      for (uint32_t m = 0; m < 4; ++m) {
-        float *out = acc + size_t(r) * dp + c0 + 16 * m;
-        _mm512_storeu_ps(out, add_units(x[m], unit[r], _mm512_loadu_ps(out)));
+    for (uint32_t r = 0; r < R; ++r)
+      for (uint32_t k = 0; k < 4; ++k) {
+        float *out = acc + size_t(r) * dp + c0 + 16 * k;
+        _mm512_storeu_ps(out, add_units(_mm512_cvtepi32_ps(sum[r][k]), unit[r], _mm512_loadu_ps(out)));
       }
-    }
   }
 }
 
@@ -1056,6 +1053,20 @@ void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w,
   avx512_kernels().values_accumulate(a, block, w, w_stride, rows, acc, scratch);
 }
 
+// The 2-bit Lloyd-Max tiles' order (lloyd_max_tile2) back to channel order.
+void values_in_channel_order(const CodesArgs &a, uint32_t rows, float *acc) {
+  if (!(a.method == QJLKV_VALUES_ROTATED_LLOYD_MAX && a.head_dim % 16 == 0 && a.bits == 2)) return;
+  const uint32_t dp = padded_dim(a.head_dim);
+  for (uint32_t r = 0; r < rows; ++r)
+    for (uint32_t c0 = 0; c0 + 64 <= a.head_dim; c0 += 64) {
+      float *tile = acc + size_t(r) * dp + c0;
+      __m512 v[4], x[4];
+      for (uint32_t k = 0; k < 4; ++k) v[k] = _mm512_loadu_ps(tile + 16 * k);
+      channel_order(v, x);
+      for (uint32_t m = 0; m < 4; ++m) _mm512_storeu_ps(tile + 16 * m, x[m]);
+    }
+}
+
 // ---- QJL keys -------------------------------------------------------------------------------------
 // With b_i a token's sign bits, ⟨x, ±b⟩ = 2·Σ_i x_i·b_i − Σ_i x_i. The kernel takes Σ_i x_i·b_i on
 // int16 codes X ≈ x/step FastScan-style: every byte of a token's sign bits (two nibbles, 8 sketch
@@ -1340,6 +1351,7 @@ const KernelTable &avx512_vnni_kernels() {
     t.qjl_codes = QjlCodes::PairWords;
     t.kivi_scores = &avx512_vnni::kivi_scores;
     t.values_accumulate = &avx512_vnni::values_accumulate;
+    t.values_in_channel_order = &avx512_vnni::values_in_channel_order;
     return t;
   }();
   return table;

@@ -316,6 +316,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     for (uint32_t r = 0; r < rows; ++r) std::fill_n(acc + size_t(r) * dp, d, initial);
     float *scratch = aligned<float>(scratch_storage, kernel_scratch_floats(cfg_, ls.m, ls.m_out, ls.sketch_rows));
     K.values_accumulate(values_args_, block_.data(), wp, Bp, rows, acc, scratch);
+    K.values_in_channel_order(values_args_, rows, acc);
     return acc;
   }
 
