@@ -7,6 +7,10 @@
 // the adds alone fill both ports); the instruction's operations are 4·(t_with/t_adds) − 4, the
 // clock frequency cancelling. Destinations it would accumulate into are zeroed first (a zero
 // idiom, no port), so that no group waits for another.
+// VectorPorts/port5/<instruction> asks which of those operations need port 5, where Intel runs
+// every shuffle: groups "four vpermb + the instruction" (the vpermb fill port 5 alone, four cycles
+// a group) against "four vpermb"; what the instruction adds, 4·(t_with/t_shuffles) − 4, is its
+// operations that could not go to port 0.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
@@ -26,16 +30,23 @@ namespace {
   "vpaddd %%zmm29, %%zmm" #i ", %%zmm" #i "\n" \
   "vpaddd %%zmm27, %%zmm" #i ", %%zmm" #i "\n" \
   "vpaddd %%zmm26, %%zmm" #i ", %%zmm" #i "\n"
-#define QJLKV_GROUPS(op)                                                                                          \
-  QJLKV_ADDS(0) op QJLKV_ADDS(1) op QJLKV_ADDS(2) op QJLKV_ADDS(3) op QJLKV_ADDS(4) op QJLKV_ADDS(5) op          \
-  QJLKV_ADDS(6) op QJLKV_ADDS(7) op QJLKV_ADDS(8) op QJLKV_ADDS(9) op QJLKV_ADDS(10) op QJLKV_ADDS(11) op       \
-  QJLKV_ADDS(12) op QJLKV_ADDS(13) op QJLKV_ADDS(14) op QJLKV_ADDS(15) op
+// The same with four vpermb (port 5 only; each its own destination, no chains).
+#define QJLKV_SHUFFLES(i)                                   \
+  "vpermb %%zmm30, %%zmm29, %%zmm" #i "\n"                 \
+  "vpermb %%zmm30, %%zmm27, %%zmm" #i "\n"                 \
+  "vpermb %%zmm30, %%zmm26, %%zmm" #i "\n"                 \
+  "vpermb %%zmm29, %%zmm26, %%zmm" #i "\n"
+#define QJLKV_GROUPS_OF(base, op)                                                                                  \
+  base(0) op base(1) op base(2) op base(3) op base(4) op base(5) op base(6) op base(7) op base(8) op base(9) op     \
+  base(10) op base(11) op base(12) op base(13) op base(14) op base(15) op
+#define QJLKV_GROUPS(op) QJLKV_GROUPS_OF(QJLKV_ADDS, op)
 
 // Runs `loops` iterations of 16 groups; the memory operand is 64 bytes at `buffer`.
-#define QJLKV_PROBE(name, op)                                                                          \
-  __attribute__((target("avx512f"))) void name(long loops, const void *buffer) {                       \
+#define QJLKV_PROBE(name, op) QJLKV_PROBE_OF(name, QJLKV_ADDS, op)
+#define QJLKV_PROBE_OF(name, base, op)                                                                 \
+  __attribute__((target("avx512f,avx512vbmi"))) void name(long loops, const void *buffer) {            \
     asm volatile("kxnorq %%k1, %%k1, %%k1\n"                                                            \
-                 "1:\n" QJLKV_GROUPS(op) "sub $1, %0\n"                                                 \
+                 "1:\n" QJLKV_GROUPS_OF(base, op) "sub $1, %0\n"                                        \
                  "jnz 1b\n"                                                                              \
                  : "+r"(loops)                                                                           \
                  : "r"(buffer)                                                                           \
@@ -57,10 +68,22 @@ QJLKV_PROBE(probe_vcvtdq2ps, "vcvtdq2ps %%zmm30, %%zmm28\n")
 QJLKV_PROBE(probe_load, "vmovdqu64 (%1), %%zmm28\n")
 QJLKV_PROBE(probe_masked_load, "vmovdqu8 (%1), %%zmm28%{%%k1%}%{z%}\n")
 QJLKV_PROBE(probe_insert_load, "vinserti64x4 $1, (%1), %%zmm30, %%zmm28\n")
+QJLKV_PROBE(probe_broadcast_load, "vbroadcasti32x4 (%1), %%zmm28\n")
+
+#define QJLKV_PORT5_PROBE(name, op) QJLKV_PROBE_OF(name, QJLKV_SHUFFLES, op)
+QJLKV_PORT5_PROBE(shuffles_only, "")
+QJLKV_PORT5_PROBE(port5_vpaddd, "vpaddd %%zmm30, %%zmm31, %%zmm28\n")
+QJLKV_PORT5_PROBE(port5_vpermw, "vpermw %%zmm30, %%zmm31, %%zmm28\n")
+QJLKV_PORT5_PROBE(port5_vpmultishiftqb, "vpmultishiftqb %%zmm30, %%zmm31, %%zmm28\n")
+QJLKV_PORT5_PROBE(port5_vshufi64x2, "vshufi64x2 $0x44, %%zmm30, %%zmm31, %%zmm28\n")
+QJLKV_PORT5_PROBE(port5_vpsrlw, "vpsrlw $4, %%zmm30, %%zmm28\n")
+QJLKV_PORT5_PROBE(port5_vpdpbusd, "vpxord %%zmm28, %%zmm28, %%zmm28\n vpdpbusd %%zmm30, %%zmm31, %%zmm28\n")
+QJLKV_PORT5_PROBE(port5_vpdpwssd, "vpxord %%zmm28, %%zmm28, %%zmm28\n vpdpwssd %%zmm30, %%zmm31, %%zmm28\n")
+QJLKV_PORT5_PROBE(port5_insert_load, "vinserti64x4 $1, (%1), %%zmm30, %%zmm28\n")
 
 using Probe = void (*)(long, const void *);
 
-void bm_port_probe(benchmark::State &state, Probe probe) {
+void bm_port_probe(benchmark::State &state, Probe base, Probe probe) {
   alignas(64) static const uint8_t buffer[64] = {};
   constexpr long kLoops = 20000;
   const auto seconds = [&](Probe p) {
@@ -70,11 +93,11 @@ void bm_port_probe(benchmark::State &state, Probe probe) {
   };
   double adds = 0.0, with = 0.0;
   for (auto _ : state) {  // alternated, so that a change of clock hits both alike
-    adds += seconds(adds_only);
+    adds += seconds(base);
     with += seconds(probe);
   }
-  state.counters["vector_port_ops"] = 4.0 * with / adds - 4.0;
-  state.counters["ns_per_group_adds"] = 1e9 * adds / (double(state.iterations()) * kLoops * 16);
+  state.counters[base == adds_only ? "vector_port_ops" : "port5_ops"] = 4.0 * with / adds - 4.0;
+  state.counters["ns_per_group"] = 1e9 * adds / (double(state.iterations()) * kLoops * 16);
 }
 
 }  // namespace
@@ -97,9 +120,24 @@ void register_port_benchmarks() {
                 {"vcvtdq2ps", probe_vcvtdq2ps},
                 {"load", probe_load},
                 {"masked_load", probe_masked_load},
-                {"vinserti64x4_load", probe_insert_load}};
+                {"vinserti64x4_load", probe_insert_load},
+                {"vbroadcasti32x4_load", probe_broadcast_load}};
   for (const auto &p : probes)
-    benchmark::RegisterBenchmark((std::string("VectorPorts/") + p.name).c_str(), bm_port_probe, p.probe);
+    benchmark::RegisterBenchmark((std::string("VectorPorts/") + p.name).c_str(), bm_port_probe, adds_only, p.probe);
+  const struct {
+    const char *name;
+    Probe probe;
+  } port5_probes[] = {{"vpaddd", port5_vpaddd},
+                      {"vpermw", port5_vpermw},
+                      {"vpmultishiftqb", port5_vpmultishiftqb},
+                      {"vshufi64x2", port5_vshufi64x2},
+                      {"vpsrlw_imm", port5_vpsrlw},
+                      {"vpdpbusd", port5_vpdpbusd},
+                      {"vpdpwssd", port5_vpdpwssd},
+                      {"vinserti64x4_load", port5_insert_load}};
+  for (const auto &p : port5_probes)
+    benchmark::RegisterBenchmark((std::string("VectorPorts/port5/") + p.name).c_str(), bm_port_probe, shuffles_only,
+                                 p.probe);
 }
 
 #else
