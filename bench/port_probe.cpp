@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "cpu/isa.hpp"
@@ -105,10 +106,16 @@ void bm_port_probe(benchmark::State &state, Probe base, Probe probe) {
 void register_port_benchmarks() {
   // The instructions probed are those of the avx512vnni kernels.
   if (!qjlkv::cpu::isa_supported(qjlkv::cpu::Isa::Avx512Vnni)) return;
-  const struct {
+  struct Named {
     const char *name;
     Probe probe;
-  } probes[] = {{"vpermb", probe_vpermb},
+  };
+  const auto register_all = [](const char *prefix, Probe base, std::initializer_list<Named> probes) {
+    for (const Named &p : probes)
+      benchmark::RegisterBenchmark((std::string(prefix) + p.name).c_str(), bm_port_probe, base, p.probe);
+  };
+  register_all("VectorPorts/", adds_only,
+               {{"vpermb", probe_vpermb},
                 {"vpermw", probe_vpermw},
                 {"vpermt2b", probe_vpermt2b},
                 {"vpermi2w", probe_vpermi2w},
@@ -121,23 +128,16 @@ void register_port_benchmarks() {
                 {"load", probe_load},
                 {"masked_load", probe_masked_load},
                 {"vinserti64x4_load", probe_insert_load},
-                {"vbroadcasti32x4_load", probe_broadcast_load}};
-  for (const auto &p : probes)
-    benchmark::RegisterBenchmark((std::string("VectorPorts/") + p.name).c_str(), bm_port_probe, adds_only, p.probe);
-  const struct {
-    const char *name;
-    Probe probe;
-  } port5_probes[] = {{"vpaddd", port5_vpaddd},
-                      {"vpermw", port5_vpermw},
-                      {"vpmultishiftqb", port5_vpmultishiftqb},
-                      {"vshufi64x2", port5_vshufi64x2},
-                      {"vpsrlw_imm", port5_vpsrlw},
-                      {"vpdpbusd", port5_vpdpbusd},
-                      {"vpdpwssd", port5_vpdpwssd},
-                      {"vinserti64x4_load", port5_insert_load}};
-  for (const auto &p : port5_probes)
-    benchmark::RegisterBenchmark((std::string("VectorPorts/port5/") + p.name).c_str(), bm_port_probe, shuffles_only,
-                                 p.probe);
+                {"vbroadcasti32x4_load", probe_broadcast_load}});
+  register_all("VectorPorts/port5/", shuffles_only,
+               {{"vpaddd", port5_vpaddd},
+                {"vpermw", port5_vpermw},
+                {"vpmultishiftqb", port5_vpmultishiftqb},
+                {"vshufi64x2", port5_vshufi64x2},
+                {"vpsrlw_imm", port5_vpsrlw},
+                {"vpdpbusd", port5_vpdpbusd},
+                {"vpdpwssd", port5_vpdpwssd},
+                {"vinserti64x4_load", port5_insert_load}});
 }
 
 #else
