@@ -250,7 +250,7 @@ inline __m512 reduce_rows4(const __m512 v[4], Op op) {
 
 // vpermb indices that put the digits of 16 int32 Q in bytes 0-31: hi (byte 1 of each) in bytes
 // 0-15, lo (byte 0) in bytes 16-31. With signed lo they are taken from Q + 128, whose byte 1 is
-// (Q + 128) >> 8 and byte 0 lo with its top bit flipped (kLowSignBits flips it back).
+// (Q + 128) >> 8 and byte 0 lo with its top bit flipped (an xor with low_sign flips it back).
 struct DigitBytes {
   alignas(64) uint8_t index[64];
   alignas(64) uint8_t low_sign[64];
@@ -333,7 +333,8 @@ void kivi_rows(const CodesArgs &a, const uint8_t *block, const float *q, size_t 
                int8_t *digits, float *out, size_t out_stride) {
   const BlockLayout &l = *a.layout;
   float step[R], offset[R];
-  query_digits<R, kSignedLow<BITS>>(q, q_stride, block + l.key_scale, block + l.key_min, a.head_dim, float((1u << BITS) - 1u) * 0.5f, scaled, digits, step, offset);
+  query_digits<R, kSignedLow<BITS>>(q, q_stride, block + l.key_scale, block + l.key_min, a.head_dim,
+                                    float((1u << BITS) - 1u) * 0.5f, scaled, digits, step, offset);
   codes_scores<BITS, R>(l, block + l.key_codes, l.key_bytes_per_token_codes, a.block_tokens, a.head_dim, digits,
                         step, offset, out, out_stride);
 }
