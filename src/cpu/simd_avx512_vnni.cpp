@@ -276,9 +276,10 @@ constexpr DigitBytes kDigitBytes = make_digit_bytes();
 inline __m512 load_f16(const uint8_t *p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)));
 }
-template <uint32_t R, bool kSignedLowDigit>
-void query_digits(const float *q, size_t q_stride, const uint8_t *scale, const uint8_t *mins, uint32_t d, float mid,
+template <uint32_t BITS, uint32_t R>
+void query_digits(const float *q, size_t q_stride, const uint8_t *scale, const uint8_t *mins, uint32_t d,
                   float *scaled, int8_t *digits, float *step, float *offset) {
+  constexpr float mid = float((1u << BITS) - 1u) * 0.5f;
   __m512 top[4], dot[4];
   for (uint32_t r = 0; r < 4; ++r) top[r] = dot[r] = _mm512_setzero_ps();
   for (uint32_t j = 0; j < d; j += 16) {
@@ -314,7 +315,7 @@ void query_digits(const float *q, size_t q_stride, const uint8_t *scale, const u
       const __m512i Q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(scaled + size_t(r) * d + j), factor[r]));
       total[r] = _mm512_add_epi32(total[r], Q);
       __m512i bytes;
-      if constexpr (kSignedLowDigit)
+      if constexpr (kSignedLow<BITS>)
         bytes = _mm512_xor_si512(_mm512_permutexvar_epi8(digit_bytes, _mm512_add_epi32(Q, _mm512_set1_epi32(128))),
                                  _mm512_load_si512(kDigitBytes.low_sign));
       else
@@ -333,8 +334,8 @@ void kivi_rows(const CodesArgs &a, const uint8_t *block, const float *q, size_t 
                int8_t *digits, float *out, size_t out_stride) {
   const BlockLayout &l = *a.layout;
   float step[R], offset[R];
-  query_digits<R, kSignedLow<BITS>>(q, q_stride, block + l.key_scale, block + l.key_min, a.head_dim,
-                                    float((1u << BITS) - 1u) * 0.5f, scaled, digits, step, offset);
+  query_digits<BITS, R>(q, q_stride, block + l.key_scale, block + l.key_min, a.head_dim, scaled, digits, step,
+                        offset);
   codes_scores<BITS, R>(l, block + l.key_codes, l.key_bytes_per_token_codes, a.block_tokens, a.head_dim, digits,
                         step, offset, out, out_stride);
 }
@@ -1031,9 +1032,14 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
   }
 }
 
+// Whether values_accumulate takes values_lloyd_max (for 2, 3 and 4 bits).
+bool lloyd_max_integer_layout(const CodesArgs &a) {
+  return a.method == QJLKV_VALUES_ROTATED_LLOYD_MAX && a.head_dim % 16 == 0;
+}
+
 void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
                        float *acc, float *scratch) {
-  if (a.method == QJLKV_VALUES_ROTATED_LLOYD_MAX && a.head_dim % 16 == 0) {
+  if (lloyd_max_integer_layout(a)) {
     switch (a.bits) {
       case 2: values_lloyd_max<2>(a, block, w, w_stride, rows, acc, scratch); return;
       case 3: values_lloyd_max<3>(a, block, w, w_stride, rows, acc, scratch); return;
@@ -1056,7 +1062,7 @@ void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w,
 
 // The 2-bit Lloyd-Max tiles' order (lloyd_max_tile2) back to channel order.
 void values_in_channel_order(const CodesArgs &a, uint32_t rows, float *acc) {
-  if (!(a.method == QJLKV_VALUES_ROTATED_LLOYD_MAX && a.head_dim % 16 == 0 && a.bits == 2)) return;
+  if (!(lloyd_max_integer_layout(a) && a.bits == 2)) return;
   const uint32_t dp = padded_dim(a.head_dim);
   for (uint32_t r = 0; r < rows; ++r)
     for (uint32_t c0 = 0; c0 + 64 <= a.head_dim; c0 += 64) {
