@@ -198,10 +198,10 @@ size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out
                                                                             : d / cfg.value_group_size;
   // Rotated Lloyd-Max values: B scales, then 4 rows of weights times scales (fp32; the integer
   // kernels take 4 rows of int16 weights); uniform ones 4 rows of B·groups int16 weights
-  // (rounded up to 32) and 4×16 sums of minima.
+  // (rounded up to 32), 4×16 sums of minima and 4 rows of the fp32 products.
   const size_t values = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX
                             ? 5 * Bp + 2 * slack
-                            : 2 * (size_t(cfg.block_tokens) * groups + 32 + slack) + 64;
+                            : 6 * (size_t(cfg.block_tokens) * groups + 32) + 64 + slack;
   return std::max({qjl, qjl_integer, kivi, values});
 }
 

@@ -706,21 +706,22 @@ constexpr UniformUnpack make_uniform_unpack(uint32_t bits, uint32_t n) {
   return u;
 }
 
-// vpermw order of a row's P: 32 products x = t·G + g (t local) come from vpackssdw of two
-// 16-product vectors (per 128-bit lane L: words 8L..8L+3 from the first, 8L+4..8L+7 from the
-// second) and go to word (t/2)·2G + 2g + t % 2, so that dword (pair, g) = (P_2·pair,g, P_2·pair+1,g).
+// vpermw order of a row's P: 32 products (16/G tokens per vector, lane i of vector h holding
+// group i/(16/G) of token h·16/G + i % (16/G): see uniform_weights) come from vpackssdw of the
+// two vectors (per 128-bit lane L: words 8L..8L+3 from the first, 8L+4..8L+7 from the second)
+// and go to word (t/2)·2G + 2g + t % 2, so that dword (pair, g) = (P_2·pair,g, P_2·pair+1,g).
 struct PairOrder {
   alignas(64) uint16_t index[5][32];  // per log2 G
 };
 constexpr PairOrder make_pair_order() {
   PairOrder o{};
   for (uint32_t log = 0; log < 5; ++log) {
-    const uint32_t G = 1u << log;
-    for (uint32_t x = 0; x < 32; ++x) {
-      const uint32_t packed = x < 16 ? 8 * (x / 4) + x % 4 : 8 * ((x - 16) / 4) + 4 + (x - 16) % 4;
-      const uint32_t t = x / G, g = x % G;
-      o.index[log][(t / 2) * 2 * G + 2 * g + t % 2] = uint16_t(packed);
-    }
+    const uint32_t G = 1u << log, T = 16 / G;
+    for (uint32_t h = 0; h < 2; ++h)
+      for (uint32_t i = 0; i < 16; ++i) {
+        const uint32_t g = i / T, t = h * T + i % T, packed = 8 * (i / 4) + 4 * h + i % 4;
+        o.index[log][(t / 2) * 2 * G + 2 * g + t % 2] = uint16_t(packed);
+      }
   }
   return o;
 }
@@ -855,18 +856,23 @@ void uniform_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row_b
     for (uint32_t r = 0; r < R; ++r)
       for (uint32_t k = 0; k < 4; ++k) sum[r][k] = _mm512_setzero_si512();
     const uint32_t end = std::min(B, t0 + kFlush);
-    for (uint32_t t = t0; t < end; t += 2) {
-      if (c0 == 0 && (t - t0) % 16 == 0)
-        prefetch_next_block(layout, codes + t * row_bytes, (std::min(end, t + 16) - t) * row_bytes);
-      const __m512i word = _mm512_maskz_permutexvar_epi8(__mmask64(0x5555555555555555ull), place,
-                                                         row_pair(tile_end + t * row_bytes, row_bytes));
-      const __m512i shifted[4] = {word, _mm512_srli_epi16(word, 2), _mm512_srli_epi16(word, 4),
-                                  _mm512_srli_epi16(word, 6)};
+    // Pointers stepped per token pair: GCC otherwise rebuilt each row's P address with a multiply.
+    const uint8_t *pair_end = tile_end + size_t(t0) * row_bytes;
+    const int16_t *pair_weights = P + 2 * (size_t(t0 / 2) * G + g0);
+    for (uint32_t t = t0; t < end; t += 16) {
+      const uint32_t chunk_end = std::min(end, t + 16);
+      if (c0 == 0) prefetch_next_block(layout, codes + t * row_bytes, (chunk_end - t) * row_bytes);
+      for (uint32_t u = t; u < chunk_end; u += 2, pair_end += 2 * row_bytes, pair_weights += 2 * G) {
+        const __m512i word =
+            _mm512_maskz_permutexvar_epi8(__mmask64(0x5555555555555555ull), place, row_pair(pair_end, row_bytes));
+        const __m512i shifted[4] = {word, _mm512_srli_epi16(word, 2), _mm512_srli_epi16(word, 4),
+                                    _mm512_srli_epi16(word, 6)};
 #pragma GCC unroll 4
-      for (uint32_t r = 0; r < R; ++r) {
-        const __m512i weight = repeat_lanes<n>(P + r * P_stride + 2 * (size_t(t / 2) * G + g0));
+        for (uint32_t r = 0; r < R; ++r) {
+          const __m512i weight = repeat_lanes<n>(pair_weights + r * P_stride);
 #pragma GCC unroll 4
-        for (uint32_t k = 0; k < 4; ++k) sum[r][k] = dpwssd(sum[r][k], shifted[k], weight);
+          for (uint32_t k = 0; k < 4; ++k) sum[r][k] = dpwssd(sum[r][k], shifted[k], weight);
+        }
       }
     }
 #pragma GCC unroll 4
@@ -918,108 +924,136 @@ void uniform_rows(const CodesArgs &a, const uint8_t *codes, const int16_t *P, si
   }
 }
 
-// v's lanes hold group i % G (G a power of two <= 16): op over the lanes of each group, the
-// result for group g in lane g (and in every lane of that group).
-template <class Op>
-inline __m512 fold_groups(__m512 v, uint32_t G, Op op) {
-  if (G <= 8) v = op(v, _mm512_shuffle_f32x4(v, v, 0x4E));
-  if (G <= 4) v = op(v, _mm512_shuffle_f32x4(v, v, 0xB1));
-  if (G <= 2) v = op(v, _mm512_permute_ps(v, 0x4E));
-  if (G <= 1) v = op(v, _mm512_permute_ps(v, 0xB1));
-  return v;
-}
-
-// P of R rows in pair order (P[r·P_stride + ...]) and their minima's sums mins[16·r + g], from
-// the block's scales and minima (B·G halves each, token-major) and factor[r][g] = P per w·scale
-// of group g.
-template <uint32_t R>
-void uniform_weights(const uint16_t *scale_bits, const uint16_t *min_bits, uint32_t B, uint32_t G, const float *w,
-                     size_t w_stride, const float (*factor)[16], int16_t *P, size_t P_stride, float *mins) {
-  const uint32_t products = B * G, log_groups = uint32_t(__builtin_ctz(G));
-  // Lane i of a 16-product vector starting at product x (a multiple of 16) belongs to token x/G + i/G.
-  const __m512i expand = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), log_groups);
-  const __m512i pair_order = _mm512_load_si512(kPairOrder.index[log_groups]);
-  // Lane i of a 16-product vector holds group i % G.
-  const __m512i lane_group = _mm512_and_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(int(G - 1)));
-  __m512 min_sums[R], lane_factor[R];
-  for (uint32_t r = 0; r < R; ++r) {
-    min_sums[r] = _mm512_setzero_ps();
-    lane_factor[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(factor[r]));
+// The products w·scale of one 16-lane vector, for 16/G tokens and the G groups of each: lane i
+// holds group i/(16/G) of token i % (16/G), so that one broadcast of 16/G weights serves every
+// group and only the scales (shared by the rows) are permuted out of their token-major order.
+template <uint32_t G>
+struct GroupLanes {
+  static constexpr uint32_t kTokens = 16 / G;
+  // The stored (token-major) scales or minima of the vector's products into its lanes.
+  static __m512 load(const uint16_t *bits, __mmask16 valid) {
+    const __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, bits));
+    if constexpr (G == 1 || G == 16) return v;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i source = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(kTokens - 1)),
+                                                              __builtin_ctz(G)),
+                                            _mm512_srli_epi32(lane, __builtin_ctz(kTokens)));
+    return _mm512_permutexvar_ps(source, v);
   }
-  for (uint32_t x = 0; x < P_stride; x += 32) {
-    __m512 scale[2], minimum[2];
-    for (uint32_t h = 0; h < 2; ++h) {
-      const __mmask16 valid = lanes_below(x + 16 * h, products);
-      scale[h] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, scale_bits + x + 16 * h));
-      minimum[h] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, min_bits + x + 16 * h));
-    }
+  // Weights of tokens t..t + 16/G − 1 (t < B; G == 1: past B read as 0), repeated for each group.
+  static __m512 weights(const float *w, uint32_t t, uint32_t B) {
+    if constexpr (G == 1) return _mm512_maskz_loadu_ps(lanes_below(t, B), w + t);
+    else if constexpr (G == 2) return _mm512_broadcast_f32x8(_mm256_loadu_ps(w + t));
+    else if constexpr (G == 4) return _mm512_broadcast_f32x4(_mm_loadu_ps(w + t));
+    else if constexpr (G == 8) return _mm512_castsi512_ps(_mm512_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(w + t))));
+    else return _mm512_set1_ps(w[t]);
+  }
+  // op over each group's lanes; lane g < G of the result: group g's.
+  template <class Op>
+  static __m512 fold(__m512 v, Op op) {
+    if constexpr (kTokens >= 2) v = op(v, _mm512_permute_ps(v, 0xB1));
+    if constexpr (kTokens >= 4) v = op(v, _mm512_permute_ps(v, 0x4E));
+    if constexpr (kTokens >= 8) v = op(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+    if constexpr (kTokens >= 16) v = op(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+    if constexpr (kTokens == 1) return v;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_permutexvar_ps(_mm512_slli_epi32(lane, __builtin_ctz(kTokens)), v);
+  }
+};
+
+// The R rows' P in pair order (P[r·P_stride + ...]), their steps unit[r][g] (what one P·code
+// step is worth) and their minima's sums mins[16·r + g], from the block's scales and minima
+// (B·G halves each, token-major). First pass: the products w·scale into `products` ([R][P_stride]
+// floats), each row and group's largest magnitude and Σ_t w·min; second: P = round(w·scale /
+// pstep_rg), pstep_rg = largest / kUniformWeightMax. (One step per row, set by its largest group,
+// left a group 1000 times smaller about 33 levels of P.) False, with nothing written to P, when
+// a row has a group whose largest is below kUniformSmallestSpan but not 0.
+template <uint32_t R, uint32_t G>
+bool uniform_weights(const uint16_t *scale_bits, const uint16_t *min_bits, uint32_t B, const float *w, size_t w_stride,
+                     float *products, int16_t *P, size_t P_stride, float (*unit)[16], float *mins) {
+  using Lanes = GroupLanes<G>;
+  const uint32_t count = B * G;
+  __m512 top[R], min_sums[R];
+  for (uint32_t r = 0; r < R; ++r) top[r] = min_sums[r] = _mm512_setzero_ps();
+  for (uint32_t x = 0; x < count; x += 16) {
+    const uint32_t t = x / G;
+    const __m512 scale = Lanes::load(scale_bits + x, lanes_below(x, count));
+    const __m512 minimum = Lanes::load(min_bits + x, lanes_below(x, count));
 #pragma GCC unroll 4
     for (uint32_t r = 0; r < R; ++r) {
-      const float *wr = w + size_t(r) * w_stride;
-      __m512i q[2];
-      for (uint32_t h = 0; h < 2; ++h) {
-        const uint32_t t = (x + 16 * h) >> log_groups;  // weights past B are not read: they need not be zero
-        const __m512 weight = _mm512_permutexvar_ps(expand, _mm512_maskz_loadu_ps(lanes_below(t, B), wr + t));
-        min_sums[r] = _mm512_fmadd_ps(weight, minimum[h], min_sums[r]);
-        q[h] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(weight, lane_factor[r]), scale[h]));
-      }
-      // vpackssdw saturates: a product rounded up past 32767 stays 32767.
-      _mm512_store_si512(P + r * P_stride + x, _mm512_permutexvar_epi16(pair_order, _mm512_packs_epi32(q[0], q[1])));
+      const __m512 weight = Lanes::weights(w + size_t(r) * w_stride, t, B);
+      const __m512 product = _mm512_mul_ps(weight, scale);
+      top[r] = _mm512_range_ps(top[r], product, 0x0B);  // the larger magnitude, sign cleared
+      min_sums[r] = _mm512_fmadd_ps(weight, minimum, min_sums[r]);
+      _mm512_store_ps(products + r * P_stride + x, product);
     }
   }
+  for (uint32_t x = (count + 15) / 16 * 16; x < P_stride; x += 16)  // the last 32's rest: read by the second pass
+    for (uint32_t r = 0; r < R; ++r) _mm512_store_ps(products + r * P_stride + x, _mm512_setzero_ps());
+  __m512 factor[R];  // per lane: P per unit of w·scale of the lane's group
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i lane_group = _mm512_srli_epi32(lane, __builtin_ctz(Lanes::kTokens));
+  bool covered = true;
+  for (uint32_t r = 0; r < R; ++r) {
+    const __m512 span = Lanes::fold(top[r], MaxOp{});  // lane g < G: the group's largest
+    const __mmask16 positive = _mm512_cmp_ps_mask(span, _mm512_setzero_ps(), _CMP_GT_OQ);
+    covered &= _mm512_mask_cmp_ps_mask(positive, span, _mm512_set1_ps(kUniformSmallestSpan), _CMP_LT_OQ) == 0;
+    factor[r] = _mm512_permutexvar_ps(lane_group, _mm512_maskz_div_ps(positive, _mm512_set1_ps(kUniformWeightMax), span));
+    _mm512_store_ps(unit[r], _mm512_div_ps(span, _mm512_set1_ps(kUniformWeightMax)));
+    _mm512_store_ps(mins + 16 * r, Lanes::fold(min_sums[r], AddOp{}));
+  }
+  if (!covered) return false;
+  const __m512i pair_order = _mm512_load_si512(kPairOrder.index[__builtin_ctz(G)]);
+  for (uint32_t x = 0; x < P_stride; x += 32) {
 #pragma GCC unroll 4
-  for (uint32_t r = 0; r < R; ++r) _mm512_store_ps(mins + 16 * r, fold_groups(min_sums[r], G, AddOp{}));
+    for (uint32_t r = 0; r < R; ++r) {
+      // Products past B·G (P_stride is rounded up to 32) are never read by the tiles.
+      const float *row = products + r * P_stride + x;
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(row), factor[r]));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(row + 16), factor[r]));
+      // vpackssdw saturates: a product rounded up past 32767 stays 32767.
+      _mm512_store_si512(P + r * P_stride + x, _mm512_permutexvar_epi16(pair_order, _mm512_packs_epi32(q0, q1)));
+    }
+  }
+  return true;
 }
 
 template <uint32_t BITS>
 void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
                     float *acc, float *scratch) {
   const BlockLayout &l = *a.layout;
-  const uint32_t B = a.block_tokens, d = a.head_dim, dp = padded_dim(d), G = d / a.group, products = B * G;
-  const size_t P_stride = (size_t(products) + 31) / 32 * 32;  // int16 per row
-  auto *P = reinterpret_cast<int16_t *>(scratch);             // [4][P_stride]
-  float *mins = scratch + 2 * P_stride;                       // [4][16]: Σ_t w_rt·min_tg at [r][g]
+  const uint32_t B = a.block_tokens, G = a.head_dim / a.group;
+  const size_t P_stride = (size_t(B) * G + 31) / 32 * 32;  // int16 per row
+  auto *P = reinterpret_cast<int16_t *>(scratch);           // [4][P_stride]
+  float *mins = scratch + 2 * P_stride;                     // [4][16]: Σ_t w_rt·min_tg at [r][g]
+  float *products = mins + 64;                              // [4][P_stride]: w·scale
   const auto *scale_bits = reinterpret_cast<const uint16_t *>(block + l.value_scale);
   const auto *min_bits = reinterpret_cast<const uint16_t *>(block + l.value_min);
   const uint8_t *codes = block + l.value_codes;
   prefetch_next_block(l, block + l.values_offset, l.value_codes - l.values_offset);  // codes: in the tiles
-  // Lane i of 16 products starting at product x (a multiple of 16) belongs to token x/G + i/G.
-  const uint32_t log_groups = uint32_t(__builtin_ctz(G));
-  const __m512i expand = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), log_groups);
   for (uint32_t r0 = 0; r0 < rows; r0 += 4) {
     const uint32_t R = std::min(4u, rows - r0);
     const float *wr = w + size_t(r0) * w_stride;
-    float *ar = acc + size_t(r0) * dp;
-    // Per row and group g, P's step: the largest |w·scale_g| over the block's tokens. (One step
-    // per row, set by its largest group, left a group 1000 times smaller about 33 levels of P.)
-    // The rows share the scale loads; lane i of a 16-product vector holds group i % G.
-    __m512 top[4];
-    for (uint32_t r = 0; r < 4; ++r) top[r] = _mm512_setzero_ps();
-    for (uint32_t x = 0; x < products; x += 16) {
-      const uint32_t t = x >> log_groups;  // weights past B are not read: they need not be zero
-      const __m512 scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes_below(x, products), scale_bits + x));
-      for (uint32_t r = 0; r < R; ++r) {
-        const __m512 weight = _mm512_permutexvar_ps(expand, _mm512_maskz_loadu_ps(lanes_below(t, B), wr + size_t(r) * w_stride + t));
-        top[r] = _mm512_range_ps(top[r], _mm512_mul_ps(weight, scale), 0x0B);  // the larger magnitude, sign cleared
-      }
-    }
-    alignas(64) float factor[4][16], unit[4][16];  // per row and group: P per unit of w·scale; what one P·code step is worth
-    bool covered = true;
-    for (uint32_t r = 0; r < R; ++r) {
-      const __m512 span = fold_groups(top[r], G, MaxOp{});  // lane g < G: the group's largest
-      const __mmask16 positive = _mm512_cmp_ps_mask(span, _mm512_setzero_ps(), _CMP_GT_OQ);
-      covered &= _mm512_mask_cmp_ps_mask(positive, span, _mm512_set1_ps(kUniformSmallestSpan), _CMP_LT_OQ) == 0;
-      _mm512_store_ps(factor[r], _mm512_maskz_div_ps(positive, _mm512_set1_ps(kUniformWeightMax), span));
-      _mm512_store_ps(unit[r], _mm512_div_ps(span, _mm512_set1_ps(kUniformWeightMax)));
-    }
-    if (!covered) {
-      avx512_kernels().values_accumulate(a, block, wr, w_stride, R, ar, scratch);
-      continue;
-    }
+    float *ar = acc + size_t(r0) * padded_dim(a.head_dim);
+    alignas(64) float unit[4][16];  // per row and group: what one P·code step is worth
     const auto run = [&](auto rows_in_group) {
       constexpr uint32_t kR = decltype(rows_in_group)::value;
-      uniform_weights<kR>(scale_bits, min_bits, B, G, wr, w_stride, factor, P, P_stride, mins);
+      const auto weights = [&](auto groups) {
+        return uniform_weights<kR, decltype(groups)::value>(scale_bits, min_bits, B, wr, w_stride, products, P, P_stride,
+                                                            unit, mins);
+      };
+      bool covered;
+      switch (G) {
+        case 1: covered = weights(std::integral_constant<uint32_t, 1>{}); break;
+        case 2: covered = weights(std::integral_constant<uint32_t, 2>{}); break;
+        case 4: covered = weights(std::integral_constant<uint32_t, 4>{}); break;
+        case 8: covered = weights(std::integral_constant<uint32_t, 8>{}); break;
+        default: covered = weights(std::integral_constant<uint32_t, 16>{}); break;
+      }
+      if (!covered) {
+        avx512_kernels().values_accumulate(a, block, wr, w_stride, kR, ar, scratch);
+        return;
+      }
       if (a.group == 8) uniform_rows<BITS, 2, kR>(a, codes, P, P_stride, unit, mins, ar);
       else uniform_rows<BITS, 1, kR>(a, codes, P, P_stride, unit, mins, ar);
     };
