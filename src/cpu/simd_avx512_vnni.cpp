@@ -839,8 +839,9 @@ void uniform_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_by
 // + 16c2 + 64c3 of the byte's codes and w >> 2, w >> 4, w >> 6 are multiplied unmasked
 // (S_k = Σ P·(w >> 2k)), and at the flush C_k = S_k − 4·S_k+1 recovers each channel's Σ P·code
 // exactly (mod 2^32, where the true sums fit). One vpermb and three shifts per 64 channels of a
-// pair, where uniform_tile takes three operations per 16; the flush puts the lanes back in
-// channel order.
+// pair, where uniform_tile takes three operations per 16. The flush puts lane b on byte b's
+// channels and leaves them in lloyd_max_tile2's lane order (channel c0 + 4b + k at c0 + 16k + b)
+// for values_in_channel_order.
 
 template <uint32_t R, uint32_t n>
 void uniform_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g,
@@ -887,11 +888,9 @@ void uniform_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row_b
         if constexpr (n > 1)  // lane b: byte b's channels
           v[k] = _mm512_permutexvar_ps(_mm512_load_si512(kTwoBitPlace.byte_order[kLog]), v[k]);
       }
-      __m512 x[4];  // x[m]: channels c0 + 16m .. c0 + 16m + 15
-      channel_order(v, x);
-      for (uint32_t m = 0; m < 4; ++m) {
-        float *out = acc + size_t(r) * dp + c0 + 16 * m;
-        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), x[m]));
+      for (uint32_t k = 0; k < 4; ++k) {  // in lane order, as lloyd_max_tile2's
+        float *out = acc + size_t(r) * dp + c0 + 16 * k;
+        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), v[k]));
       }
     }
   }
@@ -1018,6 +1017,38 @@ bool uniform_weights(const uint16_t *scale_bits, const uint16_t *min_bits, uint3
   return true;
 }
 
+// Whether values_accumulate takes values_lloyd_max (for 2, 3 and 4 bits).
+bool lloyd_max_integer_layout(const CodesArgs &a) {
+  return a.method == QJLKV_VALUES_ROTATED_LLOYD_MAX && a.head_dim % 16 == 0;
+}
+
+// Whether the layer's value sums of channels [0, 64·floor(d / 64)) are kept in the 2-bit tiles'
+// lane order (lloyd_max_tile2, uniform_tile2: channel c0 + 4j + k at c0 + 16k + j).
+bool two_bit_tiles(const CodesArgs &a) {
+  if (a.bits != 2) return false;
+  if (a.method == QJLKV_VALUES_ROTATED_LLOYD_MAX) return lloyd_max_integer_layout(a);
+  return a.method == QJLKV_VALUES_UNIFORM && uniform_integer_layout(a) &&
+         (a.group % 64 == 0 || a.group == 32 || a.group == 16);  // uniform_rows' tiles
+}
+
+// The tiles of R rows of acc taken `times` times from lane order to channel order. The order is a
+// rotation of a channel's 6 bits within its tile by 2, so three times is the identity and twice
+// takes channel order to lane order.
+void reorder_two_bit_tiles(uint32_t d, uint32_t rows, float *acc, uint32_t times) {
+  const uint32_t dp = padded_dim(d);
+  for (uint32_t r = 0; r < rows; ++r)
+    for (uint32_t c0 = 0; c0 + 64 <= d; c0 += 64) {
+      float *tile = acc + size_t(r) * dp + c0;
+      __m512 v[4], x[4];
+      for (uint32_t k = 0; k < 4; ++k) v[k] = _mm512_loadu_ps(tile + 16 * k);
+      for (uint32_t i = 0; i < times; ++i) {
+        channel_order(v, x);
+        for (uint32_t k = 0; k < 4; ++k) v[k] = x[k];
+      }
+      for (uint32_t k = 0; k < 4; ++k) _mm512_storeu_ps(tile + 16 * k, v[k]);
+    }
+}
+
 template <uint32_t BITS>
 void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
                     float *acc, float *scratch) {
@@ -1050,8 +1081,11 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
         case 8: covered = weights(std::integral_constant<uint32_t, 8>{}); break;
         default: covered = weights(std::integral_constant<uint32_t, 16>{}); break;
       }
-      if (!covered) {
+      if (!covered) {  // the fp32 kernel adds in channel order
+        const bool tiles = two_bit_tiles(a);
+        if (tiles) reorder_two_bit_tiles(a.head_dim, kR, ar, 1);
         avx512_kernels().values_accumulate(a, block, wr, w_stride, kR, ar, scratch);
+        if (tiles) reorder_two_bit_tiles(a.head_dim, kR, ar, 2);
         return;
       }
       if (a.group == 8) uniform_rows<BITS, 2, kR>(a, codes, P, P_stride, unit, mins, ar);
@@ -1066,10 +1100,6 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
   }
 }
 
-// Whether values_accumulate takes values_lloyd_max (for 2, 3 and 4 bits).
-bool lloyd_max_integer_layout(const CodesArgs &a) {
-  return a.method == QJLKV_VALUES_ROTATED_LLOYD_MAX && a.head_dim % 16 == 0;
-}
 
 void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
                        float *acc, float *scratch) {
@@ -1094,18 +1124,8 @@ void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w,
   avx512_kernels().values_accumulate(a, block, w, w_stride, rows, acc, scratch);
 }
 
-// The 2-bit Lloyd-Max tiles' order (lloyd_max_tile2) back to channel order.
 void values_in_channel_order(const CodesArgs &a, uint32_t rows, float *acc) {
-  if (!(lloyd_max_integer_layout(a) && a.bits == 2)) return;
-  const uint32_t dp = padded_dim(a.head_dim);
-  for (uint32_t r = 0; r < rows; ++r)
-    for (uint32_t c0 = 0; c0 + 64 <= a.head_dim; c0 += 64) {
-      float *tile = acc + size_t(r) * dp + c0;
-      __m512 v[4], x[4];
-      for (uint32_t k = 0; k < 4; ++k) v[k] = _mm512_loadu_ps(tile + 16 * k);
-      channel_order(v, x);
-      for (uint32_t m = 0; m < 4; ++m) _mm512_storeu_ps(tile + 16 * m, x[m]);
-    }
+  if (two_bit_tiles(a)) reorder_two_bit_tiles(a.head_dim, rows, acc, 1);
 }
 
 // ---- QJL keys -------------------------------------------------------------------------------------
