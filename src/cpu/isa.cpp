@@ -110,23 +110,25 @@ void kivi_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_
 }
 
 namespace {
-// One sign byte's table (SignTable, in `layout`) of the codes x[0..7] of its 8 rows.
-SignTable sign_table(const int32_t *x, QjlCodes layout) {
-  SignTable table{};
-  for (uint32_t nibble = 0; nibble < 2; ++nibble)
-    for (uint32_t e = 0; e < 16; ++e) {
-      int32_t sum = 0;
-      for (uint32_t bit = 0; bit < 4; ++bit)
-        if (e >> bit & 1) sum += x[4 * nibble + bit];
-      if (layout == QjlCodes::PairWords) {
-        table.words[16 * nibble + e] = int16_t(sum);
-      } else {
-        const auto biased = uint32_t(sum + kQjlSplitBias);
-        table.split[nibble][e] = uint8_t(biased & 255u);
-        table.split[2 + nibble][e] = uint8_t(biased >> 8);
+// The tables (SignTable, in `layout`) of `bytes` sign bytes (an even count) from the codes x of
+// their 8·bytes rows.
+void sign_tables(const int32_t *x, uint32_t bytes, QjlCodes layout, SignTable *out) {
+  for (uint32_t b = 0; b < bytes; ++b)
+    for (uint32_t nibble = 0; nibble < 2; ++nibble)
+      for (uint32_t e = 0; e < 16; ++e) {
+        int32_t sum = 0;
+        for (uint32_t bit = 0; bit < 4; ++bit)
+          if (e >> bit & 1) sum += x[8 * b + 4 * nibble + bit];
+        if (layout == QjlCodes::QuadBytes) {
+          const uint32_t pair = b & ~1u, entry = 16 * (2 * (b % 2) + nibble) + e;
+          out[pair].bytes[entry] = uint8_t(uint32_t(sum) & 255u);
+          out[pair + 1].bytes[entry] = uint8_t(uint32_t(sum >> 8) & 255u);  // sum >> 8: the signed high byte
+        } else {
+          const auto biased = uint32_t(sum + kQjlSplitBias);
+          out[b].split[nibble][e] = uint8_t(biased & 255u);
+          out[b].split[2 + nibble][e] = uint8_t(biased >> 8);
+        }
       }
-    }
-  return table;
 }
 
 // QjlArgs' column codes: Y_ij = round(S_ij / step), step = max |S| / kQjlCodeMax.
@@ -145,7 +147,7 @@ void make_column_codes(const LayerSpec &layer, uint32_t d, QjlCodes layout, QjlT
       if (i < layer.m) tables.column_sums[2 * j] += Y[i];
       if (i < layer.m_out) tables.column_sums[2 * j + 1] += Y[i];
     }
-    for (uint32_t b = 0; b < bytes; ++b) tables.columns[size_t(j) * bytes + b] = sign_table(&Y[8 * b], layout);
+    sign_tables(Y.data(), bytes, layout, &tables.columns[size_t(j) * bytes]);
   }
   a.column_tables = tables.columns.data();
   a.column_table_stride = bytes;

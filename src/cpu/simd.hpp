@@ -37,11 +37,13 @@ inline void prefetch_next_block(const BlockLayout &l, const void *from, size_t b
 // The integer QJL kernels look up, per sign byte of a token (8 sketch rows: the low nibble rows
 // 0-3, the high nibble rows 4-7), the subset sums of the 8 rows' integer codes X, |X| <=
 // kQjlCodeMax (4·8191 < 2^15: a sum of 4 fits int16), in one of two layouts of a SignTable:
-// - PairWords (avx512vnni, vpermw): words[e] = T0[e], the sum of X_0..X_3 over the set bits of e,
-//   and words[16 + e] = T1[e], the same of X_4..X_7.
+// - QuadBytes (avx512vnni, vpermb): a pair of tables per pair of sign bytes 2b, 2b + 1 (16 rows;
+//   nibble p = 0..3: byte 2b's low, its high, byte 2b + 1's low, its high). Entry 16p + e is
+//   T_p[e], the sum of X_4p..X_4p+3 over the set bits of e, as bytes: table 2b holds its low
+//   byte (unsigned), table 2b + 1 its high byte (signed), T = 256·high + low.
 // - SplitBytes (avx2, vpshufb): U = T + kQjlSplitBias in [4, 65532] split into bytes, split[0][e]
 //   and split[2][e] the low and high byte of T0[e]'s, split[1][e] and split[3][e] of T1[e]'s.
-enum class QjlCodes : uint8_t { None, PairWords, SplitBytes };
+enum class QjlCodes : uint8_t { None, QuadBytes, SplitBytes };
 constexpr float kQjlCodeMax = 8191.0f;
 constexpr int32_t kQjlSplitBias = 32768;
 // Whether the integer QJL kernel takes sign rows of this count: a power-of-two number of 32-bit
@@ -54,7 +56,7 @@ inline bool qjl_integer_rows(uint32_t rows) {
 // One sign byte's table of subset sums, in the layout of QjlCodes.
 struct alignas(64) SignTable {
   union {
-    int16_t words[32];
+    uint8_t bytes[64];
     uint8_t split[4][16];
   };
 };

@@ -1130,11 +1130,14 @@ void values_in_channel_order(const CodesArgs &a, uint32_t rows, float *acc) {
 
 // ---- QJL keys -------------------------------------------------------------------------------------
 // With b_i a token's sign bits, ⟨x, ±b⟩ = 2·Σ_i x_i·b_i − Σ_i x_i. The kernel takes Σ_i x_i·b_i on
-// int16 codes X ≈ x/step FastScan-style: every byte of a token's sign bits (two nibbles, 8 sketch
-// rows) indexes the codes' pair table (SignTable in the PairWords layout, vpermw: words 0-15 the 16 subset sums of the
-// low nibble's 4 codes, words 16-31 the high nibble's) and vpdpwssd adds the pair into the
-// token's int32 sum, 16 tokens per instruction; all code sets of a pass share each index vector.
-// Tables are exact in int16 while |X| <= kQjlCodeMax (4·8191 < 2^15).
+// int16 codes X ≈ x/step FastScan-style: the four nibbles of every two bytes of a token's sign
+// bits (16 sketch rows) go to the four bytes of its dword lane as indices 16p + nibble_p into
+// the codes' tables (QjlCodes::QuadBytes: the 64 subset sums of 4 codes per nibble position, as
+// low and high bytes); two vpermb look up the bytes and two vpdpbusd add them, against ones, into
+// the token's low-byte and high-byte int32 sums (sum = 256·high + low, exact), 16 tokens and 16
+// rows per instruction; all code sets of a pass share each index vector. (vpermw on int16 pair
+// tables took 3 operations per 8 rows where these take 4 per 16.) The subset sums are exact in
+// int16 while |X| <= kQjlCodeMax (4·8191 < 2^15).
 // What is coded. A block's outlier channels O change the query's inlier part q_in = q − q_O, but
 // ⟨S·q_in, ±b⟩ = ⟨S·q, ±b⟩ − Σ_{o in O} q_o·⟨S_o, ±b⟩ (S_o: column o of S), and the outlier part
 // is ⟨S_out·q_O, ±b'⟩ = Σ_o q_o·⟨S_out,o, ±b'⟩ (S_out,o: S_o's first m_out rows). So S·q is coded
@@ -1146,21 +1149,23 @@ void values_in_channel_order(const CodesArgs &a, uint32_t rows, float *acc) {
 
 // Constant index vectors of the QJL kernel.
 struct QjlConstants {
-  // vpmultishiftqb: from dwords holding 4 sign-bit bytes of a token, byte i's low nibble into the
-  // low byte of word 0 and its high nibble into the low byte of word 1 (upper bits cleared after).
-  alignas(64) uint8_t nibbles[4][64];
+  // vpmultishiftqb: from dwords holding 4 sign-bit bytes of a token, the 4 nibbles of bytes 2q,
+  // 2q + 1 into the dword's bytes 0-3 (upper bits cleared after).
+  alignas(64) uint8_t nibbles[2][64];
   // Pair tables from the subset-sum halves of a group of 4 nibble positions (subset_halves:
   // words 8p..8p+3 of position p hold {0, x0, x1, x0 + x1}, words 8p+4..8p+7 {0, x2, x3,
   // x2 + x3}): table[e] = low[e & 3] + high[e >> 2] for positions 2l, 2l+1.
   alignas(64) uint16_t low[2][32], high[2][32];
+  // vpermt2b: the low (even) and high (odd) bytes of 64 words in two vectors.
+  alignas(64) uint8_t even[64], odd[64];
 };
 constexpr QjlConstants make_qjl_constants() {
   QjlConstants c{};
-  for (uint32_t i = 0; i < 4; ++i)
+  for (uint32_t q = 0; q < 2; ++q)
     for (uint32_t qword = 0; qword < 8; ++qword)
       for (uint32_t b = 0; b < 8; ++b) {
-        const uint32_t dword = b / 4, word = (b / 2) % 2;
-        c.nibbles[i][8 * qword + b] = uint8_t(32 * dword + 8 * i + 4 * word);
+        const uint32_t dword = b / 4, nibble = b % 4;
+        c.nibbles[q][8 * qword + b] = uint8_t(32 * dword + 16 * q + 4 * nibble);
       }
   for (uint32_t l = 0; l < 2; ++l)
     for (uint32_t w = 0; w < 32; ++w) {
@@ -1168,6 +1173,10 @@ constexpr QjlConstants make_qjl_constants() {
       c.low[l][w] = uint16_t(8 * p + (e & 3));
       c.high[l][w] = uint16_t(8 * p + 4 + (e >> 2));
     }
+  for (uint32_t i = 0; i < 64; ++i) {
+    c.even[i] = uint8_t(2 * i);
+    c.odd[i] = uint8_t(2 * i + 1);
+  }
   return c;
 }
 constexpr QjlConstants kQjl = make_qjl_constants();
@@ -1227,41 +1236,44 @@ inline __m512i subset_halves(__m512i X) {
   return _mm512_add_epi16(_mm512_shuffle_epi8(X, singles), _mm512_shuffle_epi8(X, seconds));
 }
 
-// The pair tables of the 16 codes in the low words of X's dwords (two sign bytes).
-inline void store_pair_tables(__m512i X, __m512i *tables) {
+// The QuadBytes tables of the 16 codes in the low words of X's dwords (two sign bytes): the 64
+// subset sums as words (entries 16p + e, p = 2l + w/16 in word w of vector l), split into their
+// low and high bytes.
+inline void store_quad_tables(__m512i X, __m512i *tables) {
   const __m512i halves = subset_halves(X);
+  __m512i sums[2];
   for (uint32_t l = 0; l < 2; ++l)
-    _mm512_storeu_si512(tables + l, _mm512_add_epi16(_mm512_permutexvar_epi16(_mm512_load_si512(kQjl.low[l]), halves),
-                                                     _mm512_permutexvar_epi16(_mm512_load_si512(kQjl.high[l]), halves)));
+    sums[l] = _mm512_add_epi16(_mm512_permutexvar_epi16(_mm512_load_si512(kQjl.low[l]), halves),
+                               _mm512_permutexvar_epi16(_mm512_load_si512(kQjl.high[l]), halves));
+  _mm512_storeu_si512(tables, _mm512_permutex2var_epi8(sums[0], _mm512_load_si512(kQjl.even), sums[1]));
+  _mm512_storeu_si512(tables + 1, _mm512_permutex2var_epi8(sums[0], _mm512_load_si512(kQjl.odd), sums[1]));
 }
 
 // sums[2j + h] (lane t: token 16h + t of the span) = Σ_i X_ji·b_ti over `bytes` sign bytes, for the
-// N code sets whose pair tables (one per byte) start at tables[j]; dwords[2k + h]: dword k of the
+// N code sets whose tables (one per byte) start at tables[j]; dwords[2k + h]: dword k of the
 // span's chunk h.
 template <uint32_t N>
 void sign_sums(const __m512i *dwords, uint32_t bytes, const SignTable *const *tables, __m512i *sums) {
-  const __m512i clear = _mm512_set1_epi32(0x000F000F), tag = _mm512_set1_epi32(0x00100000);
-  const __m512i ones = _mm512_set1_epi16(1);
-  __m512i acc[N][2];
-  for (uint32_t j = 0; j < N; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_si512();
-  for (uint32_t k = 0; k < bytes / 4; ++k) {
-    const __m512i d0 = _mm512_load_si512(dwords + 2 * k), d1 = _mm512_load_si512(dwords + 2 * k + 1);
-#pragma GCC unroll 4
-    for (uint32_t i = 0; i < 4; ++i) {
-      const __m512i control = _mm512_load_si512(kQjl.nibbles[i]);
-      // (x & clear) | tag: the low nibble indexes words 0-15, the high one words 16-31.
-      const __m512i index0 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(control, d0), clear, tag, 0xEA);
-      const __m512i index1 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(control, d1), clear, tag, 0xEA);
-      for (uint32_t j = 0; j < N; ++j) {
-        const __m512i table = _mm512_loadu_si512(tables[j] + 4 * k + i);  // row tables: in sq, any alignment
-        acc[j][0] = dpwssd(acc[j][0], _mm512_permutexvar_epi16(index0, table), ones);
-        acc[j][1] = dpwssd(acc[j][1], _mm512_permutexvar_epi16(index1, table), ones);
+  // (x & clear) | position: nibble p of the dword's 16 rows indexes entries 16p..16p + 15.
+  const __m512i clear = _mm512_set1_epi32(0x0F0F0F0F), position = _mm512_set1_epi32(0x30201000);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (uint32_t h = 0; h < 2; ++h) {
+    __m512i low[N], high[N];
+    for (uint32_t j = 0; j < N; ++j) low[j] = high[j] = _mm512_setzero_si512();
+    for (uint32_t k = 0; k < bytes / 4; ++k) {
+      const __m512i d = _mm512_load_si512(dwords + 2 * k + h);
+#pragma GCC unroll 2
+      for (uint32_t q = 0; q < 2; ++q) {
+        const __m512i index = _mm512_ternarylogic_epi32(
+            _mm512_multishift_epi64_epi8(_mm512_load_si512(kQjl.nibbles[q]), d), clear, position, 0xEA);
+        for (uint32_t j = 0; j < N; ++j) {
+          const SignTable *pair = tables[j] + 4 * k + 2 * q;  // row tables: in sq, any alignment
+          low[j] = dpbusd(low[j], _mm512_permutexvar_epi8(index, _mm512_loadu_si512(pair)), ones);
+          high[j] = dpbusd(high[j], ones, _mm512_permutexvar_epi8(index, _mm512_loadu_si512(pair + 1)));
+        }
       }
     }
-  }
-  for (uint32_t j = 0; j < N; ++j) {
-    _mm512_store_si512(sums + 2 * j, acc[j][0]);
-    _mm512_store_si512(sums + 2 * j + 1, acc[j][1]);
+    for (uint32_t j = 0; j < N; ++j) _mm512_store_si512(sums + 2 * j + h, _mm512_add_epi32(_mm512_slli_epi32(high[j], 8), low[j]));
   }
 }
 
@@ -1295,7 +1307,7 @@ void qjl_project(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
       const __m512i X = _mm512_cvtps_epi32(
           _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(code.prescale)), _mm512_set1_ps(code.factor)));
       total = _mm512_add_epi32(total, X);
-      store_pair_tables(X, tables + i / 8);
+      store_quad_tables(X, tables + i / 8);
     }
     store_projected_tail(a, sq, r, largest / kQjlCodeMax, lane_sum(total));
   }
@@ -1409,7 +1421,7 @@ const KernelTable &avx512_vnni_kernels() {
     t.isa = Isa::Avx512Vnni;
     t.qjl_project = &avx512_vnni::qjl_project;
     t.qjl_scores = &avx512_vnni::qjl_scores;
-    t.qjl_codes = QjlCodes::PairWords;
+    t.qjl_codes = QjlCodes::QuadBytes;
     t.kivi_scores = &avx512_vnni::kivi_scores;
     t.values_accumulate = &avx512_vnni::values_accumulate;
     t.values_in_channel_order = &avx512_vnni::values_in_channel_order;
