@@ -944,7 +944,8 @@ struct GroupLanes {
     if constexpr (G == 1) return _mm512_maskz_loadu_ps(lanes_below(t, B), w + t);
     else if constexpr (G == 2) return _mm512_broadcast_f32x8(_mm256_loadu_ps(w + t));
     else if constexpr (G == 4) return _mm512_broadcast_f32x4(_mm_loadu_ps(w + t));
-    else if constexpr (G == 8) return _mm512_castsi512_ps(_mm512_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(w + t))));
+    else if constexpr (G == 8)
+      return _mm512_castsi512_ps(_mm512_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(w + t))));
     else return _mm512_set1_ps(w[t]);
   }
   // op over each group's lanes; lane g < G of the result: group g's.
@@ -997,7 +998,8 @@ bool uniform_weights(const uint16_t *scale_bits, const uint16_t *min_bits, uint3
     const __m512 span = Lanes::fold(top[r], MaxOp{});  // lane g < G: the group's largest
     const __mmask16 positive = _mm512_cmp_ps_mask(span, _mm512_setzero_ps(), _CMP_GT_OQ);
     covered &= _mm512_mask_cmp_ps_mask(positive, span, _mm512_set1_ps(kUniformSmallestSpan), _CMP_LT_OQ) == 0;
-    factor[r] = _mm512_permutexvar_ps(lane_group, _mm512_maskz_div_ps(positive, _mm512_set1_ps(kUniformWeightMax), span));
+    const __m512 group_factor = _mm512_maskz_div_ps(positive, _mm512_set1_ps(kUniformWeightMax), span);
+    factor[r] = _mm512_permutexvar_ps(lane_group, group_factor);
     _mm512_store_ps(unit[r], _mm512_div_ps(span, _mm512_set1_ps(kUniformWeightMax)));
     _mm512_store_ps(mins + 16 * r, Lanes::fold(min_sums[r], AddOp{}));
   }
@@ -1070,8 +1072,8 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
     const auto run = [&](auto rows_in_group) {
       constexpr uint32_t kR = decltype(rows_in_group)::value;
       const auto weights = [&](auto groups) {
-        return uniform_weights<kR, decltype(groups)::value>(scale_bits, min_bits, B, wr, w_stride, products, P, P_stride,
-                                                            unit, mins);
+        return uniform_weights<kR, decltype(groups)::value>(scale_bits, min_bits, B, wr, w_stride, products, P,
+                                                            P_stride, unit, mins);
       };
       bool covered;
       switch (G) {
@@ -1273,7 +1275,8 @@ void sign_sums(const __m512i *dwords, uint32_t bytes, const SignTable *const *ta
         }
       }
     }
-    for (uint32_t j = 0; j < N; ++j) _mm512_store_si512(sums + 2 * j + h, _mm512_add_epi32(_mm512_slli_epi32(high[j], 8), low[j]));
+    for (uint32_t j = 0; j < N; ++j)
+      _mm512_store_si512(sums + 2 * j + h, _mm512_add_epi32(_mm512_slli_epi32(high[j], 8), low[j]));
   }
 }
 
