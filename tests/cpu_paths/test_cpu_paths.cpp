@@ -173,6 +173,8 @@ const KernelCase kCases[] = {
     {"values4_groups64_d192", "qjl", 192, 16, 384, 8, 96, 2, 4, 64, 6},
     // 2-bit codes in 64-channel tiles of one, two or four groups, the rest in 16-channel chunks.
     {"values2_groups16", "kivi", 128, 32, 256, 8, 64, 2, 2, 16, 4},
+    // One group per token in blocks of 40: the weights' last 16 products half past the block.
+    {"values2_groups128_block40", "kivi", 128, 40, 256, 8, 64, 2, 2, 128, 3},
     {"values2_d96", "kivi", 96, 40, 192, 8, 48, 2, 2, 32, 5},
     {"rotated3", "kivi", 128, 32, 256, 8, 64, 3, 3, 32, 4, QJLKV_VALUES_ROTATED_LLOYD_MAX},
     {"q3_llama", "q3", 128, 128, 256, 8, 64, 3, 2, 32, 4, QJLKV_VALUES_ROTATED_LLOYD_MAX},
