@@ -896,6 +896,10 @@ void uniform_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row_b
   }
 }
 
+// Groups per 64-channel 2-bit tile (uniform_tile2's n) for groups of g channels: 1, 2 or 4, and 0
+// where the tiles do not apply (those codes go by 16-channel chunks).
+constexpr uint32_t uniform_tile_groups(uint32_t g) { return g % 64 == 0 ? 1 : g == 32 ? 2 : g == 16 ? 4 : 0; }
+
 template <uint32_t BITS, uint32_t N, uint32_t R>
 void uniform_rows(const CodesArgs &a, const uint8_t *codes, const int16_t *P, size_t P_stride, const float (*unit)[16],
                   const float *mins, float *acc) {
@@ -909,9 +913,12 @@ void uniform_rows(const CodesArgs &a, const uint8_t *codes, const int16_t *P, si
         uniform_tile2<R, decltype(lanes_per_group)::value>(*a.layout, codes, row_bytes, B, g, G, from, P, P_stride,
                                                           unit, mins, acc, dp);
     };
-    if (g % 64 == 0) tiles(std::integral_constant<uint32_t, 1>{});
-    else if (g == 32) tiles(std::integral_constant<uint32_t, 2>{});
-    else if (g == 16) tiles(std::integral_constant<uint32_t, 4>{});
+    switch (uniform_tile_groups(g)) {
+      case 1: tiles(std::integral_constant<uint32_t, 1>{}); break;
+      case 2: tiles(std::integral_constant<uint32_t, 2>{}); break;
+      case 4: tiles(std::integral_constant<uint32_t, 4>{}); break;
+      default: break;
+    }
   }
   for (uint32_t c0 = from / kRegion * kRegion; c0 < d; c0 += kRegion) {
     const uint32_t chunks = std::min(kRegion, d - c0) / 16, region = c0 / kRegion;
@@ -926,6 +933,9 @@ void uniform_rows(const CodesArgs &a, const uint8_t *codes, const int16_t *P, si
 // The products w·scale of one 16-lane vector, for 16/G tokens and the G groups of each: lane i
 // holds group i/(16/G) of token i % (16/G), so that one broadcast of 16/G weights serves every
 // group and only the scales (shared by the rows) are permuted out of their token-major order.
+// 0, 1, ..., 15: lane i's own index.
+inline __m512i lane_indices() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
 template <uint32_t G>
 struct GroupLanes {
   static constexpr uint32_t kTokens = 16 / G;
@@ -933,7 +943,7 @@ struct GroupLanes {
   static __m512 load(const uint16_t *bits, __mmask16 valid) {
     const __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, bits));
     if constexpr (G == 1 || G == 16) return v;
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i lane = lane_indices();
     const __m512i source = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(kTokens - 1)),
                                                               __builtin_ctz(G)),
                                             _mm512_srli_epi32(lane, __builtin_ctz(kTokens)));
@@ -956,7 +966,7 @@ struct GroupLanes {
     if constexpr (kTokens >= 8) v = op(v, _mm512_shuffle_f32x4(v, v, 0xB1));
     if constexpr (kTokens >= 16) v = op(v, _mm512_shuffle_f32x4(v, v, 0x4E));
     if constexpr (kTokens == 1) return v;
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i lane = lane_indices();
     return _mm512_permutexvar_ps(_mm512_slli_epi32(lane, __builtin_ctz(kTokens)), v);
   }
 };
@@ -991,8 +1001,7 @@ bool uniform_weights(const uint16_t *scale_bits, const uint16_t *min_bits, uint3
   for (uint32_t x = (count + 15) / 16 * 16; x < P_stride; x += 16)  // the last 32's rest: read by the second pass
     for (uint32_t r = 0; r < R; ++r) _mm512_store_ps(products + r * P_stride + x, _mm512_setzero_ps());
   __m512 factor[R];  // per lane: P per unit of w·scale of the lane's group
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i lane_group = _mm512_srli_epi32(lane, __builtin_ctz(Lanes::kTokens));
+  const __m512i lane_group = _mm512_srli_epi32(lane_indices(), __builtin_ctz(Lanes::kTokens));
   bool covered = true;
   for (uint32_t r = 0; r < R; ++r) {
     const __m512 span = Lanes::fold(top[r], MaxOp{});  // lane g < G: the group's largest
@@ -1029,8 +1038,7 @@ bool lloyd_max_integer_layout(const CodesArgs &a) {
 bool two_bit_tiles(const CodesArgs &a) {
   if (a.bits != 2) return false;
   if (a.method == QJLKV_VALUES_ROTATED_LLOYD_MAX) return lloyd_max_integer_layout(a);
-  return a.method == QJLKV_VALUES_UNIFORM && uniform_integer_layout(a) &&
-         (a.group % 64 == 0 || a.group == 32 || a.group == 16);  // uniform_rows' tiles
+  return a.method == QJLKV_VALUES_UNIFORM && uniform_integer_layout(a) && uniform_tile_groups(a.group) != 0;
 }
 
 // The tiles of R rows of acc taken `times` times from lane order to channel order. The order is a
@@ -1101,7 +1109,6 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
     }
   }
 }
-
 
 void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
                        float *acc, float *scratch) {
