@@ -930,12 +930,12 @@ void uniform_rows(const CodesArgs &a, const uint8_t *codes, const int16_t *P, si
   }
 }
 
-// The products w·scale of one 16-lane vector, for 16/G tokens and the G groups of each: lane i
-// holds group i/(16/G) of token i % (16/G), so that one broadcast of 16/G weights serves every
-// group and only the scales (shared by the rows) are permuted out of their token-major order.
 // 0, 1, ..., 15: lane i's own index.
 inline __m512i lane_indices() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 
+// The products w·scale of one 16-lane vector, for 16/G tokens and the G groups of each: lane i
+// holds group i/(16/G) of token i % (16/G), so that one broadcast of 16/G weights serves every
+// group and only the scales (shared by the rows) are permuted out of their token-major order.
 template <uint32_t G>
 struct GroupLanes {
   static constexpr uint32_t kTokens = 16 / G;
