@@ -43,11 +43,11 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
   std::vector<uint8_t> data(layout.stride * blocks, 0);
   QjlTables qjl_tables;
   QjlArgs qjl;
-  if (cfg.key_method == QJLKV_KEYS_QJL) qjl = make_qjl_args(spec, ls, qjl_tables, K.qjl_codes);
+  if (cfg.key_method == QJLKV_KEYS_QJL) qjl = make_qjl_args(spec, ls, qjl_tables);
   const CodesArgs key_args{&layout, B, kDim, cfg.key_bits, 0, spec.stored_dtype};
   const CodesArgs value_args{&layout,          B, kDim, cfg.value_bits, cfg.value_group_size, spec.stored_dtype,
                              cfg.value_method, ls.value_signs.data()};
-  std::vector<float> scratch_storage(kernel_scratch_floats(cfg, ls.m, ls.m_out, ls.sketch_rows) + 16);
+  std::vector<float> scratch_storage(kernel_scratch_floats(cfg, ls.m, ls.m_out) + 16);
   const auto misalignment = reinterpret_cast<uintptr_t>(scratch_storage.data()) % 64;
   float *scratch = scratch_storage.data() + (64 - misalignment) % 64 / sizeof(float);  // 64-byte aligned (simd.hpp)
   for (uint32_t b = 0; b < blocks; ++b) {
@@ -55,7 +55,7 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
     for (float &x : values) x = normal(rng);
     uint8_t *block = &data[size_t(b) * layout.stride];
     switch (cfg.key_method) {
-      case QJLKV_KEYS_QJL: qjl_quantize_block(ls, cfg, keys.data(), block, scratch); break;
+      case QJLKV_KEYS_QJL: qjl_quantize_block(ls, cfg, spec.qjl_constant, keys.data(), block, scratch); break;
       case QJLKV_KEYS_EXACT:
         K.store_16bit(keys.data(), keys.size(), spec.stored_dtype, reinterpret_cast<uint16_t *>(block + layout.key_codes));
         break;

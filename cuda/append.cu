@@ -1,10 +1,12 @@
 // Append kernels: data validation, block quantization (QJL / KIVI / EXACT keys; values through
 // their policy types, values.cuh)
 // and the commit of block tables and tail tokens. Compiled with --fmad=false: the quantizers
-// reproduce the CPU backend's fp32 arithmetic operation by operation, so sign bits, norms,
+// reproduce the CPU backend's fp32 arithmetic operation by operation (and QJL's float64
+// corrections through the same quant_math.hpp functions), so sign bits, norms, corrections,
 // outlier channels and codes come out bit-identical.
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
+#include <initializer_list>
 
 #include "values.cuh"
 
@@ -68,6 +70,8 @@ struct BlockSource {
 constexpr uint32_t kThreads = kQuantizeThreads;
 
 // QJL keys (CPU: qjl_quantize_block). Sums run sequentially in the CPU's order, without FMA.
+// Dynamic shared memory: the chunk's outlier sign bits (quantize_smem), which only the
+// corrections read: the block does not store them.
 template <class IO>
 __device__ void quantize_qjl_keys(const KernelShape &s, const BlockSource<IO> &src, uint8_t *block) {
   using Sort = cub::BlockRadixSort<unsigned long long, kThreads, 1>;
@@ -80,6 +84,7 @@ __device__ void quantize_qjl_keys(const KernelShape &s, const BlockSource<IO> &s
   __shared__ uint32_t outliers[kThreads];
   __shared__ float inlier_keys[kQuantizeChunk][kThreads];  // outlier channels zeroed
   __shared__ float raw_keys[kQuantizeChunk][kThreads];
+  QJLKV_DYNAMIC_SMEM(outlier_bits);  // [kQuantizeChunk][m_out / 8]: sign(S_out·k_out)
   const uint32_t tid = threadIdx.x, lane = tid & 31u, d = s.d, B = s.B, c = s.outlier_channels;
 
   is_outlier[tid] = 0;
@@ -109,6 +114,8 @@ __device__ void quantize_qjl_keys(const KernelShape &s, const BlockSource<IO> &s
 
   auto *norm_in = reinterpret_cast<uint16_t *>(block + s.key_norm_in);
   auto *norm_out = reinterpret_cast<uint16_t *>(block + s.key_norm_out);
+  auto *corrections = reinterpret_cast<uint16_t *>(block + s.key_corrections);
+  const uint32_t outlier_bytes = s.m_out / 8;
   const float *sketch_t = s.sketch_t;
   const uint32_t rows = s.sketch_rows;
   for (uint32_t t0 = 0; t0 < B; t0 += kQuantizeChunk) {  // B is a multiple of 8
@@ -134,9 +141,9 @@ __device__ void quantize_qjl_keys(const KernelShape &s, const BlockSource<IO> &s
     }
     // Sign bits of n_rows sketch rows over the channels channel(0..n_channels-1) of keys: thread i
     // projects the chunk's tokens on sketch row i; a warp ballot packs 8 rows per byte (bit j of
-    // byte b = row 8b + j) into the rows of bytes_per_token bytes at block offset `first_byte`.
+    // byte b = row 8b + j) into the chunk's rows of bytes_per_token bytes at `bits`.
     const auto pack_signs = [&](uint32_t n_rows, uint32_t n_channels, auto channel,
-                                const float (&keys)[kQuantizeChunk][kThreads], size_t first_byte,
+                                const float (&keys)[kQuantizeChunk][kThreads], uint8_t *bits,
                                 uint32_t bytes_per_token) {
       for (uint32_t base = 0; base < n_rows; base += kThreads) {
         const uint32_t i = base + tid;
@@ -151,15 +158,29 @@ __device__ void quantize_qjl_keys(const KernelShape &s, const BlockSource<IO> &s
           }
 #pragma unroll
         for (uint32_t tt = 0; tt < kQuantizeChunk; ++tt) {
-          const uint32_t bits = __ballot_sync(0xffffffffu, i < n_rows && projection[tt] > 0.0f);
-          if (i < n_rows && (lane & 7u) == 0)
-            block[first_byte + size_t(t0 + tt) * bytes_per_token + i / 8] = uint8_t(bits >> lane);
+          const uint32_t positive = __ballot_sync(0xffffffffu, i < n_rows && projection[tt] > 0.0f);
+          if (i < n_rows && (lane & 7u) == 0) bits[size_t(tt) * bytes_per_token + i / 8] = uint8_t(positive >> lane);
         }
       }
     };
-    pack_signs(s.m, d, [](uint32_t k) { return k; }, inlier_keys, s.key_bits_in, s.bits_in_bpt);
-    if (c > 0)
-      pack_signs(s.m_out, c, [&](uint32_t k) { return outliers[k]; }, raw_keys, s.key_bits_out, s.bits_out_bpt);
+    uint8_t *bits_in = block + s.key_bits_in;
+    pack_signs(s.m, d, [](uint32_t k) { return k; }, inlier_keys, bits_in + size_t(t0) * s.bits_in_bpt,
+               s.bits_in_bpt);
+    if (c > 0) {
+      pack_signs(s.m_out, c, [&](uint32_t k) { return outliers[k]; }, raw_keys, outlier_bits, outlier_bytes);
+      __syncthreads();  // the chunk's norms and bits are written
+      // The corrections (CPU: qjl_store_corrections), one thread per (outlier, token). Column o of
+      // the sketch is row o of sketch_t: column_signed_sum reads it as a [rows][1] matrix.
+      for (uint32_t pair = tid; pair < c * kQuantizeChunk; pair += kThreads) {
+        const uint32_t j = pair / kQuantizeChunk, tt = pair % kQuantizeChunk, t = t0 + tt;
+        const float *column = sketch_t + size_t(outliers[j]) * rows;
+        const double inlier_sum = column_signed_sum(column, 1, 0, bits_in + size_t(t) * s.bits_in_bpt, s.m);
+        const double outlier_sum = column_signed_sum(column, 1, 0, outlier_bits + tt * outlier_bytes, s.m_out);
+        corrections[size_t(j) * B + t] = qjl_correction(s.qjl_constant, half_to_float(norm_in[t]),
+                                                        half_to_float(norm_out[t]), inlier_sum, outlier_sum, s.m,
+                                                        s.m_out);
+      }
+    }
     __syncthreads();
   }
 }
@@ -411,9 +432,27 @@ cudaError_t launch_quantize_io(const KernelShape &s, const QuantJob *jobs, uint3
     auto kernel = s.kind == KeyKind::qjl    ? quantize_kernel<IO, KeyKind::qjl, V>
                   : s.kind == KeyKind::kivi ? quantize_kernel<IO, KeyKind::kivi, V>
                                             : quantize_kernel<IO, KeyKind::exact, V>;
-    QJLKV_LAUNCH(kernel, dim3(n_jobs, s.Hkv), kThreads, 0, stream, s, jobs);
+    QJLKV_LAUNCH(kernel, dim3(n_jobs, s.Hkv), kThreads, quantize_smem(s), stream, s, jobs);
     return cudaGetLastError();
   });
+}
+
+// Raises each kernel's dynamic shared memory limit to what the device allows next to its static
+// shared memory (static and dynamic together must fit smem_optin); *max_dynamic receives the
+// smallest of those limits.
+template <class... Kernels>
+cudaError_t raise_dynamic_smem(size_t smem_optin, size_t *max_dynamic, Kernels... kernels) {
+  *max_dynamic = smem_optin;
+  for (auto kernel : {kernels...}) {
+    cudaFuncAttributes attributes;
+    cudaError_t e = cudaFuncGetAttributes(&attributes, kernel);
+    if (e != cudaSuccess) return e;
+    const size_t dynamic = smem_optin > attributes.sharedSizeBytes ? smem_optin - attributes.sharedSizeBytes : 0;
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic));
+    if (e != cudaSuccess) return e;
+    if (dynamic < *max_dynamic) *max_dynamic = dynamic;
+  }
+  return cudaSuccess;
 }
 
 template <class IO>
@@ -458,25 +497,25 @@ cudaError_t launch_quantize(const KernelShape &s, const QuantJob *jobs, uint32_t
   return cudaErrorInvalidValue;  // unreachable: the dtype was validated
 }
 
+size_t quantize_smem(const KernelShape &s) { return s.kind == KeyKind::qjl ? size_t(kQuantizeChunk) * s.m_out / 8 : 0; }
+
+cudaError_t configure_qjl_quantize(size_t smem_optin, size_t *max_dynamic) {
+  return raise_dynamic_smem(
+      smem_optin, max_dynamic, quantize_kernel<IoF32, KeyKind::qjl, UniformValues>,
+      quantize_kernel<IoF16, KeyKind::qjl, UniformValues>, quantize_kernel<IoBF16, KeyKind::qjl, UniformValues>,
+      quantize_kernel<IoF32, KeyKind::qjl, Stored16Values>, quantize_kernel<IoF16, KeyKind::qjl, Stored16Values>,
+      quantize_kernel<IoBF16, KeyKind::qjl, Stored16Values>, quantize_kernel<IoF32, KeyKind::qjl, LloydMaxValues>,
+      quantize_kernel<IoF16, KeyKind::qjl, LloydMaxValues>, quantize_kernel<IoBF16, KeyKind::qjl, LloydMaxValues>);
+}
+
 size_t ott_quantize_smem(const KernelShape &s) { return ott_smem(s.B, s.ott_pool, s.d).total; }
 
 cudaError_t configure_ott_quantize(size_t smem_optin, size_t *max_dynamic) {
-  *max_dynamic = smem_optin;
-  for (auto kernel : {ott_quantize_kernel<IoF32, UniformValues>, ott_quantize_kernel<IoF16, UniformValues>,
-                      ott_quantize_kernel<IoBF16, UniformValues>, ott_quantize_kernel<IoF32, Stored16Values>,
-                      ott_quantize_kernel<IoF16, Stored16Values>, ott_quantize_kernel<IoBF16, Stored16Values>,
-                      ott_quantize_kernel<IoF32, LloydMaxValues>, ott_quantize_kernel<IoF16, LloydMaxValues>,
-                      ott_quantize_kernel<IoBF16, LloydMaxValues>}) {
-    // Static and dynamic shared memory together must fit the device's limit.
-    cudaFuncAttributes attributes;
-    cudaError_t e = cudaFuncGetAttributes(&attributes, kernel);
-    if (e != cudaSuccess) return e;
-    const size_t dynamic = smem_optin > attributes.sharedSizeBytes ? smem_optin - attributes.sharedSizeBytes : 0;
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic));
-    if (e != cudaSuccess) return e;
-    if (dynamic < *max_dynamic) *max_dynamic = dynamic;
-  }
-  return cudaSuccess;
+  return raise_dynamic_smem(smem_optin, max_dynamic, ott_quantize_kernel<IoF32, UniformValues>,
+                            ott_quantize_kernel<IoF16, UniformValues>, ott_quantize_kernel<IoBF16, UniformValues>,
+                            ott_quantize_kernel<IoF32, Stored16Values>, ott_quantize_kernel<IoF16, Stored16Values>,
+                            ott_quantize_kernel<IoBF16, Stored16Values>, ott_quantize_kernel<IoF32, LloydMaxValues>,
+                            ott_quantize_kernel<IoF16, LloydMaxValues>, ott_quantize_kernel<IoBF16, LloydMaxValues>);
 }
 
 cudaError_t launch_ott_quantize(const KernelShape &s, const OttJob *jobs, uint32_t n_jobs, cudaStream_t stream) {

@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
       if constexpr (VALUES::kRotated) rotated_sum = true;
       const uint8_t *block = reinterpret_cast<const uint8_t *>(sd.table[unit]) + size_t(kv_head) * s.head_stride;
 
-      keys.setup_block(block);  // the query-side vectors of this block
+      keys.setup_block(block);  // what this block's scores share
       for (uint32_t t0 = 0; t0 < B; t0 += kTile) {
         const uint32_t n = min(kTile, B - t0);  // a multiple of 8
         keys.stage(stage_k, block, t0, n);

@@ -253,8 +253,8 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   const auto u32 = [](size_t x) { return uint32_t(x); };
   k.key_norm_in = u32(b.key_norm_in);
   k.key_norm_out = u32(b.key_norm_out);
+  k.key_corrections = u32(b.key_corrections);
   k.key_bits_in = u32(b.key_bits_in);
-  k.key_bits_out = u32(b.key_bits_out);
   k.key_outlier_idx = u32(b.key_outlier_idx);
   k.key_scale = u32(b.key_scale);
   k.key_min = u32(b.key_min);
@@ -263,7 +263,6 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   k.value_min = u32(b.value_min);
   k.value_codes = u32(b.value_codes);
   k.bits_in_bpt = u32(b.key_bytes_per_token_bits_in);
-  k.bits_out_bpt = u32(b.key_bytes_per_token_bits_out);
   k.key_codes_bpt = u32(b.key_bytes_per_token_codes);
   k.value_codes_bpt = u32(b.value_bytes_per_token_codes);
   k.head_stride = u32((b.stride + 15) / 16 * 16);
@@ -283,14 +282,22 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   if (layer.max_rows == 0)
     fail(QJLKV_ERROR_UNSUPPORTED,
          "layer %u: the CUDA attention kernel needs %u bytes of shared memory for this configuration "
-         "(key_sketch_dim %u, outlier_sketch_dim %u, head_dim %u), the device offers %zu; use smaller sketches "
-         "or the CPU backend",
-         l, attend_smem(attend_shape(k, 1)).total, k.m, k.m_out, k.d, smem_optin);
+         "(key_sketch_dim %u, head_dim %u), the device offers %zu; use smaller sketches or the CPU backend",
+         l, attend_smem(attend_shape(k, 1)).total, k.m, k.d, smem_optin);
   check_cuda(configure_attend(k, smem_optin), "cudaFuncSetAttribute");
 
   layer.blocks = std::make_unique<SlotPool>(size_t(k.head_stride) * k.Hkv, 16);
   layer.rings = std::make_unique<SlotPool>(align_up(ring_bytes_), 4);
   if (cfg.sink_tokens) layer.sinks = std::make_unique<SlotPool>(align_up(2 * sink_bytes()), 4);
+  if (k.kind == KeyKind::qjl) {
+    size_t max_dynamic = 0;
+    check_cuda(configure_qjl_quantize(smem_optin, &max_dynamic), "cudaFuncSetAttribute");
+    if (quantize_smem(k) > max_dynamic)
+      fail(QJLKV_ERROR_UNSUPPORTED,
+           "layer %u: the QJL quantizer needs %zu bytes of shared memory for the sign bits of an outlier sketch of "
+           "%u rows, the device offers %zu; use smaller outlier sketches or the CPU backend",
+           l, quantize_smem(k), k.m_out, max_dynamic);
+  }
   if (k.traced) {
     size_t max_dynamic = 0;
     check_cuda(configure_ott_quantize(smem_optin, &max_dynamic), "cudaFuncSetAttribute");

@@ -28,10 +28,10 @@ struct KernelShape {
   float qjl_constant;
   const float *sketch_t;    // QJL: the layer sketch transposed, [d][sketch_rows]
   // BlockLayout offsets (bytes inside one head's block) and the per-token sizes.
-  uint32_t key_norm_in, key_norm_out, key_bits_in, key_bits_out, key_outlier_idx;
+  uint32_t key_norm_in, key_norm_out, key_corrections, key_bits_in, key_outlier_idx;
   uint32_t key_scale, key_min, key_codes;
   uint32_t value_scale, value_min, value_codes;
-  uint32_t bits_in_bpt, bits_out_bpt, key_codes_bpt, value_codes_bpt;
+  uint32_t bits_in_bpt, key_codes_bpt, value_codes_bpt;
   uint32_t head_stride;     // bytes between the blocks of two kv heads in one slot (16-aligned)
   // OTT (kind kivi with a mask): moved slots are masked; traced layers keep outlier tokens.
   uint32_t key_mask;        // offset of the mask bits in a block, when has_mask
@@ -73,6 +73,11 @@ cudaError_t launch_validate(const KernelShape &shape, const void *keys, const vo
                             float key_limit, float value_limit, double key_norm_limit, double value_norm_limit,
                             unsigned long long *flags, cudaStream_t stream);
 cudaError_t launch_quantize(const KernelShape &shape, const QuantJob *jobs, uint32_t n_jobs, cudaStream_t stream);
+// Dynamic shared memory of the quantizer for this shape (QJL: the outlier sketch's sign bits).
+size_t quantize_smem(const KernelShape &shape);
+// Raises the QJL quantizer's dynamic shared memory limit to what the device allows next to its
+// static shared memory (at creation); *max_dynamic receives that limit.
+cudaError_t configure_qjl_quantize(size_t smem_optin, size_t *max_dynamic);
 
 // OTT-traced layers: the new blocks of one sequence, quantized in order by one CTA per kv head,
 // which first copies the committed outlier state (`from`, or a fresh one) to `to` and updates it.
@@ -123,8 +128,6 @@ inline AttendShape attend_shape(const KernelShape &shape, uint32_t rows) {
   s.rows = rows;
   s.d = shape.d;
   s.m = shape.m;
-  s.m_out = shape.m_out;
-  s.sketch_rows = shape.sketch_rows;
   s.outlier_channels = shape.outlier_channels;
   s.key_bits = shape.key_bits;
   s.value_kind = shape.value_kind;

@@ -4,7 +4,7 @@
 // score() and token_score() are called by every thread and end synchronized.
 //
 // init()                    once per CTA, after the queries are loaded
-// setup_block(block)        per quantized block: the query-side vectors of that block
+// setup_block(block)        per quantized block: what its tokens' scores share
 // stage(stage_k, block, t0, n)  the keys of tokens [t0, t0 + n) of the block into shared memory
 // score<BF16>(stage_k, lane, warp, a, b)  lane < n: this warp's part of token `lane`'s dot products
 //                           with every row, into a (and b for a second sum: kTwoSums)
@@ -79,98 +79,81 @@ __device__ __forceinline__ void copy_rows(uint32_t *dst, uint32_t dst_stride, ui
   }
 }
 
-// QJL keys: sign bits of the inlier and outlier sketches, fp16 norms, outlier channels per block.
+// QJL keys (src/methods/qjl_keys.hpp): per token the sign bits of the sketched inlier key, the
+// fp16 norms of its inlier and outlier parts, and fp16 corrections τ on the block's c outlier
+// channels. Raw score: c_d/m·n_in·⟨S·q, ±bits_in⟩ + (n_in + n_out)·Σ_j q[o_j]·τ_j.
 struct QjlKeys {
   static constexpr KeyKind kKind = KeyKind::qjl;
-  static constexpr bool kTwoSums = true;  // inlier and outlier sketch
+  static constexpr bool kTwoSums = true;  // the sketch sum and the outlier corrections' sum
 
   template <uint32_t ROWS>
   struct Scorer {
     const KernelShape &s;
     const AttendSmem &L;
-    uint8_t *smem;
     const float *q;
-    uint32_t d32, sr32, m32, mo32;
-    float *sq, *sq_in, *sq_out;
+    uint32_t d32, m32;
+    float *sq;
+    uint32_t *outliers;
     __device__ Scorer(const KernelShape &shape, const AttendSmem &layout, uint8_t *shared)
-        : s(shape), L(layout), smem(shared), q(reinterpret_cast<const float *>(shared + layout.q)),
-          d32(round_up(shape.d, 32)), sr32(round_up(shape.sketch_rows, 32)), m32(round_up(shape.m, 32)),
-          mo32(round_up(shape.m_out, 32)), sq(reinterpret_cast<float *>(shared + layout.sq)),
-          sq_in(reinterpret_cast<float *>(shared + layout.sq_in)),
-          sq_out(reinterpret_cast<float *>(shared + layout.sq_out)) {}
+        : s(shape), L(layout), q(reinterpret_cast<const float *>(shared + layout.q)),
+          d32(round_up(shape.d, 32)), m32(round_up(shape.m, 32)), sq(reinterpret_cast<float *>(shared + layout.sq)),
+          outliers(reinterpret_cast<uint32_t *>(shared + layout.outlier)) {}
 
-    // S·q once per CTA (rows of the layer sketch beyond sketch_rows are zero padding).
+    // S·q once per CTA over the m inlier sketch rows (zero padding up to m32).
     __device__ void init() {
-      for (uint32_t i = threadIdx.x; i < sr32; i += kAttendThreads) {
+      for (uint32_t i = threadIdx.x; i < m32; i += kAttendThreads) {
         float acc[ROWS] = {};
-        if (i < s.sketch_rows)
+        if (i < s.m)
           for (uint32_t j = 0; j < s.d; ++j) {
             const float w = __ldg(s.sketch_t + size_t(j) * s.sketch_rows + i);
 #pragma unroll
             for (uint32_t r = 0; r < ROWS; ++r) acc[r] = fmaf(w, q[r * d32 + j], acc[r]);
           }
 #pragma unroll
-        for (uint32_t r = 0; r < ROWS; ++r) sq[r * sr32 + i] = acc[r];
+        for (uint32_t r = 0; r < ROWS; ++r) sq[r * m32 + i] = acc[r];
       }
       __syncthreads();
     }
-    // S·q_in = S·q − S·q_out, with q_out = q on the block's c outlier channels.
+    // The block's outlier channels.
     __device__ void setup_block(const uint8_t *block) {
-      auto *outliers = reinterpret_cast<uint32_t *>(smem + L.outlier);
-      const uint32_t c = s.outlier_channels;
-      for (uint32_t i = threadIdx.x; i < c; i += kAttendThreads) outliers[i] = block[s.key_outlier_idx + i];
-      __syncthreads();
-      const uint32_t span = max(m32, mo32);
-      for (uint32_t i = threadIdx.x; i < span; i += kAttendThreads) {
-        float p[ROWS] = {};
-        if (i < s.sketch_rows)
-          for (uint32_t k = 0; k < c; ++k) {
-            const uint32_t j = outliers[k];
-            const float w = __ldg(s.sketch_t + size_t(j) * s.sketch_rows + i);
-#pragma unroll
-            for (uint32_t r = 0; r < ROWS; ++r) p[r] = fmaf(w, q[r * d32 + j], p[r]);
-          }
-#pragma unroll
-        for (uint32_t r = 0; r < ROWS; ++r) {
-          if (i < m32) sq_in[r * m32 + i] = i < s.m ? sq[r * sr32 + i] - p[r] : 0.0f;
-          if (i < mo32) sq_out[r * mo32 + i] = i < s.m_out ? p[r] : 0.0f;
-        }
-      }
+      for (uint32_t i = threadIdx.x; i < s.outlier_channels; i += kAttendThreads)
+        outliers[i] = block[s.key_outlier_idx + i];
       __syncthreads();
     }
     __device__ void stage(uint8_t *stage_k, const uint8_t *block, uint32_t t0, uint32_t n) const {
       copy_words(stage_k + L.k_norm_in, block + s.key_norm_in + t0 * 2, n * 2, kAttendThreads);
       copy_words(stage_k + L.k_bits_in, block + s.key_bits_in + t0 * s.bits_in_bpt, n * s.bits_in_bpt,
                  kAttendThreads);
-      if (s.m_out) {
+      if (s.outlier_channels) {
         copy_words(stage_k + L.k_norm_out, block + s.key_norm_out + t0 * 2, n * 2, kAttendThreads);
-        copy_words(stage_k + L.k_bits_out, block + s.key_bits_out + t0 * s.bits_out_bpt, n * s.bits_out_bpt,
-                   kAttendThreads);
+        // Outlier j's corrections of tokens t0 .. t0 + n (n a multiple of 8: whole words).
+        copy_rows(reinterpret_cast<uint32_t *>(stage_k + L.k_corrections), kTile / 2, n / 2, s.outlier_channels,
+                  [&](uint32_t j) { return block + s.key_corrections + (size_t(j) * s.B + t0) * 2; });
       }
     }
     template <bool BF16>
-    __device__ void score(const uint8_t *stage_k, uint32_t lane, uint32_t warp, float (&acc_a)[ROWS],
-                          float (&acc_b)[ROWS]) const {
-      const uint32_t words_in = div_up(s.m, 32), words_out = div_up(s.m_out, 32);
+    __device__ void score(const uint8_t *stage_k, uint32_t lane, uint32_t warp, float (&acc_in)[ROWS],
+                          float (&acc_out)[ROWS]) const {
       const uint8_t *bits_in = stage_k + L.k_bits_in + lane * s.bits_in_bpt;
-      const uint8_t *bits_out = stage_k + L.k_bits_out + lane * s.bits_out_bpt;
-      const bool aligned_in = s.bits_in_bpt % 4 == 0, aligned_out = s.bits_out_bpt % 4 == 0;
-      for (uint32_t k = warp; k < words_in + words_out; k += kParts) {
-        if (k < words_in) {
-          accumulate_signs<ROWS>(load_word(bits_in + 4 * k, aligned_in), sq_in + 32 * k, m32, acc_a);
-        } else {
-          const uint32_t kk = k - words_in;
-          accumulate_signs<ROWS>(load_word(bits_out + 4 * kk, aligned_out), sq_out + 32 * kk, mo32, acc_b);
-        }
+      const uint32_t words = div_up(s.m, 32);
+      const bool aligned = s.bits_in_bpt % 4 == 0;
+      for (uint32_t k = warp; k < words; k += kParts)
+        accumulate_signs<ROWS>(load_word(bits_in + 4 * k, aligned), sq + 32 * k, m32, acc_in);
+      const auto *corrections = reinterpret_cast<const uint16_t *>(stage_k + L.k_corrections) + lane;
+      for (uint32_t j = warp; j < s.outlier_channels; j += kParts) {
+        const float tau = fp16_bits_to_float(corrections[j * kTile]);
+        const float *q_outlier = q + outliers[j];
+#pragma unroll
+        for (uint32_t r = 0; r < ROWS; ++r) acc_out[r] = fmaf(q_outlier[r * d32], tau, acc_out[r]);
       }
     }
     __device__ float token_score(const uint8_t *stage_k, const uint8_t *, uint32_t, uint32_t, uint32_t t, float sum_in,
                                  float sum_out) const {
-      const float in_factor = s.qjl_constant / float(s.m);
-      float score = in_factor * fp16_bits_to_float(reinterpret_cast<const uint16_t *>(stage_k + L.k_norm_in)[t]) * sum_in;
-      if (s.m_out) {
-        const float out_factor = s.qjl_constant / float(s.m_out);
-        score += out_factor * fp16_bits_to_float(reinterpret_cast<const uint16_t *>(stage_k + L.k_norm_out)[t]) * sum_out;
+      const float n_in = fp16_bits_to_float(reinterpret_cast<const uint16_t *>(stage_k + L.k_norm_in)[t]);
+      float score = s.qjl_constant / float(s.m) * n_in * sum_in;
+      if (s.outlier_channels) {
+        const float n_out = fp16_bits_to_float(reinterpret_cast<const uint16_t *>(stage_k + L.k_norm_out)[t]);
+        score += (n_in + n_out) * sum_out;
       }
       return score;
     }

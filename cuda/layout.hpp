@@ -42,20 +42,18 @@ struct AttendShape {
   KeyKind kind = KeyKind::qjl;
   uint32_t rows = 1;  // query rows per CTA (1, 2, 4 or 8)
   uint32_t d = 0;
-  uint32_t m = 0, m_out = 0, sketch_rows = 0, outlier_channels = 0;  // QJL
-  uint32_t key_bits = 0;                                              // KIVI
+  uint32_t m = 0, outlier_channels = 0;        // QJL
+  uint32_t key_bits = 0;                       // KIVI
   ValueKind value_kind = ValueKind::uniform;
-  uint32_t value_bits = 0, value_groups = 0;                          // value_groups = d / g (uniform)
-  uint32_t io_elem = 4;                                               // bytes of a tail element
+  uint32_t value_bits = 0, value_groups = 0;   // value_groups = d / g (uniform)
+  uint32_t io_elem = 4;                        // bytes of a tail element
 };
 
 // Byte offsets into the dynamic shared memory of one attention CTA. Arrays of floats per query
 // row are padded to 32 entries (zeros) so whole 32-bit words of bits or codes can be consumed.
 struct AttendSmem {
   uint32_t q = 0;          // float [rows][d32]: the queries
-  uint32_t sq = 0;         // QJL float [rows][sr32]: S·q
-  uint32_t sq_in = 0;      // QJL float [rows][m32]: S·q_in of the current block
-  uint32_t sq_out = 0;     // QJL float [rows][mo32]: S_out·q_out of the current block
+  uint32_t sq = 0;         // QJL float [rows][m32]: S·q over the inlier sketch rows
   uint32_t outlier = 0;    // QJL uint32 [c]: outlier channels of the current block
   uint32_t qdigits = 0;    // KIVI {hi, lo} int8x4 words [rows][d32 / 4]: the current block's query digits
   uint32_t koff = 0;       // KIVI float [2][rows]: the current block's score offset, then its step
@@ -67,8 +65,8 @@ struct AttendSmem {
   uint32_t stage_v = 0;    // staged value bytes of a tile
   uint32_t final_buf = 0;  // float [lanes][rows][d] at the end (aliases the stage); KIVI setup scratch
   uint32_t total = 0;
-  // Inside stage_k, for QJL blocks: norms and bit arrays of the tile's tokens.
-  uint32_t k_norm_in = 0, k_norm_out = 0, k_bits_in = 0, k_bits_out = 0;
+  // Inside stage_k, for QJL blocks: the tile's norms, outlier corrections fp16 [c][kTile] and sign bits.
+  uint32_t k_norm_in = 0, k_norm_out = 0, k_corrections = 0, k_bits_in = 0;
   // Inside stage_v, for quantized values: scales, minima (uniform only), codes.
   uint32_t v_scale = 0, v_min = 0, v_codes = 0;
 };
@@ -84,9 +82,7 @@ QJLKV_HD AttendSmem attend_smem(const AttendShape &s) {
   const uint32_t d32 = round_up(s.d, 32);
   o.q = take(4 * s.rows * d32);
   if (s.kind == KeyKind::qjl) {
-    o.sq = take(4 * s.rows * round_up(s.sketch_rows, 32));
-    o.sq_in = take(4 * s.rows * round_up(s.m, 32));
-    o.sq_out = take(4 * s.rows * round_up(s.m_out, 32));
+    o.sq = take(4 * s.rows * round_up(s.m, 32));
     o.outlier = take(4 * (s.outlier_channels + 1));
   }
   if (s.kind == KeyKind::kivi) {
@@ -103,9 +99,9 @@ QJLKV_HD AttendSmem attend_smem(const AttendShape &s) {
   if (s.kind == KeyKind::qjl) {
     o.k_norm_in = 0;
     o.k_norm_out = round_up(2 * kTile + 16, 16);
-    o.k_bits_in = o.k_norm_out + round_up(2 * kTile + 16, 16);
-    o.k_bits_out = o.k_bits_in + round_up(kTile * s.m / 8 + 16, 16);
-    key_stage = o.k_bits_out + round_up(kTile * s.m_out / 8 + 16, 16);
+    o.k_corrections = o.k_norm_out + round_up(2 * kTile + 16, 16);
+    o.k_bits_in = o.k_corrections + round_up(2 * kTile * s.outlier_channels, 16);
+    key_stage = o.k_bits_in + round_up(kTile * s.m / 8 + 16, 16);
   } else if (s.kind == KeyKind::kivi) {  // + 16: 3-bit rows are read in whole 12-byte groups
     key_stage = round_up(kTile * s.d * s.key_bits / 8 + 16, 16);
   } else {

@@ -70,7 +70,7 @@ int main(int argc, char **argv) {
     const uint32_t base = cfg.sink_tokens + cfg.residual_tokens + 8 * cfg.block_tokens, more = 8 * cfg.block_tokens;
     const uint64_t s1 = stream_after(&cfg, base), s2 = stream_after(&cfg, base + more);
     const double per_token = (double)(s2 - s1) / more, fp16 = 4.0 * hkv * d;
-    /* 136 header bytes and the 4-byte checksum (docs/FORMAT.md, format version 2) */
+    /* 136 header bytes and the 4-byte checksum (docs/FORMAT.md, format version 3) */
     const double overhead = (double)s1 - 136 - 4 - per_token * (8.0 * cfg.block_tokens);
     printf("%-6s %14.3f %14.0f %7.2fx %22.0f\n", presets[p], per_token, fp16, fp16 / per_token, overhead);
   }

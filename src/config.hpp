@@ -42,12 +42,13 @@ size_t dtype_size(qjlkv_dtype dtype);
 struct BlockLayout {
   // keys
   size_t key_norm_in = 0, key_norm_out = 0;  // QJL: fp16[B] each
-  size_t key_bits_in = 0, key_bits_out = 0;  // QJL: [B][m/8], [B][m_out/8]
+  size_t key_corrections = 0;                // QJL: fp16[c][B], the outlier corrections τ
+  size_t key_bits_in = 0;                    // QJL: [B][m/8]
   size_t key_outlier_idx = 0;                // QJL: uint8[c]
   size_t key_scale = 0, key_min = 0;         // KIVI/OTT: fp16[d] each
   size_t key_codes = 0;                      // KIVI/OTT: [B][d*key_bits/8]; EXACT: 16-bit[B][d]
   size_t key_mask = 0;                       // OTT: [B/8] bit t set = slot t moved to the pool
-  size_t key_bytes_per_token_bits_in = 0, key_bytes_per_token_bits_out = 0, key_bytes_per_token_codes = 0;
+  size_t key_bytes_per_token_bits_in = 0, key_bytes_per_token_codes = 0;
   // values
   size_t value_scale = 0, value_min = 0;     // fp16[B][d/g] each (b-bit values); rotated Lloyd-Max:
                                              // value_scale fp16[B], no minima

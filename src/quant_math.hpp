@@ -2,6 +2,7 @@
 // Every function here is small, branch-light and __host__ __device__, so CPU tests cover the device math.
 #pragma once
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 #include "half.hpp"
@@ -93,6 +94,31 @@ QJLKV_HD float signed_dot(const float *v, const uint8_t *bits, uint32_t rows) {
   float sum = 0.0f;
   for (uint32_t i = 0; i < rows; ++i) sum += sign_bit(bits, i) ? v[i] : -v[i];
   return sum;
+}
+
+// ⟨S_o, ±bits⟩: column o of the row-major [rows][d] sketch S over a token's first `rows` sign
+// bits, summed in float64 in row order (every term an fp32 entry: the same sum on every backend).
+QJLKV_HD double column_signed_sum(const float *S, uint32_t d, uint32_t o, const uint8_t *bits, uint32_t rows) {
+  double sum = 0.0;
+  for (uint32_t i = 0; i < rows; ++i) {
+    const double s = S[size_t(i) * d + o];
+    sum += sign_bit(bits, i) ? s : -s;
+  }
+  return sum;
+}
+
+// QJL's stored outlier correction τ of one token and outlier channel o (docs/DESIGN.md, "QJL
+// outlier corrections"): the outlier sketch's estimate of k_o, c_d/m_out·n_out·⟨S_out,o, ±bits_out⟩,
+// less what the inlier estimate puts on channel o, c_d/m·n_in·⟨S_o, ±bits_in⟩, over n_in + n_out
+// (n_in, n_out: the token's stored norms), so that
+//   est(q, k) = c_d/m·n_in·⟨S·q, ±bits_in⟩ + Σ_o q_o·τ_o·(n_in + n_out)
+// is SPEC §3's estimate. |τ| <= c_d·max |S_io| <= c_d·√d: fp16 holds it to 2^-11.
+QJLKV_HD uint16_t qjl_correction(float qjl_constant, float n_in, float n_out, double inlier_sum, double outlier_sum,
+                                 uint32_t m, uint32_t m_out) {
+  const double scale = double(n_in) + double(n_out);
+  if (!(scale > 0.0)) return 0;
+  const double outlier = double(n_out) * outlier_sum / double(m_out), inlier = double(n_in) * inlier_sum / double(m);
+  return float_to_half(float(double(qjl_constant) * (outlier - inlier) / scale));
 }
 
 }  // namespace qjlkv

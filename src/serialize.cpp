@@ -33,9 +33,10 @@ namespace {
 
 // ---- the format's constants (docs/FORMAT.md) ----------------------------------------------------
 constexpr char kMagic[8] = {'Q', 'J', 'L', 'K', 'V', 'S', 'E', 'Q'};
-constexpr uint32_t kFormatVersion = 2;     // written; versions 1 and 2 are read
+constexpr uint32_t kFormatVersion = 3;     // written; versions 1 to 3 are read
 constexpr uint32_t kHeaderBytes = 136;     // version 1: 128 (no value_method, sink_tokens)
 constexpr uint32_t kHeaderBytesV1 = 128;
+constexpr uint32_t kCorrectionsVersion = 3;  // QJL outlier corrections replace the outlier sign bits
 constexpr uint32_t kSectionHeaderBytes = 16;  // tag, reserved, body bytes
 constexpr uint32_t kLayerFieldBytes = 32;     // the fixed fields that open a layer section
 constexpr uint32_t kOutlierFieldBytes = 16;   // pool, spilled, tracing, reserved
@@ -98,16 +99,48 @@ struct LayerShape {
 
 size_t record_bytes(const BlockLayout &layout) { return layout.key_bytes + layout.value_bytes; }
 
-// Bytes of a layer section's body (after its section header). Overflow-checked: a stream's counts
-// are untrusted.
-uint64_t layer_body_bytes(const CacheSpec &spec, uint32_t layer, const LayerShape &shape) {
+// Format versions 1 and 2 stored a QJL block with outlier channels with the outlier part's sign
+// bits where version 3 stores their corrections: norm_in fp16[B], norm_out fp16[B], bits_in
+// [B][m/8], bits_out [B][m_out/8], outlier channels uint8[c]. Without outlier channels the two
+// layouts are the same.
+struct SignBitsLayout {
+  size_t norm_in, norm_out, bits_in, bits_out, outlier_idx, key_bytes;
+  size_t bytes_per_token_bits_out;
+};
+
+bool stores_sign_bits(const CacheSpec &spec, const LayerSpec &layer, uint32_t version) {
+  return version < kCorrectionsVersion && key_method_of(spec.cfg) == QJLKV_KEYS_QJL && layer.m_out > 0;
+}
+
+SignBitsLayout sign_bits_layout(const qjlkv_config &cfg, const LayerSpec &layer) {
+  const size_t B = cfg.block_tokens;
+  SignBitsLayout old{};
+  old.bytes_per_token_bits_out = layer.m_out / 8;
+  old.norm_in = 0;
+  old.norm_out = 2 * B;
+  old.bits_in = 4 * B;
+  old.bits_out = old.bits_in + B * (layer.m / 8);
+  old.outlier_idx = old.bits_out + B * old.bytes_per_token_bits_out;
+  old.key_bytes = old.outlier_idx + cfg.outlier_channels;
+  return old;
+}
+
+// The block record bytes of a layer in a stream of this format version.
+size_t stream_record_bytes(const CacheSpec &spec, uint32_t layer, uint32_t version) {
+  const LayerSpec &ls = spec.layers[layer];
+  if (!stores_sign_bits(spec, ls, version)) return record_bytes(ls.layout);
+  return sign_bits_layout(spec.cfg, ls).key_bytes + ls.layout.value_bytes;
+}
+
+// Bytes of a layer section's body (after its section header) whose block records take `record`
+// bytes each. Overflow-checked: a stream's counts are untrusted.
+uint64_t layer_body_bytes(const CacheSpec &spec, const LayerShape &shape, size_t record) {
   const qjlkv_config &cfg = spec.cfg;
   const uint64_t token = uint64_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
   const uint64_t row = uint64_t(cfg.head_dim) * spec.io_elem;
   // blocks < 2^29 (B >= 8, length < 2^32), Hkv <= 2^12, a record < 2^23 bytes, the sinks and the
   // tail < 2^40 bytes: the sum stays below 2^64.
-  uint64_t bytes = kLayerFieldBytes + uint64_t(shape.counts.blocks) * cfg.num_kv_heads *
-                                          record_bytes(spec.layers[layer].layout);
+  uint64_t bytes = kLayerFieldBytes + uint64_t(shape.counts.blocks) * cfg.num_kv_heads * record;
   bytes += 2 * (uint64_t(shape.counts.sink_tokens) + shape.counts.tail_tokens) * token;
   for (size_t h = 0; h < shape.outlier_tokens.size(); ++h)
     bytes += kOutlierFieldBytes + uint64_t(shape.outlier_tokens[h]) * (4 + 2 * row) +
@@ -210,7 +243,8 @@ uint64_t stream_bytes(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, 
                       uint64_t *payload) {
   uint64_t bytes = 0;
   for (uint32_t l = first_layer; l < first_layer + num_layers; ++l)
-    bytes += kSectionHeaderBytes + layer_body_bytes(c->spec(), l, layer_shape(c, l, seq));
+    bytes += kSectionHeaderBytes +
+             layer_body_bytes(c->spec(), layer_shape(c, l, seq), record_bytes(c->spec().layers[l].layout));
   if (payload) *payload = bytes;
   return kHeaderBytes + bytes + kTrailerBytes;
 }
@@ -249,7 +283,7 @@ void export_stream(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uin
     const BlockLayout &layout = spec.layers[l].layout;
     uint8_t f[kSectionHeaderBytes + kLayerFieldBytes] = {};
     put32(f, kLayerTag);
-    put64(f + 8, layer_body_bytes(spec, l, shape));
+    put64(f + 8, layer_body_bytes(spec, shape, record_bytes(layout)));
     uint8_t *lf = f + kSectionHeaderBytes;
     put32(lf, l);
     put32(lf + 4, uint32_t(shape.outlier_tokens.size()));
@@ -368,7 +402,7 @@ bool half_finite(uint16_t h, qjlkv_dtype stored) {
 // Checks the header against this cache and call; returns its size, the layer range and the
 // payload's size.
 struct HeaderInfo {
-  uint32_t header_bytes;
+  uint32_t version, header_bytes;
   uint32_t first_layer, num_layers;
   uint64_t payload;
 };
@@ -378,7 +412,7 @@ HeaderInfo read_header(Reader &in, const qjlkv_cache *c, uint32_t seq) {
   in.bytes(h, 12, "the header");
   if (std::memcmp(h, kMagic, 8) != 0) corrupt("the first 8 bytes are not the magic \"QJLKVSEQ\": not a qjlkv stream");
   const uint32_t version = get32(h + 8);
-  if (version != 1 && version != kFormatVersion)
+  if (version < 1 || version > kFormatVersion)
     fail(QJLKV_ERROR_INVALID_ARGUMENT, "the stream has format version %u; this library (%s) reads versions 1 to %u",
          version, qjlkv_version_string(), kFormatVersion);
   const uint32_t header_bytes = version == 1 ? kHeaderBytesV1 : kHeaderBytes;
@@ -409,7 +443,7 @@ HeaderInfo read_header(Reader &in, const qjlkv_cache *c, uint32_t seq) {
          "the stream's config does not match this cache: config.seed (of the sketch or the value rotation) is %llu "
          "in the stream, %llu here",
          (unsigned long long)seed, (unsigned long long)mine.seed);
-  const HeaderInfo info{header_bytes, get32(h + 24), get32(h + 28), get64(h + 32)};
+  const HeaderInfo info{version, header_bytes, get32(h + 24), get32(h + 28), get64(h + 32)};
   const uint32_t layers = c->spec().cfg.num_layers;
   if (info.num_layers == 0) corrupt("the header lists 0 layers");
   if (info.first_layer >= layers || info.num_layers > layers - info.first_layer)
@@ -468,6 +502,29 @@ void check_block(const CacheSpec &spec, uint32_t layer, const uint8_t *block, ui
   });
 }
 
+// The block of a version 1 or 2 record of a QJL layer with outlier channels (`old_keys`, the
+// SignBitsLayout; the values already in place): the arrays both layouts share moved to this
+// version's offsets, then each token's corrections computed from the outlier sign bits the old
+// record holds in their place. The shared arrays are checked first, as check_block checks them:
+// the corrections index the sketch by the outlier channels and scale by the norms.
+void convert_sign_bits_record(const CacheSpec &spec, uint32_t layer, const uint8_t *old_keys, uint8_t *block,
+                              uint32_t b, uint32_t h) {
+  const qjlkv_config &cfg = spec.cfg;
+  const LayerSpec &ls = spec.layers[layer];
+  const BlockLayout &l = ls.layout;
+  const SignBitsLayout old = sign_bits_layout(cfg, ls);
+  const size_t B = cfg.block_tokens;
+  std::memcpy(block + l.key_norm_in, old_keys + old.norm_in, 2 * B);
+  std::memcpy(block + l.key_norm_out, old_keys + old.norm_out, 2 * B);
+  std::memcpy(block + l.key_bits_in, old_keys + old.bits_in, B * l.key_bytes_per_token_bits_in);
+  std::memcpy(block + l.key_outlier_idx, old_keys + old.outlier_idx, cfg.outlier_channels);
+  std::memset(block + l.key_corrections, 0, 2 * B * cfg.outlier_channels);  // finite until computed
+  QjlKeys::check_stored(spec, ls, block, StoredBlockCheck{block, layer, b, h});
+  for (uint32_t t = 0; t < B; ++t)
+    cpu::qjl_store_corrections(ls, cfg, spec.qjl_constant, block, t,
+                               old_keys + old.bits_out + t * old.bytes_per_token_bits_out);
+}
+
 // Exact key (or value) rows of head_dim elements in the I/O dtype: finite and within the limits
 // append enforces, so that they can be quantized later like appended ones.
 void check_rows(const CacheSpec &spec, const uint8_t *data, size_t rows, bool values, uint32_t layer,
@@ -490,8 +547,8 @@ void check_rows(const CacheSpec &spec, const uint8_t *data, size_t rows, bool va
   }
 }
 
-void read_layer(Reader &in, const qjlkv_cache *c, uint32_t expected_layer, PortableImport &staging,
-                uint64_t &payload_left) {
+void read_layer(Reader &in, const qjlkv_cache *c, uint32_t version, uint32_t expected_layer,
+                PortableImport &staging, uint64_t &payload_left) {
   const CacheSpec &spec = c->spec();
   const qjlkv_config &cfg = spec.cfg;
   uint8_t f[kSectionHeaderBytes + kLayerFieldBytes];
@@ -521,14 +578,16 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t expected_layer, Porta
     corrupt("layer %u: %u blocks and %u tail tokens are not how a sequence of %llu tokens is stored (%llu blocks)",
             layer, shape.counts.blocks, shape.counts.tail_tokens, (unsigned long long)length,
             (unsigned long long)blocks);
-  if (get32(lf + 24) != record_bytes(layout))
-    corrupt("layer %u: block records of %u bytes, this config's are %zu", layer, get32(lf + 24), record_bytes(layout));
+  const size_t record = stream_record_bytes(spec, layer, version);
+  if (get32(lf + 24) != record)
+    corrupt("layer %u: block records of %u bytes, this config's are %zu in format version %u", layer, get32(lf + 24),
+            record, version);
   const bool traced = spec.layers[layer].traced && length > 0;
   if (outlier_heads != (traced ? cfg.num_kv_heads : 0))
     corrupt("layer %u: outlier state for %u kv heads, expected %u", layer, outlier_heads,
             traced ? cfg.num_kv_heads : 0);
   // The section size without the outlier tokens, which are only known as they are read.
-  const uint64_t fixed_body = layer_body_bytes(spec, layer, shape) + uint64_t(outlier_heads) * kOutlierFieldBytes;
+  const uint64_t fixed_body = layer_body_bytes(spec, shape, record) + uint64_t(outlier_heads) * kOutlierFieldBytes;
   if (body > payload_left - std::min(payload_left, uint64_t(kSectionHeaderBytes)) || body < fixed_body ||
       (!traced && body != fixed_body))
     corrupt("layer %u: the section claims %llu bytes; its counts need %s%llu, the payload has %llu left", layer,
@@ -561,12 +620,17 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t expected_layer, Porta
   };
   read_exact(ExactRows::sinks, shape.counts.sink_tokens);
   std::vector<uint8_t> block(layout.stride, 0);
+  const bool sign_bits = stores_sign_bits(spec, spec.layers[layer], version);
+  std::vector<uint8_t> old_keys(sign_bits ? sign_bits_layout(cfg, spec.layers[layer]).key_bytes : 0);
   std::vector<std::vector<uint64_t>> moved(cfg.num_kv_heads);
   const uint64_t pool_limit = uint64_t(cfg.outlier_tokens) + cfg.outlier_spill_tokens;
   for (uint32_t b = 0; b < shape.counts.blocks; ++b) {
     for (uint32_t h = 0; h < cfg.num_kv_heads; ++h) {
-      in.bytes(block.data(), layout.key_bytes, "a block record");
+      // Keys of the sign-bit layout are read aside and converted into the block.
+      in.bytes(sign_bits ? old_keys.data() : block.data(), sign_bits ? old_keys.size() : layout.key_bytes,
+               "a block record");
       in.bytes(block.data() + layout.values_offset, layout.value_bytes, "a block record");
+      if (sign_bits) convert_sign_bits_record(spec, layer, old_keys.data(), block.data(), b, h);
       check_block(spec, layer, block.data(), sinks + uint64_t(b) * B, moved[h], b, h);
       if (moved[h].size() > (traced ? pool_limit : 0))
         corrupt("layer %u, kv head %u: more tokens marked as moved than this layer's pool and spill area hold "
@@ -625,7 +689,7 @@ void import_stream(qjlkv_cache *c, uint32_t seq, Reader &in) {
   uint64_t payload_left = info.payload;
   for (uint32_t l = info.first_layer; l < info.first_layer + info.num_layers; ++l) {
     if (payload_left < kSectionHeaderBytes) corrupt("the payload ends before the section of layer %u", l);
-    read_layer(in, c, l, *staging, payload_left);
+    read_layer(in, c, info.version, l, *staging, payload_left);
   }
   if (payload_left != 0)
     corrupt("the header announces %llu payload bytes, the layer sections take %llu", (unsigned long long)info.payload,

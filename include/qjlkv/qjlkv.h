@@ -16,7 +16,7 @@
  * quantized as one block:
  *   - keys with QJL (1-bit signs of a random orthogonalized sketch plus the
  *     key norms, with a second sketch for the few outlier channels of each
- *     block), or KIVI (per-channel 2/3/4/8-bit), or OTT (KIVI plus tracing of
+ *     block, stored as one fp16 correction per outlier channel), or KIVI (per-channel 2/3/4/8-bit), or OTT (KIVI plus tracing of
  *     outlier tokens), or kept exact in 16 bits;
  *   - values per token in groups of value_group_size channels with 2, 3, 4 or
  *     8 bits (or kept exact in 16 bits), or per token after a randomized
@@ -519,7 +519,8 @@ QJLKV_API qjlkv_status qjlkv_cache_scores(qjlkv_cache *c, uint32_t layer, uint32
  * order, as float32 host arrays [count][num_kv_heads][head_dim]:
  *   keys_out: the vector k̂ whose dot product with any query equals the score the attention
  *     uses: for QJL, k̂ = c_d/m·‖k_in‖·M_in·Sᵀ(±bits_in) + c_d/m_out·‖k_out‖·M_out·S_outᵀ(±bits_out)
- *     (the QJL estimate described at the top); for KIVI/OTT and 16-bit keys the dequantized keys; exact keys in the tail;
+ *     (the QJL estimate described at the top) with the outlier channels' part as stored, to fp16
+ *     precision (docs/DESIGN.md, "QJL outlier corrections"); for KIVI/OTT and 16-bit keys the dequantized keys; exact keys in the tail;
  *   values_out: the dequantized values (exact in the tail).
  * OTT positions whose token moved to the pool or spill area give that token's exact key and
  * value, so attention over the reconstruction counts every token once, as attend does.
@@ -550,7 +551,7 @@ QJLKV_API qjlkv_status qjlkv_cache_sketch(const qjlkv_cache *c, uint32_t layer,
 QJLKV_API qjlkv_status qjlkv_cache_clear_sequence(qjlkv_cache *c, uint32_t seq);
 
 /* Memory accounting. Every stored byte is counted: sign bits, norms, outlier
- * indices, key/value codes, scales and minima, full-precision tails, OTT pools
+ * indices and corrections, key/value codes, scales and minima, full-precision tails, OTT pools
  * and spill areas, per-block metadata. Capacity held but unused is counted
  * apart in bytes_reserved (>= bytes_used). Not cache data, so not counted:
  * the sketches (one per QJL layer, max(m, m_out) x head_dim floats, plus a
@@ -568,7 +569,7 @@ typedef struct qjlkv_stats {
   uint64_t bytes_fp16_equivalent;/* tokens * Hkv * d * 2 (K and V) * 2 bytes  */
   double bits_per_number;        /* bytes_used * 8 / (tokens * Hkv * d * 2)   */
   /* --- per-component byte counts (bytes_used = their sum) --- */
-  uint64_t bytes_keys_quantized; /* sign bits, norms, outlier indices, codes,
+  uint64_t bytes_keys_quantized; /* sign bits, norms, outlier data, codes,
                                     scales/minima of quantized key blocks     */
   uint64_t bytes_values_quantized;
   uint64_t bytes_full_precision; /* tails, OTT pools and spill areas          */
@@ -591,7 +592,11 @@ QJLKV_API qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out)
  * attention continue as if the sequence had never left (bit-identical
  * outputs). Every key and value method is carried, sink_tokens and rotated
  * values included; streams of format version 1 (written before either could
- * be exported) still import into caches that use neither. The stream does not
+ * be exported) still import into caches that use neither, and those of
+ * versions 1 and 2 of QJL caches with outlier channels (which stored the
+ * outlier sign bits that version 3 replaced by corrections) are converted as
+ * they are read, attending and exporting (as version 3) exactly as the cache
+ * that appended the same keys. The stream does not
  * depend on the backend, the thread count or the number of query heads: a
  * CUDA cache exports the same bytes as a CPU cache holding the same sequence,
  * and either imports the other's streams (CUDA: the stored bytes are copied

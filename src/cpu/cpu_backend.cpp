@@ -522,7 +522,7 @@ size_t CpuCache::attend_worker_floats(uint32_t layer, uint32_t rows) const {
   const LayerSpec &ls = spec().layers[layer];
   const size_t weights = size_t(rows) * padded_tokens(spec().cfg.block_tokens);
   const size_t merged = 2 * size_t(padded_dim(spec().cfg.head_dim));  // exact part, rotated part
-  return weights + std::max(kernel_scratch_floats(spec().cfg, ls.m, ls.m_out, ls.sketch_rows), merged) + 16;
+  return weights + std::max(kernel_scratch_floats(spec().cfg, ls.m, ls.m_out), merged) + 16;
 }
 
 void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendTask &task, float *partial,

@@ -109,54 +109,7 @@ void kivi_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_
   kivi_quantize_block(reference_config(a), *a.layout, keys, block);
 }
 
-namespace {
-// The tables (SignTable, in `layout`) of `bytes` sign bytes (an even count) from the codes x of
-// their 8·bytes rows.
-void sign_tables(const int32_t *x, uint32_t bytes, QjlCodes layout, SignTable *out) {
-  for (uint32_t b = 0; b < bytes; ++b)
-    for (uint32_t nibble = 0; nibble < 2; ++nibble)
-      for (uint32_t e = 0; e < 16; ++e) {
-        int32_t sum = 0;
-        for (uint32_t bit = 0; bit < 4; ++bit)
-          if (e >> bit & 1) sum += x[8 * b + 4 * nibble + bit];
-        if (layout == QjlCodes::QuadBytes) {
-          const uint32_t pair = b & ~1u, entry = 16 * (2 * (b % 2) + nibble) + e;
-          out[pair].bytes[entry] = uint8_t(uint32_t(sum) & 255u);
-          out[pair + 1].bytes[entry] = uint8_t(uint32_t(sum >> 8) & 255u);  // sum >> 8: the signed high byte
-        } else {
-          const auto biased = uint32_t(sum + kQjlSplitBias);
-          out[b].split[nibble][e] = uint8_t(biased & 255u);
-          out[b].split[2 + nibble][e] = uint8_t(biased >> 8);
-        }
-      }
-}
-
-// QjlArgs' column codes: Y_ij = round(S_ij / step), step = max |S| / kQjlCodeMax.
-void make_column_codes(const LayerSpec &layer, uint32_t d, QjlCodes layout, QjlTables &tables, QjlArgs &a) {
-  const uint32_t rows = layer.sketch_rows, bytes = rows / 8;
-  const float *S = layer.sketch->matrix.data.data();  // [sketch_rows][d]
-  float largest = 0.0f;
-  for (size_t i = 0; i < size_t(rows) * d; ++i) largest = std::max(largest, std::fabs(S[i]));
-  const CodeScale code = code_scale(largest, kQjlCodeMax);
-  tables.columns.assign(size_t(d) * bytes, SignTable{});
-  tables.column_sums.assign(2 * size_t(d), 0);
-  std::vector<int32_t> Y(rows);
-  for (uint32_t j = 0; j < d; ++j) {
-    for (uint32_t i = 0; i < rows; ++i) {
-      Y[i] = int32_t(std::nearbyint(S[size_t(i) * d + j] * code.prescale * code.factor));
-      if (i < layer.m) tables.column_sums[2 * j] += Y[i];
-      if (i < layer.m_out) tables.column_sums[2 * j + 1] += Y[i];
-    }
-    sign_tables(Y.data(), bytes, layout, &tables.columns[size_t(j) * bytes]);
-  }
-  a.column_tables = tables.columns.data();
-  a.column_table_stride = bytes;
-  a.column_sums = tables.column_sums.data();
-  a.column_step = largest / kQjlCodeMax;
-}
-}  // namespace
-
-QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, QjlTables &tables, QjlCodes codes) {
+QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, QjlTables &tables) {
   const qjlkv_config &cfg = spec.cfg;
   const uint32_t d = cfg.head_dim;
   const size_t stride = padded_sketch_rows(layer.sketch_rows);
@@ -170,26 +123,24 @@ QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, QjlTables &
   a.head_dim = d;
   a.m = layer.m;
   a.m_out = layer.m_out;
-  a.outlier_channels = cfg.outlier_channels;
   a.sketch_t = tables.sketch_t.data();
   a.sketch_t_stride = stride;
   a.projected_stride = stride + 2 * padded_sketch_rows(layer.m) + 16;
+  a.outlier_channels = layer.m_out ? cfg.outlier_channels : 0;
   a.in_factor = spec.qjl_constant / float(layer.m);
-  a.out_factor = layer.m_out ? spec.qjl_constant / float(layer.m_out) : 0.0f;
-  const bool outliers = layer.m_out && cfg.outlier_channels;
-  if (codes != QjlCodes::None && outliers && qjl_integer_rows(layer.m) && qjl_integer_rows(layer.m_out))
-    make_column_codes(layer, d, codes, tables, a);
   return a;
 }
 
-size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out, uint32_t sketch_rows) {
+size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out) {
   const size_t Bp = padded_tokens(cfg.block_tokens), d = cfg.head_dim, slack = 16;
   const auto words = [Bp](size_t bytes) { return (bytes + 3) / 4 * Bp + slack; };
-  const size_t qjl = words(m / 8) + words(m_out / 8) + 2 * (Bp + slack) + 8 * (padded_sketch_rows(sketch_rows) + slack) +
-                     4 * 16 * size_t(m / 4 + m_out / 4) + 2 * slack + 8 * Bp + 2 * slack;
+  // The fp32 QJL kernel: the transposed sign words, n_in + n_out, the corrections as floats, 4
+  // rows of nibble tables and of sums.
+  const size_t c = m_out ? cfg.outlier_channels : 0;
+  const size_t qjl = words(m / 8) + (2 + c) * (Bp + slack) + 4 * 16 * size_t(m / 4) + slack + 4 * Bp + slack;
   // The integer QJL kernels: the span's sign bytes (avx512vnni: as dwords; avx2: as two index
-  // vectors per byte), 32 floats per column, one pass's sums (16 zmm).
-  const size_t qjl_integer = 2 * size_t(m + m_out) + 32 * size_t(cfg.outlier_channels) + 256 + slack;
+  // vectors per byte), 32 floats of scaled corrections per outlier channel, one pass's sums (16 zmm).
+  const size_t qjl_integer = 2 * size_t(m) + 32 * c + 256 + slack;
   // key_bits is unvalidated (and ignored) unless the keys are KIVI/OTT: size from it only then.
   const bool kivi_keys = cfg.key_method == QJLKV_KEYS_KIVI || cfg.key_method == QJLKV_KEYS_OTT;
   const size_t kivi = kivi_keys ? words(d * cfg.key_bits / 8) + 2 * (d + slack) + 4 * 16 * (d * cfg.key_bits / 4) +

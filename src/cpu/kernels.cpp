@@ -29,30 +29,49 @@ void qjl_split_key(const BlockLayout &l, const float *k, uint32_t d, const uint8
   if (c) at<uint16_t>(block, l.key_norm_out)[t] = float_to_half(std::sqrt(outlier_norm2));
 }
 
-void qjl_quantize_block(const LayerSpec &layer, const qjlkv_config &cfg, const float *keys, uint8_t *block,
-                        float *scratch) {
+void qjl_store_corrections(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, uint8_t *block,
+                           uint32_t t, const uint8_t *bits_out) {
+  const uint32_t d = cfg.head_dim, B = cfg.block_tokens;
+  const BlockLayout &l = layer.layout;
+  const float *S = layer.sketch->matrix.data.data();
+  const uint8_t *outlier_idx = block + l.key_outlier_idx;
+  const uint8_t *bits_in = block + l.key_bits_in + t * l.key_bytes_per_token_bits_in;
+  const float n_in = half_to_float(at<uint16_t>(block, l.key_norm_in)[t]);
+  const float n_out = half_to_float(at<uint16_t>(block, l.key_norm_out)[t]);
+  uint16_t *corrections = at<uint16_t>(block, l.key_corrections);
+  for (uint32_t j = 0; j < cfg.outlier_channels; ++j) {
+    const uint32_t o = outlier_idx[j];
+    corrections[size_t(j) * B + t] =
+        qjl_correction(qjl_constant, n_in, n_out, column_signed_sum(S, d, o, bits_in, layer.m),
+                       column_signed_sum(S, d, o, bits_out, layer.m_out), layer.m, layer.m_out);
+  }
+}
+
+void qjl_quantize_block(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, const float *keys,
+                        uint8_t *block, float *scratch) {
   const uint32_t B = cfg.block_tokens, d = cfg.head_dim, c = layer.m_out ? cfg.outlier_channels : 0;
   const BlockLayout &l = layer.layout;
   float *inlier_key = scratch;                             // [d]
   float *energy = inlier_key + d;                          // [d]
   auto *order = reinterpret_cast<uint32_t *>(energy + d);  // [d]
+  auto *bits_out = reinterpret_cast<uint8_t *>(order + d);  // [m_out / 8]
   uint8_t *outlier_idx = block + l.key_outlier_idx;
   if (c) select_outlier_channels(keys, B, d, c, energy, order, outlier_idx);
   const float *S = layer.sketch->matrix.data.data();
   std::memset(block + l.key_bits_in, 0, B * l.key_bytes_per_token_bits_in);
-  std::memset(block + l.key_bits_out, 0, B * l.key_bytes_per_token_bits_out);
   for (uint32_t t = 0; t < B; ++t) {
     const float *k = keys + size_t(t) * d;
     qjl_split_key(l, k, d, outlier_idx, c, t, inlier_key, nullptr, block);
     uint8_t *bits_in = block + l.key_bits_in + t * l.key_bytes_per_token_bits_in;
     for (uint32_t i = 0; i < layer.m; ++i) set_sign_bit(bits_in, i, dot(S + size_t(i) * d, inlier_key, d));
     if (c) {
-      uint8_t *bits_out = block + l.key_bits_out + t * l.key_bytes_per_token_bits_out;
+      std::memset(bits_out, 0, layer.m_out / 8);
       for (uint32_t i = 0; i < layer.m_out; ++i) {
         float p = 0.0f;
         for (uint32_t j = 0; j < c; ++j) p += S[size_t(i) * d + outlier_idx[j]] * k[outlier_idx[j]];
         set_sign_bit(bits_out, i, p);
       }
+      qjl_store_corrections(layer, cfg, qjl_constant, block, t, bits_out);
     }
   }
 }
@@ -63,33 +82,25 @@ void qjl_project_query(const LayerSpec &layer, uint32_t d, const float *q, float
 }
 
 void qjl_score_block(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, const uint8_t *block,
-                     const float *queries, const float *projected, uint32_t rows, float *out, float *scratch) {
+                     const float *queries, const float *projected, uint32_t rows, float *out) {
   const uint32_t B = cfg.block_tokens, d = cfg.head_dim, c = layer.m_out ? cfg.outlier_channels : 0;
   const BlockLayout &l = layer.layout;
-  const float *S = layer.sketch->matrix.data.data();
   const uint8_t *outlier_idx = block + l.key_outlier_idx;
   const uint16_t *norm_in = at<uint16_t>(block, l.key_norm_in);
   const uint16_t *norm_out = at<uint16_t>(block, l.key_norm_out);
+  const uint16_t *corrections = at<uint16_t>(block, l.key_corrections);
   const float in_factor = qjl_constant / float(layer.m);
-  const float out_factor = c ? qjl_constant / float(layer.m_out) : 0.0f;
-  float *sq_in = scratch;                       // [sketch_rows]: S·q_in
-  float *sq_out = scratch + layer.sketch_rows;  // [sketch_rows]: S·q_out
   for (uint32_t r = 0; r < rows; ++r) {
     const float *q = queries + size_t(r) * d;
     const float *sq = projected + size_t(r) * layer.sketch_rows;
-    // S·q_in = S·q − S·q_out: q_out only has the block's c outlier channels.
-    for (uint32_t i = 0; i < layer.sketch_rows; ++i) {
-      float p = 0.0f;
-      for (uint32_t j = 0; j < c; ++j) p += S[size_t(i) * d + outlier_idx[j]] * q[outlier_idx[j]];
-      sq_out[i] = p;
-      sq_in[i] = sq[i] - p;
-    }
     for (uint32_t t = 0; t < B; ++t) {
       const uint8_t *bits_in = block + l.key_bits_in + t * l.key_bytes_per_token_bits_in;
-      float score = in_factor * half_to_float(norm_in[t]) * signed_dot(sq_in, bits_in, layer.m);
+      const float n_in = half_to_float(norm_in[t]);
+      float score = in_factor * n_in * signed_dot(sq, bits_in, layer.m);
       if (c) {
-        const uint8_t *bits_out = block + l.key_bits_out + t * l.key_bytes_per_token_bits_out;
-        score += out_factor * half_to_float(norm_out[t]) * signed_dot(sq_out, bits_out, layer.m_out);
+        float outliers = 0.0f;
+        for (uint32_t j = 0; j < c; ++j) outliers += q[outlier_idx[j]] * half_to_float(corrections[size_t(j) * B + t]);
+        score += outliers * (n_in + half_to_float(norm_out[t]));
       }
       out[size_t(r) * B + t] = score;
     }
@@ -98,27 +109,23 @@ void qjl_score_block(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_
 
 void qjl_reconstruct_key(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, const uint8_t *block,
                          uint32_t t, float *out) {
-  const uint32_t d = cfg.head_dim, c = layer.m_out ? cfg.outlier_channels : 0;
+  const uint32_t d = cfg.head_dim, B = cfg.block_tokens, c = layer.m_out ? cfg.outlier_channels : 0;
   const BlockLayout &l = layer.layout;
   const float *S = layer.sketch->matrix.data.data();
   const uint8_t *outlier_idx = block + l.key_outlier_idx;
   const uint8_t *bits_in = block + l.key_bits_in + t * l.key_bytes_per_token_bits_in;
-  const float in_factor = qjl_constant / float(layer.m) * half_to_float(at<uint16_t>(block, l.key_norm_in)[t]);
+  const float n_in = half_to_float(at<uint16_t>(block, l.key_norm_in)[t]);
+  const float in_factor = qjl_constant / float(layer.m) * n_in;
   std::fill(out, out + d, 0.0f);
   for (uint32_t i = 0; i < layer.m; ++i) {
     const float sign = sign_bit(bits_in, i) ? in_factor : -in_factor;
     for (uint32_t j = 0; j < d; ++j) out[j] += sign * S[size_t(i) * d + j];
   }
   if (!c) return;
-  const uint8_t *bits_out = block + l.key_bits_out + t * l.key_bytes_per_token_bits_out;
-  const float out_factor = qjl_constant / float(layer.m_out) * half_to_float(at<uint16_t>(block, l.key_norm_out)[t]);
-  for (uint32_t j = 0; j < c; ++j) {  // outlier channels: the outlier sketch's part replaces the inlier part
-    const uint32_t channel = outlier_idx[j];
-    float sum = 0.0f;
-    for (uint32_t i = 0; i < layer.m_out; ++i)
-      sum += (sign_bit(bits_out, i) ? out_factor : -out_factor) * S[size_t(i) * d + channel];
-    out[channel] = sum;
-  }
+  // Outlier channels: the correction moves the inlier estimate to the outlier sketch's.
+  const float scale = n_in + half_to_float(at<uint16_t>(block, l.key_norm_out)[t]);
+  const uint16_t *corrections = at<uint16_t>(block, l.key_corrections);
+  for (uint32_t j = 0; j < c; ++j) out[outlier_idx[j]] += half_to_float(corrections[size_t(j) * B + t]) * scale;
 }
 
 void exact_keys_store_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,

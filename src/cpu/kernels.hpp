@@ -71,18 +71,23 @@ void select_outlier_channels(const float *keys, uint32_t tokens, uint32_t d, uin
 void qjl_split_key(const BlockLayout &l, const float *k, uint32_t d, const uint8_t *outlier_idx, uint32_t c,
                    uint32_t t, float *inlier, float *outliers, uint8_t *block);
 
-// Scratch: 3·d floats (masked key, channel energies, channel order).
-void qjl_quantize_block(const LayerSpec &layer, const qjlkv_config &cfg, const float *keys /*[B][d]*/,
-                        uint8_t *block, float *scratch);
+// Token t's outlier corrections (quant_math.hpp's qjl_correction) into the block, from its
+// stored inlier bits, norms and outlier channels and its outlier bits sign(S_out·k_out).
+void qjl_store_corrections(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, uint8_t *block,
+                           uint32_t t, const uint8_t *bits_out /*[m_out/8]*/);
+
+// Scratch: qjl_quantize_scratch_floats (masked key, channel energies, channel order, outlier bits).
+inline size_t qjl_quantize_scratch_floats(uint32_t d, uint32_t m_out) { return 3 * size_t(d) + m_out / 32 + 1; }
+void qjl_quantize_block(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant,
+                        const float *keys /*[B][d]*/, uint8_t *block, float *scratch);
 
 // Per query row: the projected query S·q over the layer's sketch rows (shared by every block).
 void qjl_project_query(const LayerSpec &layer, uint32_t d, const float *q, float *sq);
 
 // Raw estimated scores of one block for `rows` queries: out[r * B + t].
-// Scratch: 2·sketch_rows floats.
 void qjl_score_block(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, const uint8_t *block,
                      const float *queries /*[rows][d]*/, const float *projected /*[rows][sketch_rows]*/,
-                     uint32_t rows, float *out, float *scratch);
+                     uint32_t rows, float *out);
 
 // The dense k̂ of token t whose dot product with any query equals the block's estimate.
 void qjl_reconstruct_key(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, const uint8_t *block,

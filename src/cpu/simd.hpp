@@ -36,14 +36,13 @@ inline void prefetch_next_block(const BlockLayout &l, const void *from, size_t b
 
 // The integer QJL kernels look up, per sign byte of a token (8 sketch rows: the low nibble rows
 // 0-3, the high nibble rows 4-7), the subset sums of the 8 rows' integer codes X, |X| <=
-// kQjlCodeMax (4·8191 < 2^15: a sum of 4 fits int16), in one of two layouts of a SignTable:
+// kQjlCodeMax (4·8191 < 2^15: a sum of 4 fits int16), in the kernel's layout of a SignTable:
 // - QuadBytes (avx512vnni, vpermb): a pair of tables per pair of sign bytes 2b, 2b + 1 (16 rows;
 //   nibble p = 0..3: byte 2b's low, its high, byte 2b + 1's low, its high). Entry 16p + e is
 //   T_p[e], the sum of X_4p..X_4p+3 over the set bits of e, as bytes: table 2b holds its low
 //   byte (unsigned), table 2b + 1 its high byte (signed), T = 256·high + low.
 // - SplitBytes (avx2, vpshufb): U = T + kQjlSplitBias in [4, 65532] split into bytes, split[0][e]
 //   and split[2][e] the low and high byte of T0[e]'s, split[1][e] and split[3][e] of T1[e]'s.
-enum class QjlCodes : uint8_t { None, QuadBytes, SplitBytes };
 constexpr float kQjlCodeMax = 8191.0f;
 constexpr int32_t kQjlSplitBias = 32768;
 // Whether the integer QJL kernel takes sign rows of this count: a power-of-two number of 32-bit
@@ -53,7 +52,7 @@ inline bool qjl_integer_rows(uint32_t rows) {
   return rows % 32 == 0 && words >= 1 && words <= 16 && (words & (words - 1)) == 0;
 }
 
-// One sign byte's table of subset sums, in the layout of QjlCodes.
+// One sign byte's table of subset sums, in a kernel's layout (above).
 struct alignas(64) SignTable {
   union {
     uint8_t bytes[64];
@@ -64,36 +63,22 @@ struct alignas(64) SignTable {
 // What make_qjl_args builds for one QJL layer and its arguments point into.
 struct QjlTables {
   std::vector<float> sketch_t;
-  std::vector<SignTable> columns;
-  std::vector<int32_t> column_sums;
 };
 
 // One quantized QJL block layout plus the layer's transposed sketch (make_qjl_args).
 struct QjlArgs {
   const BlockLayout *layout = nullptr;
-  uint32_t block_tokens = 0, head_dim = 0, m = 0, m_out = 0, outlier_channels = 0;
+  uint32_t block_tokens = 0, head_dim = 0, m = 0, m_out = 0;
+  uint32_t outlier_channels = 0;  // c, 0 where the layer has no outlier sketch
   const float *sketch_t = nullptr;  // [head_dim][sketch_t_stride]: S transposed, rows zero-padded
   size_t sketch_t_stride = 0;       // >= sketch_rows, a multiple of 32
   size_t projected_stride = 0;      // qjl_project's rows: sketch_t_stride + 2·padded_sketch_rows(m) + 16
-  float in_factor = 0.0f, out_factor = 0.0f;  // c_d/m and c_d/m_out
-  // The columns of S as codes Y_ij = round(S_ij / column_step) (|Y| <= kQjlCodeMax), for the
-  // integer kernels' outlier terms; null unless make_qjl_args was asked for them and the layer
-  // has outlier channels and suits those kernels. Channel j: the sign tables of its sketch_rows / 8
-  // sign bytes at column_tables + j·column_table_stride; column_sums[2j] and [2j + 1]: Σ_i Y_ij
-  // over the first m and the first m_out rows.
-  const SignTable *column_tables = nullptr;
-  size_t column_table_stride = 0;
-  const int32_t *column_sums = nullptr;
-  float column_step = 0.0f;
+  float in_factor = 0.0f;           // c_d/m
 };
-// Whether the integer QJL kernels take the layer: sign rows they cover, and the column codes
-// where the layer has outlier channels (otherwise the fp32 kernels do).
-inline bool qjl_integer_layer(const QjlArgs &a) {
-  const bool outliers = a.m_out && a.outlier_channels;
-  return qjl_integer_rows(a.m) && (!outliers || a.column_tables);
-}
+// Whether the integer QJL kernels take the layer's sign rows (otherwise the fp32 kernels do).
+inline bool qjl_integer_layer(const QjlArgs &a) { return qjl_integer_rows(a.m); }
 // What an integer kernel's qjl_project keeps of row r of `sq` after S·q: from sketch_t_stride
-// on, the sign tables of the row's codes X (m/8, in the kernel's QjlCodes layout), and in the
+// on, the sign tables of the row's codes X (m/8, in the kernel's layout), and in the
 // row's last 16 floats the codes' step (float 0) and Σ X (float 2, an int32's bytes).
 struct ProjectedRow {
   const SignTable *tables;
@@ -113,9 +98,8 @@ inline void store_projected_tail(const QjlArgs &a, float *sq, uint32_t r, float 
   std::memcpy(tail + 2, &sum, sizeof sum);
 }
 
-// The arguments of one QJL layer; fills `tables` with the layer's sketch transposed and the
-// integer kernels' column codes in the layout `codes` (none for QjlCodes::None).
-QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, QjlTables &tables, QjlCodes codes);
+// The arguments of one QJL layer; fills `tables` with the layer's sketch transposed.
+QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, QjlTables &tables);
 
 struct CodesArgs {  // KIVI/OTT keys or quantized values of one block
   const BlockLayout *layout = nullptr;
@@ -210,8 +194,6 @@ struct KernelTable {
                        float *acc, uint32_t d);
   // rotate_inverse of lloyd_max.hpp in place (x = diag(signs)·H·x), the sums in another order.
   void (*rotate_inverse)(const float *signs, uint32_t d, float *x);
-  // The layout of the column codes that qjl_scores uses (make_qjl_args' codes).
-  QjlCodes qjl_codes = QjlCodes::None;
 };
 
 const KernelTable &kernel_table(Isa isa);
@@ -229,6 +211,6 @@ void qjl_project_avx512(const QjlArgs &a, const float *q, uint32_t rows, float *
 void qjl_code_rows_avx2(const QjlArgs &a, uint32_t rows, float *sq);
 
 // Scratch (floats) that qjl_scores, kivi_scores and values_accumulate need for one block.
-size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out, uint32_t sketch_rows);
+size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out);
 
 }  // namespace qjlkv::cpu

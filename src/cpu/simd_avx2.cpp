@@ -618,54 +618,32 @@ void qjl_scores_integer(const QjlArgs &a, const uint8_t *block, const float *q, 
   }
   const BlockLayout &l = *a.layout;
   prefetch_next_block(l, block, l.key_bytes);
-  const uint32_t dp = padded_dim(a.head_dim), m = a.m, m_out = a.m_out, B = a.block_tokens, Bp = padded_tokens(B);
-  const uint32_t c = a.column_tables ? a.outlier_channels : 0, bytes_in = m / 8, bytes_out = m_out / 8;
-  // Scratch (32-byte aligned pieces): the span's inlier and outlier indices; per column j and
-  // vector v, norm_out·c_d/m_out·⟨S_out,j, ±b'⟩ and then that minus norm_in·c_d/m·⟨S_j, ±b⟩ (the
-  // column's term: score = inlier row term + Σ_j q_j·term_j).
+  const uint32_t dp = padded_dim(a.head_dim), m = a.m, B = a.block_tokens, Bp = padded_tokens(B);
+  const uint32_t c = a.outlier_channels, bytes_in = m / 8;
+  // Scratch (32-byte aligned pieces): the span's sign-byte indices; per outlier channel j and
+  // vector v, the term (n_in + n_out)·τ_j: score = inlier row term + Σ_j q_oj·term_j.
   auto *index_in = reinterpret_cast<__m256i *>(scratch);
-  __m256i *index_out = index_in + 2 * bytes_in;
-  auto *terms = reinterpret_cast<__m256 (*)[4]>(index_out + 2 * bytes_out);
+  auto *terms = reinterpret_cast<__m256 (*)[4]>(index_in + 2 * bytes_in);
   const uint8_t *outliers = block + l.key_outlier_idx;
-  const auto column = [&](uint32_t j) { return a.column_tables + outliers[j] * a.column_table_stride; };
-  const __m256 column_step = _mm256_set1_ps(a.column_step);
   const SignTable *tables[kSignSumSets];
   __m256i sums[kSignSumSets][4];
   for (uint32_t t0 = 0; t0 < Bp; t0 += 32) {
-    __m256 norm_in[4], norm_out[4];  // times c_d/m and c_d/m_out
+    __m256 norm_in[4];  // times c_d/m
     for (uint32_t v = 0; v < 4; ++v) {
-      norm_in[v] = _mm256_mul_ps(load_halves(block + l.key_norm_in, t0 + 8 * v, B), _mm256_set1_ps(a.in_factor));
-      norm_out[v] = c ? _mm256_mul_ps(load_halves(block + l.key_norm_out, t0 + 8 * v, B), _mm256_set1_ps(a.out_factor))
-                      : _mm256_setzero_ps();
+      const __m256 n_in = load_halves(block + l.key_norm_in, t0 + 8 * v, B);
+      norm_in[v] = _mm256_mul_ps(n_in, _mm256_set1_ps(a.in_factor));
+      if (!c) continue;
+      const __m256 scale = _mm256_add_ps(n_in, load_halves(block + l.key_norm_out, t0 + 8 * v, B));
+      for (uint32_t j = 0; j < c; ++j)
+        terms[j][v] = _mm256_mul_ps(scale, load_halves(block + l.key_corrections + 2 * size_t(j) * B, t0 + 8 * v, B));
     }
     transpose_span(block + l.key_bits_in, bytes_in, B, t0, index_in);
-    if (c) {
-      transpose_span(block + l.key_bits_out, bytes_out, B, t0, index_out);
-      for (uint32_t j0 = 0; j0 < c; j0 += kSignSumSets) {
-        const uint32_t n = std::min(kSignSumSets, c - j0);
-        for (uint32_t j = 0; j < n; ++j) tables[j] = column(j0 + j);
-        sign_sums(index_out, bytes_out, tables, n, sums);
-        for (uint32_t j = 0; j < n; ++j) {
-          const int32_t offset = 4 * kQjlSplitBias * int32_t(bytes_out) + a.column_sums[2 * outliers[j0 + j] + 1];
-          for (uint32_t v = 0; v < 4; ++v) terms[j0 + j][v] = _mm256_mul_ps(norm_out[v], signed_dot(sums[j][v], offset, column_step));
-        }
-      }
-    }
-    // Over the inlier bits: the c columns, then the query rows, kSignSumSets code sets a pass;
-    // every row's columns are done before its pass.
-    for (uint32_t e0 = 0; e0 < c + rows; e0 += kSignSumSets) {
-      const uint32_t n = std::min(kSignSumSets, c + rows - e0);
-      for (uint32_t e = e0; e < e0 + n; ++e) tables[e - e0] = e < c ? column(e) : projected_row(a, sq, e - c).tables;
+    for (uint32_t r0 = 0; r0 < rows; r0 += kSignSumSets) {
+      const uint32_t n = std::min(kSignSumSets, rows - r0);
+      for (uint32_t r = r0; r < r0 + n; ++r) tables[r - r0] = projected_row(a, sq, r).tables;
       sign_sums(index_in, bytes_in, tables, n, sums);
-      for (uint32_t e = e0; e < e0 + n; ++e) {
-        const __m256i *sum = sums[e - e0];
-        if (e < c) {
-          const int32_t offset = 4 * kQjlSplitBias * int32_t(bytes_in) + a.column_sums[2 * outliers[e]];
-          for (uint32_t v = 0; v < 4; ++v)
-            terms[e][v] = _mm256_fnmadd_ps(norm_in[v], signed_dot(sum[v], offset, column_step), terms[e][v]);
-          continue;
-        }
-        const uint32_t r = e - c;
+      for (uint32_t r = r0; r < r0 + n; ++r) {
+        const __m256i *sum = sums[r - r0];
         const ProjectedRow row = projected_row(a, sq, r);
         const float *qr = q + size_t(r) * dp;
         const __m256 step = _mm256_set1_ps(row.step);
@@ -700,7 +678,6 @@ const KernelTable &avx2_kernels() {
     t.kivi_scores = &avx2::kivi_scores_integer;
     t.qjl_project = &avx2::qjl_project_integer;
     t.qjl_scores = &avx2::qjl_scores_integer;
-    t.qjl_codes = QjlCodes::SplitBytes;
     return t;
   }();
   return table;

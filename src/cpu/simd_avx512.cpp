@@ -254,7 +254,6 @@ const KernelTable &avx512_kernels() {
     t.kivi_scores = &avx512::kivi_scores_fastest;
     t.qjl_project = &avx512::qjl_project_fastest;
     t.qjl_scores = &avx512::qjl_scores_fastest;
-    t.qjl_codes = QjlCodes::SplitBytes;
     return t;
   }();
   return table;

@@ -1141,20 +1141,15 @@ void values_in_channel_order(const CodesArgs &a, uint32_t rows, float *acc) {
 // With b_i a token's sign bits, ⟨x, ±b⟩ = 2·Σ_i x_i·b_i − Σ_i x_i. The kernel takes Σ_i x_i·b_i on
 // int16 codes X ≈ x/step FastScan-style: the four nibbles of every two bytes of a token's sign
 // bits (16 sketch rows) go to the four bytes of its dword lane as indices 16p + nibble_p into
-// the codes' tables (QjlCodes::QuadBytes: the 64 subset sums of 4 codes per nibble position, as
+// the codes' tables (the 64 subset sums of 4 codes per nibble position, as
 // low and high bytes); two vpermb look up the bytes and two vpdpbusd add them, against ones, into
 // the token's low-byte and high-byte int32 sums (sum = 256·high + low, exact), 16 tokens and 16
 // rows per instruction; all code sets of a pass share each index vector. (vpermw on int16 pair
 // tables took 3 operations per 8 rows where these take 4 per 16.) The subset sums are exact in
 // int16 while |X| <= kQjlCodeMax (4·8191 < 2^15).
-// What is coded. A block's outlier channels O change the query's inlier part q_in = q − q_O, but
-// ⟨S·q_in, ±b⟩ = ⟨S·q, ±b⟩ − Σ_{o in O} q_o·⟨S_o, ±b⟩ (S_o: column o of S), and the outlier part
-// is ⟨S_out·q_O, ±b'⟩ = Σ_o q_o·⟨S_out,o, ±b'⟩ (S_out,o: S_o's first m_out rows). So S·q is coded
-// once per call and row (qjl_project, step = max_i |(S·q)_i| / 8191) and the columns of S once
-// per layer when the cache is created (QjlArgs::column_tables); a block needs no setup but its c
-// values q_o: per token, the sums of the query rows and of the block's c columns over the inlier
-// bits and of the c columns over the outlier bits, combined in fp32. Each code set's error is
-// Σ_i ρ_i·(±1), |ρ_i| <= step/2.
+// What is coded: S·q once per call and row (qjl_project, step = max_i |(S·q)_i| / 8191); the
+// outlier channels add Σ_o q_o·τ_o·(n_in + n_out) in fp32 from the stored corrections
+// (quant_math.hpp's qjl_correction). Each row's error is Σ_i ρ_i·(±1), |ρ_i| <= step/2.
 
 // Constant index vectors of the QJL kernel.
 struct QjlConstants {
@@ -1347,59 +1342,38 @@ void qjl_scores(const QjlArgs &a, const uint8_t *block, const float *q, const fl
   }
   const BlockLayout &l = *a.layout;
   prefetch_next_block(l, block, l.key_bytes);
-  const uint32_t dp = padded_dim(a.head_dim), m = a.m, m_out = a.m_out, B = a.block_tokens, Bp = padded_tokens(B);
-  const uint32_t c = a.column_tables ? a.outlier_channels : 0;
-  // Scratch (64-byte aligned pieces): the span's transposed inlier and outlier sign dwords; per
-  // column j and half h, the fp32 norm_out·c_d/m_out·⟨S_out,j, ±b'⟩ (its outlier dot) and then
-  // that minus norm_in·c_d/m·⟨S_j, ±b⟩ (its term: score = inlier row term + Σ_j q_j·term_j);
-  // one pass's sums.
+  const uint32_t dp = padded_dim(a.head_dim), m = a.m, B = a.block_tokens, Bp = padded_tokens(B);
+  const uint32_t c = a.outlier_channels;
+  // Scratch (64-byte aligned pieces): the span's transposed sign dwords; per outlier channel j
+  // and half h, the term (n_in + n_out)·τ_j: score = inlier row term + Σ_j q_oj·term_j; one
+  // pass's sums.
   auto *dwords_in = reinterpret_cast<__m512i *>(scratch);
-  __m512i *dwords_out = dwords_in + m / 16;
-  auto *terms = reinterpret_cast<__m512 *>(dwords_out + m_out / 16);
+  auto *terms = reinterpret_cast<__m512 *>(dwords_in + m / 16);
   auto *sums = reinterpret_cast<__m512i *>(terms + 2 * size_t(c));
   const uint8_t *outliers = block + l.key_outlier_idx;
   const SignTable *tables[kSignSumSets];
-  const auto column = [&](uint32_t j) { return a.column_tables + outliers[j] * a.column_table_stride; };
-  const __m512 column_step = _mm512_set1_ps(a.column_step);
+  const auto halves = [&](size_t offset, __mmask16 valid, uint32_t t) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, block + offset + 2 * size_t(t)));
+  };
   for (uint32_t t0 = 0; t0 < Bp; t0 += 32) {
-    __m512 norm_in[2], norm_out[2];  // times c_d/m and c_d/m_out
+    __m512 norm_in[2];  // times c_d/m
     for (uint32_t h = 0; h < 2; ++h) {
       const uint32_t t = t0 + 16 * h;
       const __mmask16 valid = lanes_below(t, B);
-      norm_in[h] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, block + l.key_norm_in + 2 * size_t(t))),
-                                 _mm512_set1_ps(a.in_factor));
-      norm_out[h] = c ? _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, block + l.key_norm_out + 2 * size_t(t))),
-                                      _mm512_set1_ps(a.out_factor))
-                      : _mm512_setzero_ps();
+      const __m512 n_in = halves(l.key_norm_in, valid, t);
+      norm_in[h] = _mm512_mul_ps(n_in, _mm512_set1_ps(a.in_factor));
+      if (!c) continue;
+      const __m512 scale = _mm512_add_ps(n_in, halves(l.key_norm_out, valid, t));
+      for (uint32_t j = 0; j < c; ++j)
+        terms[2 * j + h] = _mm512_mul_ps(scale, halves(l.key_corrections + 2 * size_t(j) * B, valid, t));
     }
     transpose_span(block + l.key_bits_in, m, B, t0, dwords_in);
-    if (c) {
-      transpose_span(block + l.key_bits_out, m_out, B, t0, dwords_out);
-      for (uint32_t j0 = 0; j0 < c; j0 += kSignSumSets) {
-        const uint32_t n = std::min(kSignSumSets, c - j0);
-        for (uint32_t j = 0; j < n; ++j) tables[j] = column(j0 + j);
-        sign_sums(dwords_out, m_out / 8, tables, n, sums);
-        for (uint32_t j = 0; j < n; ++j)
-          for (uint32_t h = 0; h < 2; ++h)
-            terms[2 * (j0 + j) + h] = _mm512_mul_ps(
-                norm_out[h], signed_dot(sums[2 * j + h], a.column_sums[2 * outliers[j0 + j] + 1], column_step));
-      }
-    }
-    // Over the inlier bits: the c columns, then the query rows, kSignSumSets code sets a pass;
-    // every row's columns are done before its pass ends.
-    for (uint32_t e0 = 0; e0 < c + rows; e0 += kSignSumSets) {
-      const uint32_t n = std::min(kSignSumSets, c + rows - e0);
-      for (uint32_t e = e0; e < e0 + n; ++e) tables[e - e0] = e < c ? column(e) : projected_row(a, sq, e - c).tables;
+    for (uint32_t r0 = 0; r0 < rows; r0 += kSignSumSets) {
+      const uint32_t n = std::min(kSignSumSets, rows - r0);
+      for (uint32_t r = r0; r < r0 + n; ++r) tables[r - r0] = projected_row(a, sq, r).tables;
       sign_sums(dwords_in, m / 8, tables, n, sums);
-      for (uint32_t e = e0; e < e0 + n; ++e) {
-        const __m512i *sum = sums + 2 * (e - e0);
-        if (e < c) {
-          for (uint32_t h = 0; h < 2; ++h)
-            terms[2 * e + h] = _mm512_fnmadd_ps(norm_in[h], signed_dot(sum[h], a.column_sums[2 * outliers[e]], column_step),
-                                                terms[2 * e + h]);
-          continue;
-        }
-        const uint32_t r = e - c;
+      for (uint32_t r = r0; r < r0 + n; ++r) {
+        const __m512i *sum = sums + 2 * (r - r0);
         const ProjectedRow row = projected_row(a, sq, r);
         const float *qr = q + size_t(r) * dp;
         const __m512 step = _mm512_set1_ps(row.step);
@@ -1431,7 +1405,6 @@ const KernelTable &avx512_vnni_kernels() {
     t.isa = Isa::Avx512Vnni;
     t.qjl_project = &avx512_vnni::qjl_project;
     t.qjl_scores = &avx512_vnni::qjl_scores;
-    t.qjl_codes = QjlCodes::QuadBytes;
     t.kivi_scores = &avx512_vnni::kivi_scores;
     t.values_accumulate = &avx512_vnni::values_accumulate;
     t.values_in_channel_order = &avx512_vnni::values_in_channel_order;

@@ -1,6 +1,7 @@
 #include "qjl_keys.hpp"
 
 #include <algorithm>
+#include <cstring>
 
 #include <unistd.h>
 
@@ -67,9 +68,9 @@ void QjlKeys::init_layers(const qjlkv_config &cfg, std::vector<LayerSpec> &layer
   }
 }
 
-void QjlKeys::prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &kernels,
+void QjlKeys::prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &,
                       cpu::LayerKernels &args) {
-  args.qjl = cpu::make_qjl_args(spec, layer, args.qjl_tables, kernels.qjl_codes);
+  args.qjl = cpu::make_qjl_args(spec, layer, args.qjl_tables);
 }
 
 void QjlKeys::quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block, float *scratch) {
@@ -93,8 +94,12 @@ void QjlKeys::quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block
   c.kernels.qjl_sign_bits(inlier_keys, d, B, columns, d, ls.m, block + l.key_bits_in, l.key_bytes_per_token_bits_in);
   if (!ch) return;
   for (uint32_t i = 0; i < ch; ++i) columns[i] = lk.qjl.sketch_t + outlier_idx[i] * lk.qjl.sketch_t_stride;
-  c.kernels.qjl_sign_bits(outlier_keys, ch, B, columns, ch, ls.m_out, block + l.key_bits_out,
-                          l.key_bytes_per_token_bits_out);
+  auto *bits_out = reinterpret_cast<uint8_t *>(order + d);  // [B][m_out/8]
+  const size_t bytes_out = ls.m_out / 8;
+  std::memset(bits_out, 0, B * bytes_out);  // kernels narrower than 8 lanes set bits one at a time
+  c.kernels.qjl_sign_bits(outlier_keys, ch, B, columns, ch, ls.m_out, bits_out, bytes_out);
+  for (uint32_t t = 0; t < B; ++t)
+    cpu::qjl_store_corrections(ls, cfg, c.spec.qjl_constant, block, t, bits_out + t * bytes_out);
 }
 
 }  // namespace qjlkv

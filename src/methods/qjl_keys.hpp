@@ -1,7 +1,9 @@
 // QJL keys (QJLKV_KEYS_QJL, SPEC §3): per token the sign bits of the sketched key without its
-// block's outlier channels and of the sketched outlier part, and the fp16 norms of both parts.
-// Block: norm_in fp16[B], norm_out fp16[B], bits_in [B][m/8], bits_out [B][m_out/8], outlier
-// channel indices uint8[c] (the outlier arrays only when the layer has an outlier sketch).
+// block's outlier channels, the fp16 norms of both parts, and in place of the outlier part's sign
+// bits their fp16 corrections τ on the c outlier channels (quant_math.hpp's qjl_correction;
+// docs/DESIGN.md, "QJL outlier corrections"). Block: norm_in fp16[B], norm_out fp16[B],
+// corrections fp16[c][B], bits_in [B][m/8], outlier channel indices uint8[c] (the outlier arrays
+// only when the layer has an outlier sketch).
 #pragma once
 #include "method.hpp"
 
@@ -26,11 +28,11 @@ struct QjlKeys : KeyMethodDefaults {
   static void layout(const qjlkv_config &cfg, const LayerSpec &layer, LayoutCursor &at, BlockLayout &l) {
     const size_t B = cfg.block_tokens;
     l.key_bytes_per_token_bits_in = layer.m / 8;
-    l.key_bytes_per_token_bits_out = layer.m_out / 8;
+    const size_t c = layer.m_out ? cfg.outlier_channels : 0;
     l.key_norm_in = at.take(2 * B);
-    l.key_norm_out = at.take(layer.m_out ? 2 * B : 0);
+    l.key_norm_out = at.take(c ? 2 * B : 0);
+    l.key_corrections = at.take(2 * c * B);
     l.key_bits_in = at.take(B * l.key_bytes_per_token_bits_in);
-    l.key_bits_out = at.take(B * l.key_bytes_per_token_bits_out);
     l.key_outlier_idx = at.take(layer.m_out ? cfg.outlier_channels : 0);
   }
   // The norms are fp16.
@@ -41,7 +43,7 @@ struct QjlKeys : KeyMethodDefaults {
          "fp16)",
          vector / cfg.num_kv_heads, vector % cfg.num_kv_heads, norm);
   }
-  // The norms, and the outlier channels: increasing channels below head_dim.
+  // The norms and corrections, and the outlier channels: increasing channels below head_dim.
   template <class Check>
   static void check_stored(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block, const Check &check) {
     const qjlkv_config &cfg = spec.cfg;
@@ -49,6 +51,8 @@ struct QjlKeys : KeyMethodDefaults {
     check.halves(l.key_norm_in, cfg.block_tokens, true, QJLKV_DTYPE_F16, "the inlier key norm");
     if (layer.m_out == 0) return;
     check.halves(l.key_norm_out, cfg.block_tokens, true, QJLKV_DTYPE_F16, "the outlier key norm");
+    check.halves(l.key_corrections, size_t(cfg.outlier_channels) * cfg.block_tokens, false, QJLKV_DTYPE_F16,
+                 "the outlier correction");
     const uint8_t *idx = block + l.key_outlier_idx;
     for (uint32_t i = 0; i < cfg.outlier_channels; ++i)
       if (idx[i] >= cfg.head_dim || (i > 0 && idx[i] <= idx[i - 1]))
@@ -64,10 +68,12 @@ struct QjlKeys : KeyMethodDefaults {
   // CPU: the transposed sketch and the fast kernels' arguments.
   static void prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &kernels,
                       cpu::LayerKernels &args);
-  // Inlier keys [B][d], outlier keys [B][c], channel energies [d] and order [d].
+  // Inlier keys [B][d], outlier keys [B][c], channel energies [d] and order [d], outlier bits
+  // [B][m_out/8] (the largest m_out of any layer).
   static size_t quantize_scratch_floats(const qjlkv_config &cfg) {
     const size_t B = cfg.block_tokens, d = cfg.head_dim;
-    return B * d + B * cfg.outlier_channels + 2 * d;
+    const size_t m_out = std::max(cfg.outlier_sketch_dim, cfg.initial_layers ? cfg.initial_outlier_sketch_dim : 0u);
+    return B * d + B * cfg.outlier_channels + 2 * d + B * m_out / 32;
   }
   // qjl_quantize_block with the projections by the fast kernels (the same bits).
   static void quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block, float *scratch);
@@ -79,16 +85,15 @@ struct QjlKeys : KeyMethodDefaults {
                     float *out, size_t out_stride, float *scratch) {
     c.kernels.qjl_scores(c.args.qjl, block, q, sq, rows, out, out_stride, scratch);
   }
-  // Scratch: 3·d floats.
+  // Scratch: cpu::qjl_quantize_scratch_floats.
   static void quantize_reference(const CacheSpec &spec, const LayerSpec &layer, const float *keys, uint8_t *block,
                                  float *scratch) {
-    cpu::qjl_quantize_block(layer, spec.cfg, keys, block, scratch);
+    cpu::qjl_quantize_block(layer, spec.cfg, spec.qjl_constant, keys, block, scratch);
   }
-  // projected: [rows][sketch_rows] from qjl_project_query. Scratch: 2·sketch_rows floats.
+  // projected: [rows][sketch_rows] from qjl_project_query.
   static void score_reference(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block,
-                              const float *queries, const float *projected, uint32_t rows, float *out,
-                              float *scratch) {
-    cpu::qjl_score_block(layer, spec.cfg, spec.qjl_constant, block, queries, projected, rows, out, scratch);
+                              const float *queries, const float *projected, uint32_t rows, float *out, float *) {
+    cpu::qjl_score_block(layer, spec.cfg, spec.qjl_constant, block, queries, projected, rows, out);
   }
 };
 

@@ -308,7 +308,7 @@ BlockBytes block_bytes(const qjlkv_config &cfg, uint32_t layer) {
     const uint64_t m_out =
         cfg.outlier_channels == 0 ? 0 : initial ? cfg.initial_outlier_sketch_dim : cfg.outlier_sketch_dim;
     b.keys = 2 * B + B * m / 8;                                             // norm_in, bits_in
-    if (m_out > 0) b.keys += 2 * B + B * m_out / 8 + cfg.outlier_channels;  // norm_out, bits_out, indices
+    if (m_out > 0) b.keys += 2 * B + 2 * cfg.outlier_channels * B + cfg.outlier_channels;  // norm_out, corrections, indices
   } else {
     b.keys = 2 * B * d;  // EXACT: 16-bit keys
   }

@@ -1,12 +1,14 @@
 // Export and import (docs/FORMAT.md): the CRC-32C against the published vectors, round trips of
 // every key and value method (attention sinks, rotated values and 3-bit codes included), dtype
 // and layer range followed by a continued decode that must stay bit-identical to the cache that
-// never left, the streaming variants, format version 1 streams, and every refusal (each leaving
-// the destination unchanged).
+// never left, the streaming variants, streams of format versions 1 and 2 (QJL records with the
+// outlier sign bits that version 3 replaced by corrections included), and every refusal (each
+// leaving the destination unchanged).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -180,12 +182,139 @@ qjlkv_config variant_config(const Variant &v) {
 class RoundTrip : public ::testing::TestWithParam<Variant> {};
 
 // Layer 0: blocks and a tail; layer 1: a tail only; layer 2: blocks with the shortest tail.
-void fill_source(qjlkv_cache *c, const qjlkv_config &cfg, uint32_t seq) {
+struct SourceAppend {
+  uint32_t layer, tokens;
+  uint64_t seed;
+};
+std::vector<SourceAppend> source_appends(const qjlkv_config &cfg) {
   const uint32_t B = cfg.block_tokens, R = cfg.residual_tokens;
-  append(c, cfg, 0, seq, R + 3 * B + 5, 10);
-  append(c, cfg, 1, seq, R + B - 1, 20);
-  append(c, cfg, 2, seq, 1, 30);  // a decode-sized append, then a prefill onto it
-  append(c, cfg, 2, seq, R + 4 * B - 1, 31);
+  return {{0, R + 3 * B + 5, 10},
+          {1, R + B - 1, 20},
+          {2, 1, 30},  // a decode-sized append, then a prefill onto it
+          {2, R + 4 * B - 1, 31}};
+}
+
+void fill_source(qjlkv_cache *c, const qjlkv_config &cfg, uint32_t seq) {
+  for (const SourceAppend &a : source_appends(cfg)) append(c, cfg, a.layer, seq, a.tokens, a.seed);
+}
+
+// The keys fill_source appends, per layer from position 0, as the cache reads them: [pos][Hkv][d].
+std::vector<std::vector<float>> source_keys(const qjlkv_config &cfg) {
+  std::vector<std::vector<float>> keys(cfg.num_layers);
+  for (const SourceAppend &a : source_appends(cfg)) {
+    const std::vector<uint8_t> k = rows(cfg, a.tokens, a.seed);
+    const std::vector<float> x = qt::decode(k.data(), size_t(a.tokens) * cfg.num_kv_heads * cfg.head_dim,
+                                            qt::dtype_of(cfg));
+    keys[a.layer].insert(keys[a.layer].end(), x.begin(), x.end());
+  }
+  return keys;
+}
+
+// ---- streams of format versions 1 and 2 ---------------------------------------------------------------
+uint32_t u32_of(const std::vector<uint8_t> &s, size_t at) {
+  uint32_t v;
+  std::memcpy(&v, s.data() + at, 4);
+  return v;
+}
+uint64_t u64_of(const std::vector<uint8_t> &s, size_t at) {
+  uint64_t v;
+  std::memcpy(&v, s.data() + at, 8);
+  return v;
+}
+void put_u32(std::vector<uint8_t> &s, size_t at, uint32_t v) { std::memcpy(s.data() + at, &v, 4); }
+void put_u64(std::vector<uint8_t> &s, size_t at, uint64_t v) { std::memcpy(s.data() + at, &v, 8); }
+
+// A QJL layer's sketch sizes (docs/FORMAT.md): the initial_* ones below initial_layers; m_out is
+// 0 without outlier channels.
+struct QjlSizes {
+  uint32_t m, m_out, c;
+};
+QjlSizes qjl_sizes(const qjlkv_config &cfg, uint32_t layer) {
+  const bool initial = layer < cfg.initial_layers;
+  const uint32_t c = cfg.outlier_channels;
+  return {initial ? cfg.initial_key_sketch_dim : cfg.key_sketch_dim,
+          c == 0 ? 0 : initial ? cfg.initial_outlier_sketch_dim : cfg.outlier_sketch_dim, c};
+}
+
+// The stream the format-2 writer wrote for the sequence of the version-3 stream `v3` of cache
+// `source`, whose layers were appended `keys` (source_keys): version 2, and in the QJL layers with
+// outlier channels block records of the old layout, norm_in fp16[B], norm_out fp16[B], bits_in
+// [B][m/8], bits_out [B][m_out/8], outlier channels uint8[c], where bits_out are the signs of
+// S_out·k_out over the block's outlier channels, summed as the old reference (qjl_quantize_block
+// of format version 2) summed them.
+std::vector<uint8_t> to_version2(const qjlkv_cache *source, const qjlkv_config &cfg, const std::vector<uint8_t> &v3,
+                                 const std::vector<std::vector<float>> &keys) {
+  EXPECT_EQ(u32_of(v3, 8), 3u);
+  std::vector<uint8_t> v2(v3.begin(), v3.begin() + 136);
+  put_u32(v2, 8, 2);
+  const size_t B = cfg.block_tokens, d = cfg.head_dim, H = cfg.num_kv_heads;
+  const size_t row = d * qt::dtype_bytes(qt::dtype_of(cfg));
+  size_t at = 136;
+  for (uint32_t l = u32_of(v3, 24); l < u32_of(v3, 24) + u32_of(v3, 28); ++l) {
+    const size_t section_end = at + 16 + u64_of(v3, at + 8);
+    const QjlSizes q = qjl_sizes(cfg, l);
+    if (cfg.key_method != QJLKV_KEYS_QJL || q.m_out == 0) {  // the same bytes in both versions
+      v2.insert(v2.end(), v3.begin() + ptrdiff_t(at), v3.begin() + ptrdiff_t(section_end));
+      at = section_end;
+      continue;
+    }
+    const uint32_t blocks = u32_of(v3, at + 32), record = u32_of(v3, at + 40), sinks = u32_of(v3, at + 44);
+    const size_t new_keys = 4 * B + 2 * q.c * B + B * q.m / 8 + q.c;
+    const size_t bits_out = 4 * B + B * q.m / 8, old_keys = bits_out + B * q.m_out / 8 + q.c;
+    const size_t values = record - new_keys, old_record = old_keys + values;
+    const size_t records_at = at + 48 + 2 * size_t(sinks) * H * row, records_end = records_at + blocks * H * record;
+    std::vector<uint8_t> section(v3.begin() + ptrdiff_t(at), v3.begin() + ptrdiff_t(records_at));
+    put_u32(section, 40, uint32_t(old_record));
+    put_u64(section, 8, u64_of(v3, at + 8) - blocks * H * record + blocks * H * old_record);
+    const qjlkv_sketch *sketch = nullptr;
+    EXPECT_EQ(qjlkv_cache_sketch(source, l, &sketch), QJLKV_OK);
+    std::vector<float> S(std::max(q.m, q.m_out) * d);
+    EXPECT_EQ(qjlkv_sketch_matrix(sketch, S.data(), S.size()), QJLKV_OK);
+    for (size_t r = 0; r < size_t(blocks) * H; ++r) {
+      const size_t b = r / H, h = r % H;
+      const uint8_t *record_in = v3.data() + records_at + r * record;
+      const uint8_t *idx = record_in + new_keys - q.c;
+      std::vector<uint8_t> old(old_record, 0);
+      std::memcpy(old.data(), record_in, 4 * B);                                        // the norms
+      std::memcpy(old.data() + 4 * B, record_in + 4 * B + 2 * q.c * B, B * q.m / 8);    // bits_in
+      std::memcpy(old.data() + old_keys - q.c, idx, q.c);                               // outlier channels
+      std::memcpy(old.data() + old_keys, record_in + new_keys, values);
+      for (size_t t = 0; t < B; ++t) {
+        const float *k = keys[l].data() + ((sinks + b * B + t) * H + h) * d;
+        for (uint32_t i = 0; i < q.m_out; ++i) {
+          float p = 0.0f;
+          for (uint32_t j = 0; j < q.c; ++j) p += S[i * d + idx[j]] * k[idx[j]];
+          if (p > 0.0f) old[bits_out + t * q.m_out / 8 + i / 8] |= uint8_t(1u << (i % 8));
+        }
+      }
+      section.insert(section.end(), old.begin(), old.end());
+    }
+    section.insert(section.end(), v3.begin() + ptrdiff_t(records_end), v3.begin() + ptrdiff_t(section_end));
+    v2.insert(v2.end(), section.begin(), section.end());
+    at = section_end;
+  }
+  EXPECT_EQ(at + 4, v3.size());
+  put_u64(v2, 32, v2.size() - 136);
+  put_u32(v2, 132, qjlkv::crc32c(v2.data(), 132));
+  v2.resize(v2.size() + 4);
+  put_u32(v2, v2.size() - 4, qjlkv::crc32c(v2.data(), v2.size() - 4));
+  return v2;
+}
+
+// The version-1 form of a version-2 stream of a cache without sinks and with uniform values:
+// the header without value_method and sink_tokens (128 bytes), the same sections.
+std::vector<uint8_t> to_version1(const std::vector<uint8_t> &v2) {
+  EXPECT_EQ(u32_of(v2, 8), 2u);
+  EXPECT_EQ(u32_of(v2, 12), 136u);
+  EXPECT_EQ(u32_of(v2, 124), uint32_t(QJLKV_VALUES_UNIFORM)) << "value_method";
+  EXPECT_EQ(u32_of(v2, 128), 0u) << "sink_tokens";
+  std::vector<uint8_t> v1(v2.begin(), v2.begin() + 128);
+  put_u32(v1, 8, 1);
+  put_u32(v1, 12, 128);
+  put_u32(v1, 124, qjlkv::crc32c(v1.data(), 124));
+  v1.insert(v1.end(), v2.begin() + 136, v2.end());
+  put_u32(v1, v1.size() - 4, qjlkv::crc32c(v1.data(), v1.size() - 4));
+  return v1;
 }
 
 // Appends the same tokens, one at a time and in a batch, to (seq_a of a) and (seq_b of b),
@@ -213,6 +342,7 @@ TEST_P(RoundTrip, AllLayersThenContinuedDecodeIsBitIdentical) {
   fill_source(source.get(), cfg, 7);
   const std::vector<uint8_t> stream = export_buffer(source.get(), 7, 0, cfg.num_layers);
   ASSERT_FALSE(stream.empty());
+  EXPECT_EQ(u32_of(stream, 8), 3u);  // the format version this library writes
 
   qjlkv_config other_threads = cfg;
   other_threads.num_threads = 3;  // the stream does not depend on the thread count
@@ -557,7 +687,7 @@ TEST_F(Refusal, TargetMustBeEmptyInTheStreamsLayers) {
 }
 
 TEST_F(Refusal, OtherFormatVersionAndNotAStream) {
-  for (const uint32_t version : {0u, 3u, 0x80000001u}) {
+  for (const uint32_t version : {0u, 4u, 0x80000001u}) {
     std::vector<uint8_t> other = stream_;
     set_u32(other, 8, version);
     fix_checksums(other);
@@ -645,10 +775,11 @@ TEST_F(Refusal, ConsistentChecksumsButImpossibleContents) {
     expect_refused(s, QJLKV_ERROR_CORRUPT_DATA, "blocks");
   }
   {
-    // The first outlier channel of the first block: after 2 fp16 norm arrays and the sign bits.
-    const uint32_t B = cfg_.block_tokens, m = cfg_.key_sketch_dim, m_out = cfg_.outlier_sketch_dim;
+    // The first outlier channel of the first block: after 2 fp16 norm arrays, the fp16
+    // corrections [c][B] and the sign bits.
+    const uint32_t B = cfg_.block_tokens, m = cfg_.key_sketch_dim, c = cfg_.outlier_channels;
     std::vector<uint8_t> s = stream_;
-    s[kFirstBlock + 4 * B + B * m / 8 + B * m_out / 8] = 200;  // >= head_dim
+    s[kFirstBlock + 4 * B + 2 * c * B + B * m / 8] = 200;  // >= head_dim
     fix_checksums(s);
     expect_refused(s, QJLKV_ERROR_CORRUPT_DATA, "outlier");
   }
@@ -798,82 +929,75 @@ TEST_F(TierRefusal, MismatchedConfigsNameTheField) {
 TEST_F(TierRefusal, EveryTruncationIsCorruptData) { check_every_truncation(); }
 TEST_F(TierRefusal, EveryFlippedBitIsRefused) { check_every_flipped_bit(); }
 
-// ---- format version 1 ---------------------------------------------------------------------------------
-uint32_t u32_of(const std::vector<uint8_t> &s, size_t at) {
-  uint32_t v;
-  std::memcpy(&v, s.data() + at, 4);
-  return v;
-}
-
-// The version-1 form of a version-2 stream of a cache without sinks and with uniform values:
-// the header without value_method and sink_tokens (128 bytes), the same sections.
-std::vector<uint8_t> to_version1(const std::vector<uint8_t> &v2) {
-  uint32_t fields[4];
-  std::memcpy(fields, v2.data() + 8, 8);
-  std::memcpy(fields + 2, v2.data() + 124, 8);
-  EXPECT_EQ(fields[0], 2u);
-  EXPECT_EQ(fields[1], 136u);
-  EXPECT_EQ(fields[2], uint32_t(QJLKV_VALUES_UNIFORM)) << "value_method";
-  EXPECT_EQ(fields[3], 0u) << "sink_tokens";
-  std::vector<uint8_t> v1(v2.begin(), v2.begin() + 124);
-  const uint32_t version = 1, header_bytes = 128;
-  std::memcpy(v1.data() + 8, &version, 4);
-  std::memcpy(v1.data() + 12, &header_bytes, 4);
-  const uint32_t header_crc = qjlkv::crc32c(v1.data(), 124);
-  v1.resize(128);
-  std::memcpy(v1.data() + 124, &header_crc, 4);
-  v1.insert(v1.end(), v2.begin() + 136, v2.end());
-  const uint32_t crc = qjlkv::crc32c(v1.data(), v1.size() - 4);
-  std::memcpy(v1.data() + v1.size() - 4, &crc, 4);
-  return v1;
-}
-
-// Version-1 streams import into caches with uniform values and no sinks, as if they were version 2;
-// the imported sequence exports as version 2 with the same sections.
-TEST(FormatVersion1, StreamsImportAndContinueBitIdentically) {
+// ---- format versions 1 and 2 ----------------------------------------------------------------------------
+// Every variant's stream in the form of the version-2 writer (and of the version-1 writer where
+// the cache has neither sinks nor rotated values) imports, holds the same sequence and exports
+// as the version-3 stream of the cache that appended the same keys: the QJL records converted
+// from outlier sign bits to corrections are the ones append stores, so scores and attention are
+// bit-identical, and so is the decode that continues from there.
+TEST(OlderFormatVersions, StreamsImportAndContinueBitIdentically) {
+  int converted = 0;
   for (const Variant &v : kVariants) {
     const qjlkv_config cfg = variant_config(v);
-    if (cfg.sink_tokens > 0 || cfg.value_method != QJLKV_VALUES_UNIFORM) continue;
     SCOPED_TRACE(v.name);
     Cache source = qt::make_cache(cfg);
     fill_source(source.get(), cfg, 2);
-    const std::vector<uint8_t> v2 = export_buffer(source.get(), 2, 0, cfg.num_layers);
-    const std::vector<uint8_t> v1 = to_version1(v2);
-    Cache dest = qt::make_cache(cfg);
-    QT_ASSERT_OK(qjlkv_cache_import(dest.get(), 6, v1.data(), v1.size()));
-    EXPECT_EQ(export_buffer(dest.get(), 6, 0, cfg.num_layers), v2);
-    ASSERT_NO_FATAL_FAILURE(continue_decode(source.get(), 2, dest.get(), 6, cfg));
+    const std::vector<uint8_t> v3 = export_buffer(source.get(), 2, 0, cfg.num_layers);
+    const std::vector<uint8_t> v2 = to_version2(source.get(), cfg, v3, source_keys(cfg));
+    if (v2.size() != v3.size()) ++converted;  // the QJL variants with outlier channels
+    std::vector<std::vector<uint8_t>> older = {v2};
+    if (cfg.sink_tokens == 0 && cfg.value_method == QJLKV_VALUES_UNIFORM) older.push_back(to_version1(v2));
+    for (const std::vector<uint8_t> &old : older) {
+      SCOPED_TRACE("format version " + std::to_string(u32_of(old, 8)));
+      Cache dest = qt::make_cache(cfg);
+      QT_ASSERT_OK(qjlkv_cache_import(dest.get(), 6, old.data(), old.size()));
+      EXPECT_EQ(export_buffer(dest.get(), 6, 0, cfg.num_layers), v3);
+      expect_identical(source.get(), 2, dest.get(), 6, cfg, 8, "after import");
+      Cache twin = qt::make_cache(cfg);  // the source, for a decode that leaves the source as it is
+      QT_ASSERT_OK(qjlkv_cache_import(twin.get(), 2, v3.data(), v3.size()));
+      ASSERT_NO_FATAL_FAILURE(continue_decode(twin.get(), 2, dest.get(), 6, cfg));
+    }
   }
+  EXPECT_EQ(converted, 5);
 }
 
-// Streams that the version-1 writer (0.2 before format version 2) wrote: the v1_* seeds of the
-// import fuzz corpus, each with the harness's two control bytes (config index, repair flag).
-TEST(FormatVersion1, StreamsOfTheVersion1WriterImport) {
-  int imported = 0;
-  for (const char *name :
-       {"v1_seed_0_1", "v1_seed_1_1", "v1_seed_2_1", "v1_seed_3_1", "v1_seed_4_1", "v1_seed_2_2"}) {
+// Streams that the version-1 and version-2 writers wrote: the v1_* and v2_* seeds of the import
+// fuzz corpus (each with the harness's two control bytes: config index, repair flag), among them
+// QJL records with outlier sign bits (v1_seed_0_*, v2_seed_0_*). Each imports and exports as the
+// version-3 stream of a cache that appended the seed maker's keys (import_configs.hpp), byte for
+// byte, and continues.
+TEST(OlderFormatVersions, StreamsOfTheOlderWritersImport) {
+  int imported[3] = {};
+  for (const auto &entry : std::filesystem::directory_iterator(QJLKV_IMPORT_CORPUS)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("v1_seed_", 0) != 0 && name.rfind("v2_seed_", 0) != 0) continue;
     SCOPED_TRACE(name);
-    const std::string path = std::string(QJLKV_IMPORT_CORPUS) + "/" + name;
-    FILE *f = std::fopen(path.c_str(), "rb");
-    ASSERT_NE(f, nullptr) << path;
+    FILE *f = std::fopen(entry.path().c_str(), "rb");
+    ASSERT_NE(f, nullptr);
     std::vector<uint8_t> file(1 << 16);
     file.resize(std::fread(file.data(), 1, file.size(), f));
     std::fclose(f);
     ASSERT_GT(file.size(), 2u + 132u);
     const qjlkv_config cfg = qjlkv_fuzz::import_config(file[0]);
-    const std::vector<uint8_t> v1(file.begin() + 2, file.end());
-    ASSERT_EQ(u32_of(v1, 8), 1u);
-    Cache dest = qt::make_cache(cfg);
-    QT_ASSERT_OK(qjlkv_cache_import(dest.get(), 1, v1.data(), v1.size()));
-    ++imported;
-    const uint32_t first = u32_of(v1, 24), layers = u32_of(v1, 28);
-    std::vector<uint8_t> again = to_version1(export_buffer(dest.get(), 1, first, layers));
-    ASSERT_EQ(again.size(), v1.size());
-    for (size_t i = 0; i < v1.size() - 4; ++i) {
-      const bool library_version = i >= 16 && i < 20, header_crc = i >= 124 && i < 128;
-      if (library_version || header_crc) continue;
-      ASSERT_EQ(again[i], v1[i]) << "byte " << i;
+    const uint32_t seq = uint32_t(name.back() - '0');  // vN_seed_<config>_<seq>
+    ASSERT_LT(seq, qjlkv_fuzz::kSeedSequences);
+    const std::vector<uint8_t> old(file.begin() + 2, file.end());
+    const uint32_t version = u32_of(old, 8);
+    ASSERT_EQ(version, uint32_t(name[1] - '0'));
+    const uint32_t first = qjlkv_fuzz::seed_first_layer(seq), layers = qjlkv_fuzz::seed_num_layers(seq);
+    ASSERT_EQ(u32_of(old, 24), first);
+    ASSERT_EQ(u32_of(old, 28), layers);
+
+    Cache appended = qt::make_cache(cfg);
+    for (uint32_t l = first; l < first + layers; ++l) {
+      std::vector<uint8_t> k, v;
+      qjlkv_fuzz::seed_tokens(cfg, seq, l, k, v);
+      QT_ASSERT_OK(qjlkv_cache_append(appended.get(), l, seq, qjlkv_fuzz::kSeedLengths[seq][l], k.data(), v.data()));
     }
+    Cache dest = qt::make_cache(cfg);
+    QT_ASSERT_OK(qjlkv_cache_import(dest.get(), 1, old.data(), old.size()));
+    ++imported[version];
+    EXPECT_EQ(export_buffer(dest.get(), 1, first, layers), export_buffer(appended.get(), seq, first, layers));
     // The sequence continues: one more token in each of its layers, then attention.
     const size_t io = qt::dtype_bytes(qt::dtype_of(cfg));
     const std::vector<uint8_t> token(size_t(cfg.num_kv_heads) * cfg.head_dim * io, 0);
@@ -883,7 +1007,40 @@ TEST(FormatVersion1, StreamsOfTheVersion1WriterImport) {
       QT_ASSERT_OK(qjlkv_cache_attend(dest.get(), l, 1, 1, q.data(), 0.0f, out.data()));
     }
   }
-  EXPECT_EQ(imported, 6);
+  EXPECT_EQ(imported[1], 15);  // configs 0-4, sequences 0-2
+  EXPECT_EQ(imported[2], 32);  // every config and sequence
+}
+
+// A version-2 QJL record is checked before its corrections are computed from it (the outlier
+// channels index the sketch, the norms scale the corrections); a version-3 record under a
+// version-2 header has the wrong size. Each refusal leaves the destination unchanged.
+TEST_F(Refusal, CorruptVersion2RecordsNameWhatIsWrong) {
+  const std::vector<uint8_t> v2 = to_version2(source_.get(), cfg_, stream_, source_keys(cfg_));
+  const QjlSizes q = qjl_sizes(cfg_, 0);
+  const size_t B = cfg_.block_tokens;
+  ASSERT_GT(q.c, 1u);
+  const size_t norm_out = kFirstBlock + 2 * B, outlier_idx = kFirstBlock + 4 * B + B * q.m / 8 + B * q.m_out / 8;
+  for (const uint8_t bad : {uint8_t(200), uint8_t(cfg_.head_dim), v2[outlier_idx]}) {  // >= d, or not increasing
+    std::vector<uint8_t> s = v2;
+    s[outlier_idx + 1] = bad;
+    fix_checksums(s);
+    expect_refused(s, QJLKV_ERROR_CORRUPT_DATA, "outlier");
+  }
+  for (const uint16_t bad : {uint16_t(0x7c00), uint16_t(0x7e00), uint16_t(0xbc00)}) {  // inf, NaN, -1
+    for (const size_t at : {kFirstBlock + 2 * 3, norm_out + 2 * 5}) {
+      std::vector<uint8_t> s = v2;
+      std::memcpy(s.data() + at, &bad, 2);
+      fix_checksums(s);
+      expect_refused(s, QJLKV_ERROR_CORRUPT_DATA, "norm");
+    }
+  }
+  std::vector<uint8_t> relabelled = stream_;
+  set_u32(relabelled, 8, 2);
+  fix_checksums(relabelled);
+  expect_refused(relabelled, QJLKV_ERROR_CORRUPT_DATA, "records");
+  // The well-formed stream imports into the same destination afterwards.
+  QT_ASSERT_OK(qjlkv_cache_import(dest_.get(), 5, v2.data(), v2.size()));
+  expect_identical(source_.get(), 5, dest_.get(), 5, cfg_, 10, "after the refusals");
 }
 
 // A version-1 stream implies value_method uniform and sink_tokens 0: a cache with either of the
@@ -892,7 +1049,8 @@ TEST(FormatVersion1, RefusedWhereTheNewerFieldsDiffer) {
   const qjlkv_config cfg = variant_config({"kivi", "kivi", QJLKV_DTYPE_F16, no_tweak});
   Cache source = qt::make_cache(cfg);
   fill_source(source.get(), cfg, 2);
-  const std::vector<uint8_t> v1 = to_version1(export_buffer(source.get(), 2, 0, cfg.num_layers));
+  const std::vector<uint8_t> v3 = export_buffer(source.get(), 2, 0, cfg.num_layers);
+  const std::vector<uint8_t> v1 = to_version1(to_version2(source.get(), cfg, v3, source_keys(cfg)));
   for (const bool sinks : {true, false}) {
     qjlkv_config other = cfg;
     if (sinks) other.sink_tokens = 4;

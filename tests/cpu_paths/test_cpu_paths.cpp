@@ -233,9 +233,11 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     keys_[2 * size_t(d) + 1] = -0.0f;
     keys_[5 * size_t(d) + 1] = 0.0f;
     block_.assign(ls.layout.stride, 0);
-    std::vector<float> scratch(3 * size_t(d));
+    std::vector<float> scratch(qjl_quantize_scratch_floats(d, ls.m_out));
     switch (cfg_.key_method) {
-      case QJLKV_KEYS_QJL: qjl_quantize_block(ls, cfg_, keys_.data(), block_.data(), scratch.data()); break;
+      case QJLKV_KEYS_QJL:
+        qjl_quantize_block(ls, cfg_, spec_.qjl_constant, keys_.data(), block_.data(), scratch.data());
+        break;
       case QJLKV_KEYS_EXACT:
         exact_keys_store_block(cfg_, spec_.stored_dtype, ls.layout, keys_.data(), block_.data());
         break;
@@ -245,7 +247,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     queries_.resize(size_t(k.rows) * d);
     for (float &x : queries_) x = normal(rng);
     // Fast-path arguments, as the backend builds them.
-    if (cfg_.key_method == QJLKV_KEYS_QJL) qjl_ = make_qjl_args(spec_, ls, qjl_tables_, QjlCodes::None);
+    if (cfg_.key_method == QJLKV_KEYS_QJL) qjl_ = make_qjl_args(spec_, ls, qjl_tables_);
     keys_args_ = CodesArgs{&ls.layout, B, d, cfg_.key_bits, 0, spec_.stored_dtype};
     values_args_ = CodesArgs{&ls.layout,         B,
                              d,                  cfg_.value_bits,
@@ -270,11 +272,11 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     const std::vector<float> q = padded_queries();
     std::vector<float> scratch_storage, sq_storage;
     float *out = aligned<float>(out_storage, size_t(rows) * Bp);
-    float *scratch = aligned<float>(scratch_storage, kernel_scratch_floats(cfg_, ls.m, ls.m_out, ls.sketch_rows));
+    float *scratch = aligned<float>(scratch_storage, kernel_scratch_floats(cfg_, ls.m, ls.m_out));
     switch (cfg_.key_method) {
       case QJLKV_KEYS_QJL: {
         QjlTables tables;  // the path's own column codes, as the backend builds them for it
-        const QjlArgs qjl = make_qjl_args(spec_, ls, tables, K.qjl_codes);
+        const QjlArgs qjl = make_qjl_args(spec_, ls, tables);
         float *sq = aligned<float>(sq_storage, rows * qjl.projected_stride);
         K.qjl_project(qjl, q.data(), rows, sq);
         for (uint32_t r = 0; r < rows; ++r)
@@ -316,7 +318,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     for (uint32_t r = 0; r < rows; ++r) std::copy_n(&w[size_t(r) * B], B, wp + size_t(r) * Bp);
     float *acc = aligned<float>(acc_storage, size_t(rows) * dp);
     for (uint32_t r = 0; r < rows; ++r) std::fill_n(acc + size_t(r) * dp, d, initial);
-    float *scratch = aligned<float>(scratch_storage, kernel_scratch_floats(cfg_, ls.m, ls.m_out, ls.sketch_rows));
+    float *scratch = aligned<float>(scratch_storage, kernel_scratch_floats(cfg_, ls.m, ls.m_out));
     K.values_accumulate(values_args_, block_.data(), wp, Bp, rows, acc, scratch);
     K.values_in_channel_order(values_args_, rows, acc);
     return acc;
@@ -388,14 +390,13 @@ TEST_P(Kernels, ScoresMatchReference) {
   const LayerSpec &ls = spec_.layers[0];
   const uint32_t B = k.block_tokens, d = k.head_dim, Bp = padded_tokens(B), rows = k.rows;
   // Reference scores and a scale for the tolerance: the largest |partial sum| involved.
-  std::vector<float> want(size_t(rows) * B), ref_scratch(2 * size_t(ls.sketch_rows) + d);
+  std::vector<float> want(size_t(rows) * B), ref_scratch(d);
   std::vector<float> sq_ref(size_t(rows) * std::max(1u, ls.sketch_rows));
   double scale = 0.0;
   switch (cfg_.key_method) {
     case QJLKV_KEYS_QJL:
       for (uint32_t r = 0; r < rows; ++r) qjl_project_query(ls, d, &queries_[size_t(r) * d], &sq_ref[size_t(r) * ls.sketch_rows]);
-      qjl_score_block(ls, cfg_, spec_.qjl_constant, block_.data(), queries_.data(), sq_ref.data(), rows, want.data(),
-                      ref_scratch.data());
+      qjl_score_block(ls, cfg_, spec_.qjl_constant, block_.data(), queries_.data(), sq_ref.data(), rows, want.data());
       for (float x : sq_ref) scale += std::fabs(x);
       scale *= 64.0 * spec_.qjl_constant / ls.m;  // norms here are O(10)
       break;
@@ -594,12 +595,18 @@ TEST_P(Kernels, QuantizersMatchReferenceByteForByte) {
                                  size_t(B) * ls.layout.key_bytes_per_token_bits_in))
             << isa_name(isa) << ": inlier sign bits differ from the reference";
         if (c) {
+          // The outlier bits are not stored: their corrections, from the reference's norms,
+          // channels and inlier bits, must be the reference's.
+          const size_t bytes_out = ls.m_out / 8;
+          std::vector<uint8_t> bits_out(size_t(B) * bytes_out, 0), fast = block_;
           for (uint32_t i = 0; i < c; ++i) columns[i] = qjl_.sketch_t + outliers[i] * qjl_.sketch_t_stride;
-          K.qjl_sign_bits(outlier.data(), c, B, columns.data(), c, ls.m_out, got.data() + ls.layout.key_bits_out,
-                          ls.layout.key_bytes_per_token_bits_out);
-          EXPECT_EQ(0, std::memcmp(got.data() + ls.layout.key_bits_out, block_.data() + ls.layout.key_bits_out,
-                                   size_t(B) * ls.layout.key_bytes_per_token_bits_out))
-              << isa_name(isa) << ": outlier sign bits differ from the reference";
+          K.qjl_sign_bits(outlier.data(), c, B, columns.data(), c, ls.m_out, bits_out.data(), bytes_out);
+          std::fill_n(fast.data() + ls.layout.key_corrections, 2 * size_t(c) * B, uint8_t(0));
+          for (uint32_t t = 0; t < B; ++t)
+            qjl_store_corrections(ls, cfg_, spec_.qjl_constant, fast.data(), t, bits_out.data() + t * bytes_out);
+          EXPECT_EQ(0, std::memcmp(fast.data() + ls.layout.key_corrections, block_.data() + ls.layout.key_corrections,
+                                   2 * size_t(c) * B))
+              << isa_name(isa) << ": outlier corrections differ from the reference";
         }
         break;
       }

@@ -9,9 +9,12 @@
 //   - import_stream (a reader handing out odd-sized pieces) accepts whatever import accepts and
 //     then holds the same sequence;
 //   - an accepted stream is canonical: exporting the imported sequence gives the input back,
-//     byte for byte, apart from the writer's library version and the two checksums over it (a
-//     format version 1 input comes back as version 2: the header grows by value_method and
-//     sink_tokens, both 0, and the sections are the same);
+//     byte for byte, apart from the writer's library version and the two checksums over it (an
+//     input of format version 1 or 2 comes back as version 3, with the same sections; a version
+//     1 header grows by value_method and sink_tokens, both 0);
+//   - except that version 1 and 2 streams of QJL caches with outlier channels store the outlier
+//     sign bits that version 3 replaced by corrections: their re-export, as version 3, keeps the
+//     header's layers and config and is canonical itself (imported again, it exports as it is);
 //   - the imported sequence is usable: attention and scores give no NaN, and one more token
 //     (crossing into a new block where the tail is full) appends.
 #include <qjlkv/qjlkv.h>
@@ -68,6 +71,10 @@ bool same(const State &a, const State &b) {
   return a.lengths == b.lengths && std::memcmp(&a.stats, &b.stats, sizeof a.stats) == 0;
 }
 
+// docs/FORMAT.md: the header is 128 bytes in version 1, 136 in versions 2 and 3; its CRC ends it.
+constexpr uint32_t kFormatVersion = 3;
+size_t header_bytes_of(uint32_t version) { return version == 1 ? 128 : 136; }
+
 // A destination that already holds another sequence, as a serving process's cache would.
 qjlkv_cache *make_destination(const qjlkv_config &cfg) {
   qjlkv_cache *c = nullptr;
@@ -106,10 +113,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   const qjlkv_config cfg = qjlkv_fuzz::import_config(in.byte());
   const bool repair = in.byte() & 1;
   std::vector<uint8_t> stream(data + std::min<size_t>(size, 2), data + size);
-  // docs/FORMAT.md: the header is 128 bytes in version 1, 136 in version 2; its CRC ends it.
   uint32_t version = 0;
   if (stream.size() >= 12) std::memcpy(&version, stream.data() + 8, 4);
-  const size_t header_bytes = version == 1 ? 128 : 136;
+  const size_t header_bytes = header_bytes_of(version);
   if (repair && stream.size() >= header_bytes + 4) {
     const uint32_t header = qjlkv::crc32c(stream.data(), header_bytes - 4);
     std::memcpy(stream.data() + header_bytes - 4, &header, 4);
@@ -145,25 +151,43 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const qjlkv_status es = qjlkv_cache_export_size(c, kSeq, first, layers, &again_size);
     // A stream of empty layers is valid, but there is nothing to export then.
     if (es == QJLKV_OK) {
-      const size_t grown = 136 - header_bytes;  // the fields version 1 lacks
-      FUZZ_CHECK(again_size == stream.size() + grown, "export size %llu, the stream had %zu",
-                 (unsigned long long)again_size, stream.size());
       again.resize(again_size);
       FUZZ_CHECK(qjlkv_cache_export(c, kSeq, first, layers, again.data(), again.size()) == QJLKV_OK, "export");
       uint32_t again_version = 0, newer_fields[2] = {1, 1};
       std::memcpy(&again_version, again.data() + 8, 4);
       std::memcpy(newer_fields, again.data() + 124, 8);
-      FUZZ_CHECK(again_version == 2, "re-exported as version %u", again_version);
+      FUZZ_CHECK(again_version == kFormatVersion, "re-exported as version %u", again_version);
+      const size_t grown = 136 - header_bytes;  // the fields version 1 lacks
       FUZZ_CHECK(grown == 0 || (newer_fields[0] == 0 && newer_fields[1] == 0),
                  "a version 1 stream re-exported with value_method %u, sink_tokens %u", newer_fields[0],
                  newer_fields[1]);
-      for (size_t i = 0; i < stream.size() - 4; ++i) {
-        // Bytes [8, 16) (version, header bytes) and the header CRC differ between versions.
-        const bool version_fields = grown && i >= 8 && i < 16;
-        const bool library_version = i >= 16 && i < 20, header_crc = i >= header_bytes - 4 && i < header_bytes;
-        const size_t j = i < header_bytes - 4 ? i : i + grown;
-        FUZZ_CHECK(version_fields || library_version || header_crc || again[j] == stream[i],
-                   "re-export differs at byte %zu", i);
+      const bool converted = version < 3 && cfg.key_method == QJLKV_KEYS_QJL && cfg.outlier_channels > 0;
+      if (converted) {
+        // The layer range [24, 32) and the config fields [40, 124) stay; the payload size may not.
+        FUZZ_CHECK(std::memcmp(again.data() + 24, stream.data() + 24, 8) == 0 &&
+                       std::memcmp(again.data() + 40, stream.data() + 40, 124 - 40) == 0,
+                   "a converted stream re-exported with another layer range or config");
+        qjlkv_cache *reimported = make_destination(cfg);
+        FUZZ_CHECK(qjlkv_cache_import(reimported, kSeq, again.data(), again.size()) == QJLKV_OK,
+                   "the re-export of a converted stream does not import: %s", qjlkv_last_error_message());
+        FUZZ_CHECK(same(state_of(reimported, cfg), state_of(c, cfg)), "the re-export imports another sequence");
+        std::vector<uint8_t> twice(again.size());
+        FUZZ_CHECK(qjlkv_cache_export(reimported, kSeq, first, layers, twice.data(), twice.size()) == QJLKV_OK,
+                   "export of the re-import");
+        FUZZ_CHECK(twice == again, "the re-export of a converted stream is not canonical");
+        qjlkv_cache_destroy(reimported);
+      } else {
+        FUZZ_CHECK(again_size == stream.size() + grown, "export size %llu, the stream had %zu",
+                   (unsigned long long)again_size, stream.size());
+        for (size_t i = 0; i < stream.size() - 4; ++i) {
+          // The version [8, 12) of an older stream, its header bytes [12, 16) in version 1, and the
+          // header CRC differ between versions.
+          const bool version_fields = (version != kFormatVersion && i >= 8 && i < 12) || (grown && i >= 12 && i < 16);
+          const bool library_version = i >= 16 && i < 20, header_crc = i >= header_bytes - 4 && i < header_bytes;
+          const size_t j = i < header_bytes - 4 ? i : i + grown;
+          FUZZ_CHECK(version_fields || library_version || header_crc || again[j] == stream[i],
+                     "re-export differs at byte %zu", i);
+        }
       }
     }
     check_usable(c, cfg);

@@ -159,7 +159,8 @@ TEST_P(CudaVsCpu, SameBytesScoresAndOutputs) {
 INSTANTIATE_TEST_SUITE_P(AllMethods, CudaVsCpu, testing::ValuesIn(all_cases()), case_name);
 
 // Configurations off the presets' paths: sketch sizes that are not multiples of 32 (bit rows
-// not 4-byte aligned), no outlier channels, initial layers, head dims that are not multiples of
+// not 4-byte aligned), no outlier channels, more (outlier channel, token) pairs per chunk than
+// the QJL quantizer has threads, initial layers, head dims that are not multiples of
 // 32, value groups that straddle the kernels' 8-channel slices, 4- and 8-bit codes, 16-bit values
 // under quantized keys, blocks that are not multiples of the 32-position tile, and GQA groups
 // larger than the 8 rows of one CTA.
@@ -184,6 +185,11 @@ const Corner kCorners[] = {
        c.key_sketch_dim = 8;
        c.outlier_channels = 0;
        c.outlier_sketch_dim = 0;
+     }},
+    {"qjl_c40_mout64", "qjl", QJLKV_DTYPE_F32, 4, 1, 64,
+     [](qjlkv_config &c) {
+       c.outlier_channels = 40;
+       c.outlier_sketch_dim = 64;
      }},
     {"qjl_initial_layers_m520", "qjl", QJLKV_DTYPE_BF16, 4, 2, 128,
      [](qjlkv_config &c) {
@@ -841,15 +847,16 @@ TEST(CudaBackend, CreateWithoutDeviceFailsCleanly) {
 
 #if defined(QJLKV_CUDA_EMULATION)
 // On a device with less shared memory per block, the attention kernels take fewer query rows per
-// CTA; where not even one row fits, creation says which sizes are too large.
+// CTA; where not even one row fits, or the QJL quantizer's outlier sign bits do not, creation says
+// which sizes are too large.
 TEST(CudaBackend, SmallSharedMemoryTakesFewerRowsOrFailsClearly) {
-  setenv("QJLKV_EMU_SMEM_OPTIN", "90000", 1);  // 2 rows per CTA for this shape, not 8
+  setenv("QJLKV_EMU_SMEM_OPTIN", "80000", 1);  // 2 rows per CTA for this shape, not 8
   {
     CachePair pair(make_config({"qjl", QJLKV_DTYPE_F32, 256, 7}, 1, 1));
     ASSERT_TRUE(pair.ok()) << pair.error();
     std::mt19937 rng(4);
     pair.append(0, 1, make_keys(rng, 90, 1, 256), make_values(rng, 90 * pair.token_elems()));
-    expect_same_sequence(pair, 0, 1, rng, "90000 bytes of shared memory");
+    expect_same_sequence(pair, 0, 1, rng, "80000 bytes of shared memory");
   }
   setenv("QJLKV_EMU_SMEM_OPTIN", "20000", 1);
   qjlkv_config cfg = make_config({"qjl", QJLKV_DTYPE_F32, 128, 4}, 1, 1);
@@ -859,6 +866,13 @@ TEST(CudaBackend, SmallSharedMemoryTakesFewerRowsOrFailsClearly) {
   qjlkv_cache *c = nullptr;
   EXPECT_EQ(qjlkv_cache_create(&cfg, &c), QJLKV_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(qjlkv_last_error_message()).find("key_sketch_dim"), std::string::npos)
+      << qjlkv_last_error_message();
+  cfg = make_config({"qjl", QJLKV_DTYPE_F32, 64, 4}, 1, 1);  // one attention row fits 20000 bytes
+  cfg.outlier_sketch_dim = 24576;  // 24576 bytes of sign bits per chunk
+  cfg.backend = QJLKV_BACKEND_CUDA;
+  cfg.device_ordinal = 0;
+  EXPECT_EQ(qjlkv_cache_create(&cfg, &c), QJLKV_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(qjlkv_last_error_message()).find("outlier sketch"), std::string::npos)
       << qjlkv_last_error_message();
   unsetenv("QJLKV_EMU_SMEM_OPTIN");
 }

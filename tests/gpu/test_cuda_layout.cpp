@@ -100,8 +100,6 @@ AttendShape shape(KeyKind kind, uint32_t rows, uint32_t d, uint32_t io_elem, uin
   s.rows = rows;
   s.d = d;
   s.m = 2 * d;
-  s.m_out = d / 2;
-  s.sketch_rows = 2 * d;
   s.outlier_channels = 8;
   s.key_bits = 2;
   s.value_bits = value_bits;
@@ -128,10 +126,13 @@ TEST(CudaLayout, AttendSharedMemoryRegionsHoldTheirTiles) {
             // keys: the method's tile and the full-precision tail rows
             uint32_t key_tile = 4 * kTile * padded_row_words(d * io);
             if (kind == KeyKind::qjl) {
-              EXPECT_GE(m.k_bits_in - m.k_norm_out, 2 * kTile);
-              EXPECT_GE(m.k_bits_out - m.k_bits_in, kTile * s.m / 8 + 4);
-              key_tile = std::max(key_tile, m.k_bits_out + kTile * s.m_out / 8 + 4);
-              EXPECT_GE(m.sq_in - m.sq, 4 * rows * round_up(s.sketch_rows, 32));
+              EXPECT_GE(m.k_norm_out - m.k_norm_in, 2 * kTile);
+              EXPECT_GE(m.k_corrections - m.k_norm_out, 2 * kTile);
+              EXPECT_GE(m.k_bits_in - m.k_corrections, 2 * kTile * s.outlier_channels);
+              EXPECT_EQ(m.k_corrections % 4, 0u);  // staged in whole words
+              key_tile = std::max(key_tile, m.k_bits_in + kTile * s.m / 8 + 4);
+              EXPECT_GE(m.outlier - m.sq, 4 * rows * round_up(s.m, 32));
+              EXPECT_GE(m.scores - m.outlier, 4 * s.outlier_channels);
             } else if (kind == KeyKind::kivi) {
               key_tile = std::max(key_tile, kTile * d * s.key_bits / 8 + 4);
               EXPECT_GE(m.koff - m.qdigits, 2 * rows * d32);  // {hi, lo} digit bytes per channel

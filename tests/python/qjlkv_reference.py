@@ -83,16 +83,17 @@ def outlier_channels(block_keys: np.ndarray, c: int) -> np.ndarray:
 
 @dataclass
 class QJLBlock:
-    """One quantized block of one kv head, as SPEC §3 stores it (bits as ±1)."""
+    """One quantized block of one kv head, as SPEC §3 defines it (bits as ±1) with the outlier
+    bits replaced by what DESIGN "QJL outlier corrections" stores: tau (B, c), fp16-rounded."""
 
-    signs_in: np.ndarray   # (B, m) of ±1
-    signs_out: np.ndarray  # (B, m_out) of ±1
-    norm_in: np.ndarray    # (B,) fp16-rounded
-    norm_out: np.ndarray   # (B,)
-    outliers: np.ndarray   # (c,) channel indices
+    signs_in: np.ndarray     # (B, m) of ±1
+    norm_in: np.ndarray      # (B,) fp16-rounded
+    norm_out: np.ndarray     # (B,)
+    outliers: np.ndarray     # (c,) channel indices
+    corrections: np.ndarray  # (B, c): tau = T / (n_in + n_out), fp16-rounded
 
 
-def qjl_quantize_block(keys: np.ndarray, sketch: np.ndarray, m: int, m_out: int, c: int) -> QJLBlock:
+def qjl_quantize_block(keys: np.ndarray, sketch: np.ndarray, m: int, m_out: int, c: int, const: float) -> QJLBlock:
     keys = keys.astype(np.float32)
     idx = outlier_channels(keys, c) if c else np.zeros(0, dtype=np.int64)
     mask_out = np.zeros(keys.shape[1], dtype=bool)
@@ -101,33 +102,35 @@ def qjl_quantize_block(keys: np.ndarray, sketch: np.ndarray, m: int, m_out: int,
     k_in = np.where(mask_out, 0, keys).astype(np.float64)
     s = sketch.astype(np.float64)
     signs_in = np.where(k_in @ s[:m].T > 0, 1.0, -1.0)
-    signs_out = np.where(k_out @ s[:m_out].T > 0, 1.0, -1.0)
-    return QJLBlock(signs_in, signs_out, f16(np.linalg.norm(k_in, axis=1)), f16(np.linalg.norm(k_out, axis=1)), idx)
+    norm_in, norm_out = f16(np.linalg.norm(k_in, axis=1)), f16(np.linalg.norm(k_out, axis=1))
+    corrections = np.zeros((keys.shape[0], len(idx)))
+    if m_out and len(idx):
+        signs_out = np.where(k_out @ s[:m_out].T > 0, 1.0, -1.0)
+        # T_o: the outlier sketch's estimate of channel o less what the inlier bits put there.
+        outlier = const / m_out * norm_out[:, None].astype(np.float64) * (signs_out @ s[:m_out][:, idx])
+        inlier = const / m * norm_in[:, None].astype(np.float64) * (signs_in @ s[:m][:, idx])
+        scale = norm_in.astype(np.float64) + norm_out
+        safe = np.where(scale > 0, scale, 1.0)[:, None]
+        corrections = np.where(scale[:, None] > 0, f16((outlier - inlier) / safe), 0.0)
+    return QJLBlock(signs_in, norm_in, norm_out, idx, corrections)
 
 
-def qjl_dense_keys(block: QJLBlock, sketch: np.ndarray, m: int, m_out: int, const: float) -> np.ndarray:
-    """k-hat = c_d/m ||k_in|| M_in S^T(±bits_in) + c_d/m_out ||k_out|| M_out S_out^T(±bits_out)."""
+def qjl_dense_keys(block: QJLBlock, sketch: np.ndarray, m: int, const: float) -> np.ndarray:
+    """k-hat = c_d/m ||k_in|| S^T(±bits_in) + sum_o tau_o (n_in + n_out) e_o."""
     s = sketch.astype(np.float64)
-    d = s.shape[1]
-    mask_out = np.zeros(d, dtype=bool)
-    mask_out[block.outliers] = True
-    k_hat = const / m * block.norm_in[:, None] * (block.signs_in @ s[:m]) * ~mask_out
-    if m_out:
-        k_hat = k_hat + const / m_out * block.norm_out[:, None] * (block.signs_out @ s[:m_out]) * mask_out
+    k_hat = const / m * block.norm_in[:, None] * (block.signs_in @ s[:m])
+    scale = block.norm_in.astype(np.float64) + block.norm_out
+    k_hat[:, block.outliers] += block.corrections * scale[:, None]
     return k_hat
 
 
-def qjl_estimate(q: np.ndarray, block: QJLBlock, sketch: np.ndarray, m: int, m_out: int, const: float) -> np.ndarray:
+def qjl_estimate(q: np.ndarray, block: QJLBlock, sketch: np.ndarray, m: int, const: float) -> np.ndarray:
     """est(q, k) for every token of the block, from the asymmetric formula (not the dense form)."""
     s = sketch.astype(np.float64)
-    mask_out = np.zeros(s.shape[1], dtype=bool)
-    mask_out[block.outliers] = True
     q = q.astype(np.float64)
-    q_in, q_out = np.where(mask_out, 0, q), np.where(mask_out, q, 0)
-    est = const / m * block.norm_in * (block.signs_in @ (s[:m] @ q_in))
-    if m_out:
-        est = est + const / m_out * block.norm_out * (block.signs_out @ (s[:m_out] @ q_out))
-    return est
+    est = const / m * block.norm_in * (block.signs_in @ (s[:m] @ q))
+    scale = block.norm_in.astype(np.float64) + block.norm_out
+    return est + scale * (block.corrections @ q[block.outliers])
 
 
 # ---------------------------------------------------------------------------
@@ -165,9 +168,9 @@ class ReferenceLayer:
                 k = keys[start:start + B, h]
                 v = values[start:start + B, h]
                 if cfg.key_method == "qjl":
-                    blk = qjl_quantize_block(k, sketch, self.m, self.m_out, cfg.outlier_channels)
+                    blk = qjl_quantize_block(k, sketch, self.m, self.m_out, cfg.outlier_channels, self.const)
                     self.blocks[h].append(blk)
-                    self.dense_keys[start:start + B, h] = qjl_dense_keys(blk, sketch, self.m, self.m_out, self.const)
+                    self.dense_keys[start:start + B, h] = qjl_dense_keys(blk, sketch, self.m, self.const)
                 elif cfg.key_method == "kivi":
                     self.dense_keys[start:start + B, h] = quantize_groups(k, cfg.key_bits, axis=0)
                 elif cfg.key_method == "exact":
@@ -191,8 +194,7 @@ class ReferenceLayer:
             out[h] = self.dense_keys[:, kv] @ q
             for i, blk in enumerate(self.blocks[kv]):
                 start = i * self.block_tokens
-                out[h, start:start + self.block_tokens] = qjl_estimate(q, blk, self.sketch, self.m, self.m_out,
-                                                                       self.const)
+                out[h, start:start + self.block_tokens] = qjl_estimate(q, blk, self.sketch, self.m, self.const)
         return out
 
     def attend(self, queries: np.ndarray, group: int, scale: float) -> np.ndarray:
