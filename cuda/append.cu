@@ -174,8 +174,8 @@ __device__ void quantize_qjl_keys(const KernelShape &s, const BlockSource<IO> &s
       for (uint32_t pair = tid; pair < c * kQuantizeChunk; pair += kThreads) {
         const uint32_t j = pair / kQuantizeChunk, tt = pair % kQuantizeChunk, t = t0 + tt;
         const float *column = sketch_t + size_t(outliers[j]) * rows;
-        const double inlier_sum = column_signed_sum(column, 1, 0, bits_in + size_t(t) * s.bits_in_bpt, s.m);
-        const double outlier_sum = column_signed_sum(column, 1, 0, outlier_bits + tt * outlier_bytes, s.m_out);
+        const int64_t inlier_sum = column_signed_sum(column, 1, 0, bits_in + size_t(t) * s.bits_in_bpt, s.m);
+        const int64_t outlier_sum = column_signed_sum(column, 1, 0, outlier_bits + tt * outlier_bytes, s.m_out);
         corrections[size_t(j) * B + t] = qjl_correction(s.qjl_constant, half_to_float(norm_in[t]),
                                                         half_to_float(norm_out[t]), inlier_sum, outlier_sum, s.m,
                                                         s.m_out);

@@ -96,12 +96,19 @@ QJLKV_HD float signed_dot(const float *v, const uint8_t *bits, uint32_t rows) {
   return sum;
 }
 
-// ⟨S_o, ±bits⟩: column o of the row-major [rows][d] sketch S over a token's first `rows` sign
-// bits, summed in float64 in row order (every term an fp32 entry: the same sum on every backend).
-QJLKV_HD double column_signed_sum(const float *S, uint32_t d, uint32_t o, const uint8_t *bits, uint32_t rows) {
-  double sum = 0.0;
+// A sketch entry as the exact integer the outlier corrections sum: S·2^32, truncated. |S| <= 32
+// (Gaussian entries stay under 9, orthogonalized rows have norm √d <= 32), so an entry is below
+// 2^37 and QJLKV_MAX_SKETCH_DIM = 2^16 of them below 2^53: the sums are exact in int64, the same
+// in any order on every backend (the CPU's nibble tables, a CUDA thread's loop).
+inline constexpr double kSketchFixedScale = 4294967296.0;  // 2^32
+QJLKV_HD int64_t sketch_fixed(float s) { return static_cast<int64_t>(double(s) * kSketchFixedScale); }
+
+// ⟨S_o, ±bits⟩ in units of 2^-32: column o of the row-major [rows][d] sketch S over a token's
+// first `rows` sign bits, each entry as sketch_fixed.
+QJLKV_HD int64_t column_signed_sum(const float *S, uint32_t d, uint32_t o, const uint8_t *bits, uint32_t rows) {
+  int64_t sum = 0;
   for (uint32_t i = 0; i < rows; ++i) {
-    const double s = S[size_t(i) * d + o];
+    const int64_t s = sketch_fixed(S[size_t(i) * d + o]);
     sum += sign_bit(bits, i) ? s : -s;
   }
   return sum;
@@ -113,11 +120,13 @@ QJLKV_HD double column_signed_sum(const float *S, uint32_t d, uint32_t o, const 
 // (n_in, n_out: the token's stored norms), so that
 //   est(q, k) = c_d/m·n_in·⟨S·q, ±bits_in⟩ + Σ_o q_o·τ_o·(n_in + n_out)
 // is SPEC §3's estimate. |τ| <= c_d·max |S_io| <= c_d·√d: fp16 holds it to 2^-11.
-QJLKV_HD uint16_t qjl_correction(float qjl_constant, float n_in, float n_out, double inlier_sum, double outlier_sum,
+// inlier_sum, outlier_sum: the two column_signed_sums.
+QJLKV_HD uint16_t qjl_correction(float qjl_constant, float n_in, float n_out, int64_t inlier_sum, int64_t outlier_sum,
                                  uint32_t m, uint32_t m_out) {
   const double scale = double(n_in) + double(n_out);
   if (!(scale > 0.0)) return 0;
-  const double outlier = double(n_out) * outlier_sum / double(m_out), inlier = double(n_in) * inlier_sum / double(m);
+  const double outlier = double(n_out) * (double(outlier_sum) / kSketchFixedScale) / double(m_out);
+  const double inlier = double(n_in) * (double(inlier_sum) / kSketchFixedScale) / double(m);
   return float_to_half(float(double(qjl_constant) * (outlier - inlier) / scale));
 }
 

@@ -69,11 +69,14 @@ struct QjlKeys : KeyMethodDefaults {
   static void prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &kernels,
                       cpu::LayerKernels &args);
   // Inlier keys [B][d], outlier keys [B][c], channel energies [d] and order [d], outlier bits
-  // [B][m_out/8] (the largest m_out of any layer).
+  // [B][m_out/8], nibble tables [sketch_rows/4][16] of 4 int64 and their alignment (the largest
+  // m, m_out of any layer).
   static size_t quantize_scratch_floats(const qjlkv_config &cfg) {
     const size_t B = cfg.block_tokens, d = cfg.head_dim;
     const size_t m_out = std::max(cfg.outlier_sketch_dim, cfg.initial_layers ? cfg.initial_outlier_sketch_dim : 0u);
-    return B * d + B * cfg.outlier_channels + 2 * d + B * m_out / 32;
+    const size_t m = std::max(cfg.key_sketch_dim, cfg.initial_layers ? cfg.initial_key_sketch_dim : 0u);
+    const size_t table_floats = cfg.outlier_channels ? 32 * std::max(m, m_out) + 1 : 0;
+    return B * d + B * cfg.outlier_channels + 2 * d + B * m_out / 32 + table_floats;
   }
   // qjl_quantize_block with the projections by the fast kernels (the same bits).
   static void quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block, float *scratch);
