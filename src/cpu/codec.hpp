@@ -10,7 +10,7 @@ namespace qjlkv::cpu {
 
 // Built once per layer when the cache is created (the methods' prepare()).
 struct LayerKernels {
-  QjlTables qjl_tables;  // QJL: what `qjl` points into (the sketch transposed, column codes)
+  QjlTables qjl_tables;  // QJL: what `qjl` points into (the sketch transposed)
   QjlArgs qjl;
   CodesArgs keys, values;
 };
