@@ -1,8 +1,8 @@
 // Append kernels: data validation, block quantization (QJL / KIVI / EXACT keys; values through
 // their policy types, values.cuh)
 // and the commit of block tables and tail tokens. Compiled with --fmad=false: the quantizers
-// reproduce the CPU backend's fp32 arithmetic operation by operation (and QJL's float64
-// corrections through the same quant_math.hpp functions), so sign bits, norms, corrections,
+// reproduce the CPU backend's fp32 arithmetic operation by operation (and QJL's corrections,
+// exact integer sums, through the same quant_math.hpp functions), so sign bits, norms, corrections,
 // outlier channels and codes come out bit-identical.
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
