@@ -110,11 +110,11 @@ void register_port_benchmarks() {
     const char *name;
     Probe probe;
   };
-  const auto register_all = [](const char *prefix, Probe base, std::initializer_list<Named> probes) {
+  const auto register_probes = [](const char *prefix, Probe base, std::initializer_list<Named> probes) {
     for (const Named &p : probes)
       benchmark::RegisterBenchmark((std::string(prefix) + p.name).c_str(), bm_port_probe, base, p.probe);
   };
-  register_all("VectorPorts/", adds_only,
+  register_probes("VectorPorts/", adds_only,
                {{"vpermb", probe_vpermb},
                 {"vpermw", probe_vpermw},
                 {"vpermt2b", probe_vpermt2b},
@@ -129,7 +129,7 @@ void register_port_benchmarks() {
                 {"masked_load", probe_masked_load},
                 {"vinserti64x4_load", probe_insert_load},
                 {"vbroadcasti32x4_load", probe_broadcast_load}});
-  register_all("VectorPorts/port5/", shuffles_only,
+  register_probes("VectorPorts/port5/", shuffles_only,
                {{"vpaddd", port5_vpaddd},
                 {"vpermw", port5_vpermw},
                 {"vpmultishiftqb", port5_vpmultishiftqb},

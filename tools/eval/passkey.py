@@ -15,6 +15,9 @@ Prefill work is shared: the haystack's K/V is computed once without the needle; 
 prompt of a depth reuses the K/V of the text before the needle and prefills the rest.
 
 python3 -m tools.eval.passkey [--model NAME] [--lengths 2048 4096] [--depths 8]
+
+Prototype formats that are not presets are run through the research module's --passkey
+option, which calls into this module (never the other way).
 """
 from __future__ import annotations
 
@@ -257,9 +260,6 @@ def main(argv=None) -> int:
     p.add_argument("--without", action="append", default=[],
                    help="leave out the configurations whose name contains this (repeatable)")
     p.add_argument("--quick", action="store_true", help="the 5 quick rows of tools.eval")
-    p.add_argument("--candidate", action="append", default=[], metavar="NAME",
-                   help="also run this row of tools/eval/research.py's `q3-params` set (exact "
-                        "name; repeatable), after the others")
     p.add_argument("--out", default="build-eval", help="output folder (default build-eval)")
     p.add_argument("--threads", type=int, default=1, help="qjlkv worker threads per cache")
     a = p.parse_args(argv)
@@ -267,13 +267,6 @@ def main(argv=None) -> int:
     if a.only:
         configs = [c for c in configs if any(o in c.name for o in a.only)]
     configs = [c for c in configs if not any(w in c.name for w in a.without)]
-    if a.candidate:
-        from .research import candidate_sets
-        candidates = {c.name: c for c in candidate_sets()["q3-params"]}
-        unknown = [n for n in a.candidate if n not in candidates]
-        if unknown:
-            p.error(f"no candidate {unknown[0]!r} in the q3-params set; known: {', '.join(candidates)}")
-        configs += [candidates[n] for n in a.candidate]
     paths = write(run(a.model, a.lengths, a.depths, configs, a.threads, out_dir=a.out), a.out)
     with open(paths["table"]) as f:
         sys.stdout.write(f.read())

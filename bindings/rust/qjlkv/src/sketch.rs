@@ -3,14 +3,15 @@ use std::ptr::{self, NonNull};
 
 use qjlkv_sys as sys;
 
-use crate::cache::Cache;
 use crate::error::{check, Error};
 
 /// The QJL sketch: an m x d `f32` matrix (m = rows, d = head_dim), immutable and shareable
 /// between threads (`Send + Sync`).
 ///
 /// An owned sketch comes from [`Sketch::new`] (`Sketch<'static>`) and is freed on drop. A
-/// borrowed one comes from [`Cache::sketch`] and cannot outlive its cache:
+/// borrowed one comes from `Cache::sketch` and cannot outlive its cache (the lifetime `'cache`
+/// is the cache's borrow; this module does not name the cache type, so that only the cache
+/// depends on the sketch):
 ///
 /// ```compile_fail
 /// let cache = qjlkv::Cache::new(&qjlkv::Config::preset("qjl", 1, 4, 2, 64)?)?;
@@ -42,7 +43,7 @@ pub struct Sketch<'cache> {
     rows: u32,
     cols: u32,
     owned: bool,
-    _cache: PhantomData<&'cache Cache>,
+    _cache: PhantomData<&'cache ()>,
 }
 
 // SAFETY: a sketch is immutable once created and the C contract makes it safe to use from
