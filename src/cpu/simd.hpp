@@ -22,7 +22,7 @@ namespace qjlkv::cpu {
 // software prefetch holds one of the core's few L1 miss buffers until its line arrives, and one
 // that finds none free stalls the core: half a block at once made kivi at 32k ≈ 12 % slower and
 // q4 ≈ 20 %, and with 32 tokens' value codes at once 18 % of the samples of q4's value sums fell
-// on the instruction after a prefetch (docs/PERFORMANCE.md, 2026-12-04). Blocks
+// on the instruction after a prefetch (docs/PERFORMANCE.md, "Tried and not kept"). Blocks
 // over kPrefetchedBlockBytes (16-bit keys) are left to the hardware, which streams them at full
 // rate. The last block of a run prefetches past it: prefetches never fault, so the address is
 // formed as an integer, not as a pointer past the buffer.

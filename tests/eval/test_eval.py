@@ -122,7 +122,7 @@ def test_headline_rows_count_bits_with_fp16_io(model):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_headline_tiers_fit_their_bit_budgets(head_dim):
-    """Issue 19's size goals for the q3/q4 headline rows: at most 3.0 and 4.0 bits per number
+    """The tiers' size goals for the q3/q4 headline rows: at most 3.0 and 4.0 bits per number
     at 8,192 tokens with fp16 I/O (stored sizes depend on the token count only, so random
     K/V of the two models' head sizes stand for theirs)."""
     rows = {c.name: c for c in headline_configurations()}

@@ -74,7 +74,7 @@ def headline_configurations(quick: bool = False) -> list[CacheConfig]:
             CacheConfig("llama.cpp q4_0, Hadamard", "q4_0", {"rotate": True}, group="llama.cpp",
                         anchor=True),
             *presets,
-            # blocks of 128 (the preset's 32): measured 2026-12-05, not shipped (docs/ACCURACY.md)
+            # blocks of 128 (the preset's 32): measured, not shipped (docs/ACCURACY.md, "Tried and not kept")
             library("qjl B128", "qjl", "qjl variants", block_tokens=128),
             library("q3 preset", "q3", "3- and 4-bit tiers"),
             library("q4 preset", "q4", "3- and 4-bit tiers"),

@@ -1,4 +1,4 @@
-"""Candidates for the 3-bit and 4-bit tiers (issue 19), prototyped as numpy caches.
+"""Candidates for the 3-bit and 4-bit tiers (the q3 and q4 presets), prototyped as numpy caches.
 
 A ResearchCache keeps the library's block/tail protocol (SPEC §6: whenever the tail holds
 ≥ R + B tokens its oldest B are quantized) and replaces each quantized block in place by
@@ -37,7 +37,7 @@ import numpy as np
 from .caches import ExactCache
 from .prototype import dequantized, fp16
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "research")
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "format-candidates")
 CONTEXT_8K = 8192
 
 
@@ -435,8 +435,8 @@ def candidate_sets() -> dict[str, list[ResearchConfig]]:
         C("T3c with R16", Format(channel(3), lm(2), sinks=4, residual=16), "tier 3"),
         C("T3c with R64", Format(channel(3), lm(2), sinks=4, residual=64), "tier 3 (over budget)"),
     ]
-    # QJL with its outlier channels as per-channel 4-bit codes, centered or not (issue 19's
-    # QJL improvements), on Qwen where plain QJL collapses.
+    # QJL with its outlier channels as per-channel 4-bit codes, centered or not, on Qwen,
+    # where plain QJL collapses.
     sets["qjl"] = [QjlPrototypeConfig(f"QJL m={m}, 8 outlier channels 4-bit{', centered' if c else ''}",
                                       {"m": m, "m_out": 0, "channels": 8, "outlier_bits": 4,
                                        "center": c})
@@ -447,7 +447,7 @@ def candidate_sets() -> dict[str, list[ResearchConfig]]:
                                          "T3e K ch3 B64 R16 S4, V lm2", "T4c K ch4 B128 S4, V lm3",
                                          "T4e K ch4 B64 R16 S4, V lm3",
                                          "T3i K centered rot-lm3 B128 S4, V lm2")]
-    # The 3-bit tier's pass-key misses on SmolLM2 (issue 19): parameter changes of the
+    # The 3-bit tier's pass-key misses on SmolLM2: parameter changes of the
     # library's `q3` format, through the library. Seeds 1 and 2 draw other value rotations
     # (the format is unchanged): whether a miss is the format's or one draw's. The rows are
     # spelled out from the first `q3` (blocks of 128, tail 32, 4 sinks) so that they keep
