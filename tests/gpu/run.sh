@@ -8,7 +8,7 @@
 #   1. build for sm_90: the library, the GPU tests (when GoogleTest is installed), the benchmark
 #   2. GPU tests: the CUDA backend against the CPU backend (tests/gpu/test_cuda_backend.cpp)
 #   3. compute-sanitizer: memcheck on a short run of the tests, racecheck and synccheck on one test
-#   4. benchmarks: bench_gpu.cu (q3/q4/qjl/kivi/exact, contexts 4k..128k, batch 1 and 32, copy
+#   4. benchmarks: bench/gpu/bench_gpu.cu (q3/q4/qjl/kivi/exact, contexts 4k..128k, batch 1 and 32, copy
 #      bandwidth, append throughput, export/import of one layer) and torch SDPA on a bf16 cache
 #      when torch is importable
 #
@@ -83,7 +83,7 @@ targets=(qjlkv_static)
 [ "$have_tests" = 1 ] && targets+=(qjlkv_test_gpu)
 step build build 200 cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}" || true
 BENCH=$BUILD/bench_gpu
-step build-bench build 60 nvcc -O3 -std=c++17 -arch=sm_90 -I"$ROOT/include" "$ROOT/tests/gpu/bench_gpu.cu" \
+step build-bench build 60 nvcc -O3 -std=c++17 -arch=sm_90 -I"$ROOT/include" "$ROOT/bench/gpu/bench_gpu.cu" \
   "$BUILD/libqjlkv.a" -o "$BENCH" -lpthread -ldl -lrt || true
 
 # ---- 2. GPU tests ----
@@ -135,7 +135,7 @@ else
   failures=$((failures + 1))
 fi
 if command -v python3 >/dev/null; then
-  step bench-sdpa bench 60 python3 "$ROOT/tests/gpu/bench_sdpa.py" || true
+  step bench-sdpa bench 60 python3 "$ROOT/bench/gpu/bench_sdpa.py" || true
 else
   note "     (no python3: the torch SDPA baseline is skipped)"
 fi

@@ -1,11 +1,11 @@
-"""Decode attention with torch SDPA on a dense bf16 cache: the baseline of tests/gpu/bench_gpu.cu.
+"""Decode attention with torch SDPA on a dense bf16 cache: the baseline of bench/gpu/bench_gpu.cu.
 
 Same shape (32 query heads, 8 kv heads, head_dim 128), contexts and batches; the GQA group of a
 kv head is passed as 4 query positions of that head (no mask: one decode step), so K and V are
 read once and never expanded. Prints lines in bench_gpu's format; exits 0 with a note when
 torch or a GPU is missing.
 
-    python3 tests/gpu/bench_sdpa.py [--quick]
+    python3 bench/gpu/bench_sdpa.py [--quick]
 """
 import sys
 
