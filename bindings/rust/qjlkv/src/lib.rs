@@ -1,5 +1,6 @@
-//! Safe Rust API for libqjlkv: an LLM key/value cache stored compressed (QJL sign sketches,
-//! KIVI or OTT keys, 2/4/8-bit values) with decode attention computed directly on the
+//! Safe Rust API for libqjlkv: an LLM key/value cache stored compressed (by default `q3`:
+//! 3-bit per-channel keys and rotated 2-bit values, about 3 bits per number; `q4` about 4;
+//! the QJL, KIVI and OTT methods as published) with decode attention computed directly on the
 //! compressed bytes.
 //!
 //! - [`Config`]: a preset (`"q3"`, `"q4"`, `"qjl"`, `"kivi"`, `"ott"`, `"exact"`) for a model shape, refined
@@ -19,7 +20,7 @@
 //!
 //! # fn main() -> Result<(), qjlkv::Error> {
 //! let (layers, q_heads, kv_heads, head_dim) = (2, 8, 2, 64);
-//! let mut cache = Cache::new(&Config::preset("qjl", layers, q_heads, kv_heads, head_dim)?)?;
+//! let mut cache = Cache::new(&Config::preset("q3", layers, q_heads, kv_heads, head_dim)?)?;
 //! let kv = cache.shape().kv_token_len();
 //! let q = cache.shape().q_token_len();
 //!
