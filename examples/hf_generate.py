@@ -8,9 +8,14 @@ once with transformers' exact DynamicCache and once with a ``qjlkv.hf.QJLCache``
 decoding steps run the library's fused attention on the compressed cache. It prints both
 answers, the cache memory and the decode speed of each.
 
-    python examples/hf_generate.py                      # preset "ott" with 4-bit keys and values
-    python examples/hf_generate.py --preset qjl         # the ~3-bit default (lossy on this model)
-    python examples/hf_generate.py --preset exact --set key_bits=16
+    python examples/hf_generate.py                      # the default preset, q3 (about 3 bits)
+    python examples/hf_generate.py --preset q4          # about 4 bits, closer to the exact cache
+    python examples/hf_generate.py --preset ott --set key_bits=4 --set value_bits=4
+
+The cache stores the model's own dtype (float32 here). Its first 16 tokens (attention sinks)
+and newest 16 to 79 (the tail) stay exact, so a ~1000-token prompt costs more bits per number
+than a long context: q3 stores 2.98 bits at 8,192 tokens with fp16 K/V on this model
+(docs/ACCURACY.md).
 """
 
 import argparse
@@ -91,17 +96,16 @@ def generate(model, prompt: torch.Tensor, cache, new_tokens: int) -> tuple[torch
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="ott", help="qjlkv preset: qjl, kivi, ott, exact (default ott)")
+    p.add_argument("--preset", default="q3",
+                   help="qjlkv preset: q3 (the default), q4, qjl, kivi, ott, exact")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=N",
-                   help="a qjlkv.Config field (default with ott: key_bits=4 value_bits=4)")
+                   help="change a qjlkv.Config field of the preset, e.g. key_bits=4 (repeatable)")
     p.add_argument("--tokens", type=int, default=12, help="tokens to generate (default 12)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads of torch and of the library alike (default 1, so speeds compare)")
     args = p.parse_args()
     fields = dict(kv.split("=", 1) for kv in args.set)
     fields = {name: int(value) for name, value in fields.items()}
-    if args.preset == "ott" and not args.set:
-        fields = {"key_bits": 4, "value_bits": 4}
     torch.set_num_threads(args.threads)
     fields.setdefault("num_threads", args.threads)  # the library's worker threads
 
@@ -126,6 +130,9 @@ def main() -> None:
           f"{stats['bytes_fp16_equivalent'] / 2**20:.2f} MiB at fp16; "
           f"QJLCache {stats['bytes_used'] / 2**20:.2f} MiB ({stats['bits_per_number']:.2f} bits per number, "
           f"{stats['compression_ratio']:.2f}x smaller than fp16)")
+    exact_bits = 8 * stats["bytes_full_precision"] / (stats["bytes_fp16_equivalent"] / 2)
+    print(f"  of those bits, {exact_bits:.2f} are the sink and tail tokens, kept exact in the model's "
+          "float32: a fixed cost that longer contexts spread thin")
     print(f"decode speed: DynamicCache {dense_rate:.1f} tokens/s, QJLCache {qjl_rate:.1f} tokens/s "
           f"({args.threads} thread{'s' if args.threads > 1 else ''} each)")
 

@@ -11,7 +11,7 @@
  *   kv_transfer decode FILE N [PRESET]  a second process: imports FILE, decodes N tokens, prints them
  *   kv_transfer both N [PRESET]         one process doing both (the reference)
  *
- * The tokens printed by "decode" equal those of "both" (tests/CMakeLists.txt checks it for
+ * The tokens printed by "decode" equal those of "both" (examples/CMakeLists.txt checks it for
  * every preset).
  */
 #include <math.h>
@@ -122,7 +122,7 @@ int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "";
   init_weights();
   if (strcmp(mode, "prefill") == 0 && argc >= 3) {
-    qjlkv_cache *c = make_cache(argc > 3 ? argv[3] : "qjl");
+    qjlkv_cache *c = make_cache(argc > 3 ? argv[3] : "q3");
     const uint32_t next = prefill(c);
     FILE *f = fopen(argv[2], "wb");
     if (!f) return perror(argv[2]), 1;
@@ -143,7 +143,7 @@ int main(int argc, char **argv) {
     return 0;
   }
   if (strcmp(mode, "decode") == 0 && argc >= 4) {
-    qjlkv_cache *c = make_cache(argc > 4 ? argv[4] : "qjl");
+    qjlkv_cache *c = make_cache(argc > 4 ? argv[4] : "q3");
     FILE *f = fopen(argv[2], "rb");
     if (!f) return perror(argv[2]), 1;
     uint32_t next = 0;
@@ -155,14 +155,14 @@ int main(int argc, char **argv) {
     return 0;
   }
   if (strcmp(mode, "both") == 0 && argc >= 3) {
-    qjlkv_cache *c = make_cache(argc > 3 ? argv[3] : "qjl");
+    qjlkv_cache *c = make_cache(argc > 3 ? argv[3] : "q3");
     decode(c, prefill(c), atoi(argv[2]));
     qjlkv_cache_destroy(c);
     return 0;
   }
   fprintf(stderr,
           "usage: %s prefill FILE [PRESET] | decode FILE N [PRESET] | both N [PRESET]\n"
-          "  (PRESET: q3, q4, qjl, kivi, ott or exact; default qjl)\n",
+          "  (PRESET: q3, q4, qjl, kivi, ott or exact; default q3)\n",
           argv[0]);
   return 2;
 }

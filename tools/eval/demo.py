@@ -112,7 +112,8 @@ def main(argv=None) -> int:
           f"{st['bytes_used'] * mib:.2f} MiB = {st['bits_per_number']:.2f} bits per number "
           f"({st['bytes_fp16_equivalent'] / st['bytes_used']:.1f}x smaller; "
           f"{8 * st['bytes_full_precision'] / (st['bytes_fp16_equivalent'] / 2):.2f} of those bits "
-          f"are the first and newest tokens, kept exact in {fields['dtype']})")
+          f"are the first and newest tokens, kept exact in {fields['dtype']}: a fixed cost that longer "
+          f"contexts spread thin)")
     print(f"Next-token KL(exact || {label}) along the exact text: mean {r['kl'].mean():.3g}, "
           f"max {r['kl'].max():.3g} nats; top-1 agreement {100 * r['top1']:.0f} %; "
           f"the two texts agree for the first {same} tokens.")
