@@ -104,6 +104,20 @@ class CudaCache final : public qjlkv_cache {
     return it == map.end() ? 0 : it->second.length;
   }
   void clear(uint32_t seq) override;
+  // Sequence operations: not yet on device memory.
+  void truncate(uint32_t, uint64_t) override { fail(QJLKV_ERROR_UNSUPPORTED, "truncate: not yet on CUDA caches"); }
+  void fork(uint32_t, uint32_t, uint64_t) override { fail(QJLKV_ERROR_UNSUPPORTED, "fork: not yet on CUDA caches"); }
+  uint64_t bytes_needed(uint32_t, uint32_t) const override {
+    fail(QJLKV_ERROR_UNSUPPORTED, "bytes_needed: not yet on CUDA caches");
+  }
+  void sequence_bytes(uint32_t, uint64_t &, uint64_t &) const override {
+    fail(QJLKV_ERROR_UNSUPPORTED, "sequence_bytes: not yet on CUDA caches");
+  }
+  uint64_t bytes_used() const override {
+    qjlkv_stats st{};
+    stats(st);
+    return st.bytes_keys_quantized + st.bytes_values_quantized + st.bytes_full_precision + st.bytes_metadata;
+  }
   void stats(qjlkv_stats &out) const override;
   void set_stream(void *stream) override;
   void set_workers(std::shared_ptr<ThreadPool> workers) override {
@@ -925,6 +939,7 @@ class CudaImport final : public PortableImport {
     check_cuda(cudaStreamSynchronize(cache_.stream_), "cudaStreamSynchronize (import)");
   }
   // The C layer checked that the layers hold no tokens: no record with slots is replaced.
+  uint64_t bytes_added() const override { return 0; }
   void commit() noexcept override {
     layers_.commit([this](uint32_t layer) -> auto & { return cache_.layers_[layer].seqs; });
   }

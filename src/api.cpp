@@ -49,8 +49,15 @@ void require_room(const qjlkv_cache *c, uint32_t layer, uint32_t seq, uint32_t n
 }
 
 // Every size of qjlkv_stats that a release shipped, oldest first (see qjlkv_config's in config.cpp).
-constexpr uint32_t kStatsSizes[] = {QJLKV_STATS_SIZE_0_1};
-static_assert(sizeof(qjlkv_stats) == QJLKV_STATS_SIZE_0_1, "qjlkv_stats grew: list the new size in kStatsSizes");
+constexpr uint32_t kStatsSizes[] = {QJLKV_STATS_SIZE_0_1, uint32_t(sizeof(qjlkv_stats))};
+static_assert(offsetof(qjlkv_stats, bytes_rollback) == QJLKV_STATS_SIZE_0_1, "0.4's fields start after 0.3's struct");
+
+// The most positions any layer of seq holds.
+uint64_t longest_layer(const qjlkv_cache *c, uint32_t seq) {
+  uint64_t longest = 0;
+  for (uint32_t l = 0; l < c->spec().cfg.num_layers; ++l) longest = std::max(longest, c->length(l, seq));
+  return longest;
+}
 
 float resolve_scale(const qjlkv_cache *c, float scale) {
   QJLKV_REQUIRE(std::isfinite(scale), "scale is %g, must be finite (<= 0 selects 1/sqrt(head_dim))", double(scale));
@@ -78,6 +85,7 @@ const char *qjlkv_status_string(qjlkv_status status) {
     case QJLKV_ERROR_DEVICE: return "QJLKV_ERROR_DEVICE";
     case QJLKV_ERROR_CORRUPT_DATA: return "QJLKV_ERROR_CORRUPT_DATA";
     case QJLKV_ERROR_INTERNAL: return "QJLKV_ERROR_INTERNAL";
+    case QJLKV_ERROR_MEMORY_BUDGET: return "QJLKV_ERROR_MEMORY_BUDGET";
   }
   return "unknown status";
 }
@@ -323,6 +331,51 @@ qjlkv_status qjlkv_cache_clear_sequence(qjlkv_cache *c, uint32_t seq) {
   });
 }
 
+qjlkv_status qjlkv_cache_truncate(qjlkv_cache *c, uint32_t seq, uint64_t length) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    const uint64_t longest = longest_layer(c, seq);
+    QJLKV_REQUIRE(length <= longest, "length is %llu, but seq %u holds at most %llu positions in a layer",
+                  (unsigned long long)length, seq, (unsigned long long)longest);
+    if (length < longest) c->truncate(seq, length);
+  });
+}
+
+qjlkv_status qjlkv_cache_fork(qjlkv_cache *c, uint32_t src_seq, uint32_t dst_seq, uint64_t length) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    QJLKV_REQUIRE(src_seq != dst_seq, "src_seq and dst_seq are both %u: a sequence cannot be forked into itself",
+                  src_seq);
+    const uint64_t dst_length = longest_layer(c, dst_seq);
+    QJLKV_REQUIRE(dst_length == 0, "dst_seq %u holds %llu positions: fork needs an empty sequence", dst_seq,
+                  (unsigned long long)dst_length);
+    const uint64_t longest = longest_layer(c, src_seq);
+    QJLKV_REQUIRE(length <= longest, "length is %llu, but src_seq %u holds at most %llu positions in a layer",
+                  (unsigned long long)length, src_seq, (unsigned long long)longest);
+    if (length > 0) c->fork(src_seq, dst_seq, length);
+  });
+}
+
+qjlkv_status qjlkv_cache_bytes_needed(const qjlkv_cache *c, uint32_t seq, uint32_t n_tokens, uint64_t *out) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    require_pointer(out, "out");
+    QJLKV_REQUIRE(longest_layer(c, seq) + n_tokens <= UINT32_MAX,
+                  "n_tokens is %u: seq %u would exceed 2^32 - 1 positions", n_tokens, seq);
+    *out = n_tokens == 0 ? 0 : c->bytes_needed(seq, n_tokens);
+  });
+}
+
+qjlkv_status qjlkv_cache_sequence_bytes(const qjlkv_cache *c, uint32_t seq, uint64_t *bytes, uint64_t *shared) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    uint64_t held = 0, held_by_others_too = 0;
+    c->sequence_bytes(seq, held, held_by_others_too);
+    if (bytes) *bytes = held;
+    if (shared) *shared = held_by_others_too;
+  });
+}
+
 qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out) {
   return guarded([&] {
     require_pointer(c, "c");
@@ -332,7 +385,11 @@ qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out) {
     qjlkv_stats full{};
     c->stats(full);
     full.bytes_used = full.bytes_keys_quantized + full.bytes_values_quantized + full.bytes_full_precision +
-                      full.bytes_metadata;
+                      full.bytes_metadata + full.bytes_rollback;
+    // The running count that the budget checks read must be what a full count gives.
+    if (full.bytes_used != c->bytes_used())
+      fail(QJLKV_ERROR_INTERNAL, "the cache counts %llu bytes used, its contents hold %llu",
+           (unsigned long long)c->bytes_used(), (unsigned long long)full.bytes_used);
     const uint64_t numbers = full.tokens * c->spec().cfg.num_kv_heads * c->spec().cfg.head_dim * 2;  // K and V
     full.bytes_fp16_equivalent = numbers * 2;
     full.bits_per_number = numbers ? double(full.bytes_used) * 8.0 / double(numbers) : 0.0;

@@ -52,6 +52,8 @@ class PortableImport {
   // Waits for the writes a backend copies asynchronously (their buffers were copied already);
   // throws like the writes. Called once, after the last write and before commit().
   virtual void flush() {}
+  // The growth of bytes_used that commit() will bring (the budget check of an import).
+  virtual uint64_t bytes_added() const = 0;
   // Makes every added layer of the sequence visible; the target layers must still be empty.
   virtual void commit() noexcept = 0;
 };
@@ -80,6 +82,8 @@ class StagedLayers {
   Layer &back() { return layers_.back(); }
   auto begin() { return layers_.begin(); }
   auto end() { return layers_.end(); }
+  auto begin() const { return layers_.begin(); }
+  auto end() const { return layers_.end(); }
   // map_of(layer): the backend's map of that layer, with a bucket reserved for the record. An
   // empty record of the sequence there is replaced (the C layer checked that it holds no tokens).
   template <class MapOf>
@@ -124,6 +128,16 @@ struct qjlkv_cache {
   // Length of (layer, seq); 0 when absent.
   virtual uint64_t length(uint32_t layer, uint32_t seq) const = 0;
   virtual void clear(uint32_t seq) = 0;
+  // Sequence operations (qjlkv.h, "Sequence operations"); the C layer checked the ids and that
+  // `length` is within the sequence's longest layer (fork: dst holds nothing, dst != src).
+  virtual void truncate(uint32_t seq, uint64_t length) = 0;
+  virtual void fork(uint32_t src, uint32_t dst, uint64_t length) = 0;
+  // The growth of bytes_used when n_tokens are appended to seq in every layer.
+  virtual uint64_t bytes_needed(uint32_t seq, uint32_t n_tokens) const = 0;
+  // What seq holds in all layers, shared blocks included, and the part of it others hold too.
+  virtual void sequence_bytes(uint32_t seq, uint64_t &bytes, uint64_t &shared) const = 0;
+  // stats' bytes_used, kept current by every operation (the budget checks read it per call).
+  virtual uint64_t bytes_used() const = 0;
   // Fills tokens, bytes_reserved and the per-component byte counts; the C layer derives
   // bytes_used, bytes_fp16_equivalent and bits_per_number from them.
   virtual void stats(qjlkv_stats &out) const = 0;
@@ -155,6 +169,16 @@ struct qjlkv_cache {
 };
 
 namespace qjlkv {
+
+// Refuses, with QJLKV_ERROR_MEMORY_BUDGET, an operation that would take bytes_used above the
+// config's memory_budget by adding `added` bytes.
+inline void require_budget(const qjlkv_cache &c, uint64_t added, const char *what) {
+  const uint64_t budget = c.spec().cfg.memory_budget, used = c.bytes_used();
+  if (budget != 0 && added > 0 && (used > budget || added > budget - used))
+    fail(QJLKV_ERROR_MEMORY_BUDGET,
+         "%s needs %llu more bytes; the cache holds %llu of its memory_budget of %llu bytes", what,
+         (unsigned long long)added, (unsigned long long)used, (unsigned long long)budget);
+}
 
 std::unique_ptr<qjlkv_cache> make_cpu_cache(CacheSpec spec);
 // Throws Error(UNSUPPORTED) in builds without CUDA or without a usable device.

@@ -39,9 +39,11 @@ void check_shape(uint32_t num_layers, uint32_t num_q_heads, uint32_t num_kv_head
 }  // namespace
 
 // Every size of qjlkv_config that a release shipped, oldest first. 0.2 appended `backend` after
-// 0.1's tail padding, which became the named field unused_0_1.
-constexpr uint32_t kConfigSizes[] = {QJLKV_CONFIG_SIZE_0_1, uint32_t(sizeof(qjlkv_config))};
+// 0.1's tail padding, which became the named field unused_0_1; 0.4 appended memory_budget after
+// 0.3's, which became unused_0_3.
+constexpr uint32_t kConfigSizes[] = {QJLKV_CONFIG_SIZE_0_1, QJLKV_CONFIG_SIZE_0_3, uint32_t(sizeof(qjlkv_config))};
 static_assert(offsetof(qjlkv_config, backend) == QJLKV_CONFIG_SIZE_0_1, "0.2's fields start after 0.1's struct");
+static_assert(offsetof(qjlkv_config, memory_budget) == QJLKV_CONFIG_SIZE_0_3, "0.4's fields start after 0.3's struct");
 
 namespace {
 
@@ -65,6 +67,7 @@ qjlkv_config complete_config(const qjlkv_config &cfg) {
   std::memcpy(&full, &cfg, cfg.struct_size);
   full.struct_size = sizeof full;
   full.unused_0_1 = 0;
+  full.unused_0_3 = 0;
   if (cfg.struct_size == QJLKV_CONFIG_SIZE_0_1) {
     const int32_t device = legacy_device(cfg);
     QJLKV_REQUIRE(device >= -1,
@@ -83,6 +86,7 @@ void write_caller_config(qjlkv_config &dst, const qjlkv_config &full) {
   qjlkv_config out = full;
   out.struct_size = size;
   out.unused_0_1 = 0;
+  out.unused_0_3 = 0;
   if (size == QJLKV_CONFIG_SIZE_0_1) {
     switch (backend_of(full)) {
       case QJLKV_BACKEND_CPU: set_legacy_device(out, -1); break;
@@ -128,6 +132,10 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
   cfg.num_threads = 0;
   cfg.value_method = QJLKV_VALUES_UNIFORM;
   cfg.sink_tokens = 0;
+  // Exact rollback of the draft lengths engines use for speculative decoding (Hugging Face's
+  // assisted decoding starts at 20 and grows to at most its cap).
+  cfg.rollback_tokens = 32;
+  cfg.memory_budget = 0;
   if (name.empty() || name == "q3" || name == "q4") {
     // The tiers (docs/ACCURACY.md, "Goal table"): per-channel 3- or 4-bit keys, the first tokens
     // exact (attention sinks), rotated 2- or 3-bit Lloyd-Max values. The 3-bit tier takes blocks
@@ -187,6 +195,8 @@ void validate_config(const qjlkv_config &caller_cfg) {
   QJLKV_REQUIRE(cfg.value_method == QJLKV_VALUES_UNIFORM || cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX,
                 "config.value_method is %u, must be a qjlkv_value_method", cfg.value_method);
   with_value_method(cfg.value_method, [&](auto values) { values.validate(cfg); });
+  QJLKV_REQUIRE(cfg.rollback_tokens <= QJLKV_MAX_ROLLBACK_TOKENS, "config.rollback_tokens is %u, must be <= %u",
+                cfg.rollback_tokens, QJLKV_MAX_ROLLBACK_TOKENS);
   QJLKV_REQUIRE(cfg.sink_tokens <= QJLKV_MAX_RESIDUAL_TOKENS, "config.sink_tokens is %u, must be <= %u", cfg.sink_tokens,
                 QJLKV_MAX_RESIDUAL_TOKENS);
   QJLKV_REQUIRE(cfg.num_threads <= QJLKV_MAX_THREADS, "config.num_threads is %u, must be <= %u (0 = cores available)",

@@ -30,6 +30,47 @@ inline AppendSplit split_append(const qjlkv_config &cfg, uint32_t sinks, uint64_
   return s;
 }
 
+// Blocks a sequence of `length` positions holds: the tail rule above, applied from scratch.
+inline uint32_t blocks_at(const qjlkv_config &cfg, uint64_t length) {
+  const uint64_t past_sinks = length > cfg.sink_tokens ? length - cfg.sink_tokens : 0;
+  const uint64_t R = cfg.residual_tokens, B = cfg.block_tokens;
+  return past_sinks >= R + B ? uint32_t((past_sinks - R) / B) : 0;
+}
+
+// The rollback floor (qjlkv.h, "Sequence operations") after an append takes a sequence whose floor
+// is `floor` to new_length positions. The backends keep exact copies of blocks
+// [blocks_at(floor), blocks) of every sequence.
+inline uint64_t rollback_floor_after(const qjlkv_config &cfg, uint64_t floor, uint64_t new_length) {
+  const uint64_t D = cfg.rollback_tokens;
+  return std::max(floor, new_length > D ? new_length - D : 0);
+}
+
+// Bytes both backends count alike (qjlkv_cache_stats): one block of every kv head; one rollback
+// copy (the block's exact keys and values, and on traced layers each head's OTT pool from before
+// it); the exact rows of a record (sinks, tail, and a traced layer's whole pool and spill area).
+inline size_t block_slot_bytes(const CacheSpec &spec, uint32_t layer) {
+  return spec.layers[layer].layout.stride * spec.cfg.num_kv_heads;
+}
+inline size_t rollback_copy_bytes(const CacheSpec &spec, uint32_t layer) {
+  const qjlkv_config &cfg = spec.cfg;
+  const size_t token = size_t(cfg.num_kv_heads) * cfg.head_dim * spec.tail_elem;
+  const size_t rows = 2 * size_t(cfg.block_tokens) * token;
+  if (!spec.layers[layer].traced) return rows;
+  const size_t slot = 2 * size_t(cfg.head_dim) * spec.io_elem + sizeof(uint32_t) + sizeof(float);
+  return rows + size_t(cfg.num_kv_heads) * cfg.outlier_tokens * slot;
+}
+inline uint64_t exact_row_bytes(const CacheSpec &spec, uint32_t layer, uint64_t sinks, uint64_t tail_tokens) {
+  const qjlkv_config &cfg = spec.cfg;
+  const uint64_t token = uint64_t(cfg.num_kv_heads) * cfg.head_dim * spec.tail_elem;
+  uint64_t bytes = 2 * (sinks + tail_tokens) * token;
+  if (spec.layers[layer].traced) {  // K, V and position per slot, a norm per pool slot
+    const uint64_t slots = uint64_t(cfg.outlier_tokens) + cfg.outlier_spill_tokens;
+    bytes += cfg.num_kv_heads * (slots * (2 * uint64_t(cfg.head_dim) * spec.io_elem + sizeof(uint32_t)) +
+                                 uint64_t(cfg.outlier_tokens) * sizeof(float));
+  }
+  return bytes;
+}
+
 // OTT's exact outlier tokens of one (sequence, kv head) as a backend keeps them: slots
 // [0, pool) are the pool, [pool_tokens, pool_tokens + spilled) the spill area.
 struct OutlierRows {

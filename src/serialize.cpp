@@ -700,6 +700,7 @@ void import_stream(qjlkv_cache *c, uint32_t seq, Reader &in) {
   if (get32(trailer) != computed)
     corrupt("the checksum is 0x%08x, the stream's bytes give 0x%08x", get32(trailer), computed);
   staging->flush();
+  require_budget(*c, staging->bytes_added(), "the import");
   staging->commit();
 }
 

@@ -162,7 +162,10 @@ typedef enum qjlkv_status {
   QJLKV_ERROR_DEVICE = 4,           /* the CUDA runtime reported an error    */
   QJLKV_ERROR_CORRUPT_DATA = 5,     /* a serialized stream (or internal
                                        state) failed a consistency check      */
-  QJLKV_ERROR_INTERNAL = 6          /* a bug in the library: please report it */
+  QJLKV_ERROR_INTERNAL = 6,         /* a bug in the library: please report it */
+  QJLKV_ERROR_MEMORY_BUDGET = 7     /* the call would take the cache's bytes_used
+                                       above config.memory_budget; nothing
+                                       changed (free or preempt, then retry)  */
 } qjlkv_status;
 
 /* A static, constant name for a status ("QJLKV_OK", ...); "unknown status"
@@ -212,6 +215,7 @@ typedef enum qjlkv_backend {
 #define QJLKV_MAX_RESIDUAL_TOKENS 65536u /* config.residual_tokens            */
 #define QJLKV_MAX_SPILL_TOKENS 4096u     /* config.outlier_spill_tokens       */
 #define QJLKV_MAX_THREADS 1024u          /* config.num_threads                */
+#define QJLKV_MAX_ROLLBACK_TOKENS 65536u /* config.rollback_tokens            */
 
 /* How values are stored once their block is quantized (config.value_method,
  * a uint32_t holding one of these). Append-only: values never change meaning. */
@@ -283,6 +287,7 @@ QJLKV_API void qjlkv_sketch_destroy(qjlkv_sketch *s);
  * so a program built against 0.1 keeps working (provided it set struct_size,
  * which 0.1 did not require of qjlkv_config_init: packaging/VERSIONING.md). */
 #define QJLKV_CONFIG_SIZE_0_1 112u
+#define QJLKV_CONFIG_SIZE_0_3 128u /* 0.2's and 0.3's struct: fields up to sink_tokens */
 typedef struct qjlkv_config {
   uint32_t struct_size;          /* sizeof(qjlkv_config), set by the caller   */
   uint32_t num_layers;           /* [1, QJLKV_MAX_LAYERS]                     */
@@ -335,6 +340,19 @@ typedef struct qjlkv_config {
                                     stay exact (attention sinks),
                                     <= QJLKV_MAX_RESIDUAL_TOKENS; 0 for a
                                     0.1-sized struct                          */
+  uint32_t unused_0_3;           /* the tail padding of 0.3's struct: never
+                                    read, written as 0                        */
+  /* --- added in 0.4 --- */
+  uint64_t memory_budget;        /* the most bytes_used (qjlkv_cache_stats)
+                                    the cache may hold; 0 = no budget. See
+                                    "Sequence operations"                     */
+  uint32_t rollback_tokens;      /* D: truncating a sequence by up to D
+                                    positions is exact (see
+                                    qjlkv_cache_truncate), at the cost of
+                                    keeping exact copies of the blocks it may
+                                    undo (stats.bytes_rollback);
+                                    <= QJLKV_MAX_ROLLBACK_TOKENS; 32 in every
+                                    preset, 0 for an older struct             */
 } qjlkv_config;
 
 /* Fills the first cfg->struct_size bytes of *cfg with the defaults of the
@@ -552,7 +570,8 @@ QJLKV_API qjlkv_status qjlkv_cache_clear_sequence(qjlkv_cache *c, uint32_t seq);
 
 /* Memory accounting. Every stored byte is counted: sign bits, norms, outlier
  * indices and corrections, key/value codes, scales and minima, full-precision tails, OTT pools
- * and spill areas, per-block metadata. Capacity held but unused is counted
+ * and spill areas (whole, as allocated when the sequence is created), per-block metadata, the
+ * rollback copies; bytes shared by forked sequences once. Capacity held but unused is counted
  * apart in bytes_reserved (>= bytes_used). Not cache data, so not counted:
  * the sketches (one per QJL layer, max(m, m_out) x head_dim floats, plus a
  * transposed copy on the CPU or a device copy on CUDA, and on CPUs with AVX2
@@ -560,7 +579,7 @@ QJLKV_API qjlkv_status qjlkv_cache_clear_sequence(qjlkv_cache *c, uint32_t seq);
  * the scratch buffers of append/attend, which grow to the largest call and
  * are kept for the next.
  * Growing struct: see "Growing structs" at the top. */
-#define QJLKV_STATS_SIZE_0_1 80u
+#define QJLKV_STATS_SIZE_0_1 80u /* 0.1's to 0.3's struct: fields up to bytes_metadata */
 typedef struct qjlkv_stats {
   uint32_t struct_size;          /* sizeof(qjlkv_stats), set by the caller    */
   uint64_t tokens;               /* cached positions, all layers and seqs     */
@@ -574,11 +593,94 @@ typedef struct qjlkv_stats {
   uint64_t bytes_values_quantized;
   uint64_t bytes_full_precision; /* tails, OTT pools and spill areas          */
   uint64_t bytes_metadata;       /* per-sequence bookkeeping                  */
+  /* --- added in 0.4 --- */
+  uint64_t bytes_rollback;       /* exact copies of recently quantized blocks
+                                    kept for exact truncation
+                                    (config.rollback_tokens); a part of
+                                    bytes_used                                */
+  uint64_t bytes_shared;         /* the part of bytes_used held by more than
+                                    one sequence (forks), counted once        */
 } qjlkv_stats;
 
 /* Fills the first out->struct_size bytes of *out (see "Growing structs").
  * Errors: INVALID_ARGUMENT (NULL, a struct_size that is not a shipped size). */
 QJLKV_API qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out);
+
+/* ===========================================================================
+ * Sequence operations: rollback, fork, memory budget
+ * ======================================================================== */
+/* What serving engines do to a cache besides appending: speculative decoding
+ * appends draft tokens and drops the rejected ones (truncate); prefix caching,
+ * parallel sampling and beam search let sequences share a prompt (fork);
+ * schedulers admit and preempt requests by memory (the budget calls). Each is
+ * all-or-nothing, like append.
+ *
+ * Quantized blocks are reference counted: a fork shares them, and nothing
+ * shared is ever rewritten (a sequence that appends after a fork writes its
+ * new blocks elsewhere), so operations on one sequence never change another.
+ *
+ * The rollback floor. Each (layer, sequence) has a floor F: the largest
+ * length - config.rollback_tokens it has had after an append (0 after its
+ * creation), raised to n by a truncate below it to n (see below), equal to the
+ * length after an import, and copied by a fork. The cache keeps exact copies
+ * of the quantized blocks that a truncate to any n >= F would reopen
+ * (stats.bytes_rollback): at most rollback_tokens + block_tokens positions a
+ * layer, none once the blocks lie below F. */
+
+/* Keeps the first min(length, its length) positions of every layer of seq.
+ * Exact: truncating a layer to n >= its rollback floor leaves it bit for bit
+ * as if the positions beyond n had never been appended: attend, scores,
+ * reconstruct, export and every later append give what they would have given
+ * (only the floor is not lowered). Speculative decoding, which appends at
+ * most rollback_tokens draft tokens and truncates back to no less than the
+ * accepted length, always stays within it.
+ * Deeper (n below the floor): positions [0, n) are kept; those of quantized
+ * blocks that must reopen into the exact tail and have no exact copy are kept
+ * as their reconstruction (qjlkv_cache_reconstruct) stored in cfg.dtype
+ * (clamped to its finite range), and OTT pool and spill tokens from those
+ * blocks leave the pool. Attention afterwards equals attention over the
+ * reconstruction of [0, n). The floor becomes n.
+ * length 0 empties the sequence (as qjlkv_cache_clear_sequence).
+ * Never refused for the memory budget (it can raise bytes_used, when the
+ * exact copies it reopens are shared with a fork).
+ * Errors: INVALID_ARGUMENT (c == NULL, length above the longest layer of seq),
+ * OUT_OF_MEMORY. On failure nothing changed. */
+QJLKV_API qjlkv_status qjlkv_cache_truncate(qjlkv_cache *c, uint32_t seq, uint64_t length);
+
+/* The empty sequence dst_seq becomes the first `length` positions of src_seq
+ * in every layer src_seq holds (min(length, that layer's length) each):
+ * exactly fork with src_seq's whole length followed by
+ * qjlkv_cache_truncate(c, dst_seq, length). dst_seq shares src_seq's quantized
+ * blocks and rollback copies (no compressed byte is copied: the cost is
+ * bookkeeping per block) and gets copies of the exact rows: sinks, tail, OTT
+ * pools. A fork of a whole sequence then decodes, appends and exports exactly
+ * as a sequence fed the same tokens.
+ * Errors: INVALID_ARGUMENT (c == NULL, dst_seq == src_seq, dst_seq holds
+ * tokens, length above the longest layer of src_seq), OUT_OF_MEMORY,
+ * MEMORY_BUDGET. On failure nothing changed. */
+QJLKV_API qjlkv_status qjlkv_cache_fork(qjlkv_cache *c, uint32_t src_seq, uint32_t dst_seq,
+                                        uint64_t length);
+
+/* Admission control: *out = the bytes by which stats.bytes_used grows when
+ * n_tokens more tokens are appended to seq in every layer (each layer from its
+ * own length, in one append or several). Exact for the cache as it is now;
+ * another sequence's later operations do not change it, except a truncate or
+ * clear that leaves seq the only holder of a rollback copy it could free.
+ * With config.memory_budget = M > 0, an append, append_batch, fork or import
+ * that would take bytes_used above M fails with QJLKV_ERROR_MEMORY_BUDGET and
+ * changes nothing; truncate and clear never fail for it.
+ * Errors: INVALID_ARGUMENT (NULL c or out, the sequence would exceed 2^32 - 1
+ * positions). */
+QJLKV_API qjlkv_status qjlkv_cache_bytes_needed(const qjlkv_cache *c, uint32_t seq, uint32_t n_tokens,
+                                                uint64_t *out);
+
+/* The bytes sequence seq holds, all layers: *bytes counts everything it
+ * references, blocks it shares with other sequences included; *shared, the
+ * part of it that another sequence holds too (clearing seq frees
+ * *bytes - *shared). Either output may be NULL. A sequence holding nothing
+ * has 0 and 0. Errors: INVALID_ARGUMENT (c == NULL). */
+QJLKV_API qjlkv_status qjlkv_cache_sequence_bytes(const qjlkv_cache *c, uint32_t seq, uint64_t *bytes,
+                                                  uint64_t *shared);
 
 /* ===========================================================================
  * Export and import (docs/FORMAT.md describes the stream)

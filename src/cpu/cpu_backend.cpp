@@ -6,6 +6,7 @@
 #include <cstring>
 #include <new>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "../cache.hpp"
@@ -39,15 +40,96 @@ struct OutlierTokens {
   bool tracing = true;  // false once the spill area could not take an evicted token
 };
 
+// Quantized blocks live in pages of [Hkv][capacity][stride] bytes, so that a head's consecutive
+// blocks lie next to each other (the kernels prefetch the next block past the one they read).
+// Forked sequences share pages: holders[s] counts the sequences whose blocks include slot s. A
+// sequence writes a new block into its last page only at the slot after its own last block and
+// only when nobody holds that slot, so nothing shared is ever rewritten.
+struct BlockPage {
+  BlockPage(uint32_t slots, size_t slot_bytes) : bytes(new uint8_t[slots * slot_bytes]), capacity(slots), holders(slots, 0) {}
+  std::unique_ptr<uint8_t[]> bytes;
+  uint32_t capacity;
+  std::vector<uint32_t> holders;
+  mutable uint64_t counted = 0;  // the stats call that counted it last (stats allocates nothing)
+};
+struct BlockRef {
+  std::shared_ptr<BlockPage> page;
+  uint32_t slot = 0;
+  const uint8_t *head(uint32_t h, size_t stride) const {
+    return page->bytes.get() + (size_t(h) * page->capacity + slot) * stride;
+  }
+};
+
+// OTT's pool of one kv head as it was before a block was traced: enough to undo the block.
+struct PoolSnapshot {
+  uint32_t pool = 0, spilled = 0;
+  bool tracing = true;
+  std::vector<uint8_t> keys, values;  // [P][d], I/O dtype
+  std::vector<uint32_t> positions;    // [P]
+  std::vector<float> norms;           // [P]
+};
+
+// The exact rows of a quantized block, kept while a truncate may reopen it (config.rollback_tokens):
+// its keys and values as appended, before OTT's tracing, [B][Hkv][d] in the I/O dtype, and (traced
+// layers) each head's pool as it was before the block. Immutable once its append commits; forks
+// share it.
+struct BlockHistory {
+  std::vector<uint8_t> keys, values;
+  std::vector<PoolSnapshot> pools;  // per kv head
+  mutable uint64_t counted = 0;     // as BlockPage::counted
+};
+
 struct Sequence {
   uint64_t length = 0;
+  uint64_t rollback_floor = 0;  // qjlkv.h, "Sequence operations"
   uint32_t sink_tokens = 0;  // exact tokens at positions [0, sink_tokens), before the blocks
-  uint32_t blocks = 0;       // quantized blocks (per head)
   uint32_t tail_tokens = 0;  // full-precision tokens after the blocks
-  std::vector<std::vector<uint8_t>> heads;  // per kv head: blocks * stride bytes
+  std::vector<BlockRef> blocks;
+  uint32_t first_history = 0;  // history[i] holds the rows of block first_history + i
+  std::vector<std::shared_ptr<const BlockHistory>> history;  // to the last block
   std::vector<uint8_t> tail_keys, tail_values;  // [tail_tokens][Hkv][d], I/O dtype
   std::vector<uint8_t> sink_keys, sink_values;  // [sink_tokens][Hkv][d], I/O dtype
   std::vector<OutlierTokens> outliers;          // per kv head, OTT-traced layers only
+  uint32_t block_count() const { return uint32_t(blocks.size()); }
+};
+
+// OTT's pool of one head, saved before a block is traced and put back when a truncate reopens it.
+void save_pool(const OutlierTokens &ott, PoolSnapshot &saved) {
+  saved.pool = ott.pool;
+  saved.spilled = ott.spilled;
+  saved.tracing = ott.tracing;
+  std::copy_n(ott.keys.begin(), saved.keys.size(), saved.keys.begin());
+  std::copy_n(ott.values.begin(), saved.values.size(), saved.values.begin());
+  std::copy_n(ott.positions.begin(), saved.positions.size(), saved.positions.begin());
+  std::copy_n(ott.norms.begin(), saved.norms.size(), saved.norms.begin());
+}
+
+void restore_pool(const PoolSnapshot &saved, OutlierTokens &ott) {
+  ott.pool = saved.pool;
+  ott.spilled = saved.spilled;  // the spill area only grows: its first `spilled` slots are as they were
+  ott.tracing = saved.tracing;
+  std::copy(saved.keys.begin(), saved.keys.end(), ott.keys.begin());
+  std::copy(saved.values.begin(), saved.values.end(), ott.values.begin());
+  std::copy(saved.positions.begin(), saved.positions.end(), ott.positions.begin());
+  std::copy(saved.norms.begin(), saved.norms.end(), ott.norms.begin());
+}
+
+// Where reconstruct_positions finds the rows of one sequence of this backend.
+struct SequenceRows {
+  const Sequence &seq;
+  size_t stride, token_bytes;
+  uint32_t pool_tokens;
+  const uint8_t *sink(uint64_t p, bool values) const {
+    return (values ? seq.sink_values : seq.sink_keys).data() + size_t(p) * token_bytes;
+  }
+  const uint8_t *tail(uint64_t i, bool values) const {
+    return (values ? seq.tail_values : seq.tail_keys).data() + size_t(i) * token_bytes;
+  }
+  const uint8_t *block(uint64_t b, uint32_t h) const { return seq.blocks[b].head(h, stride); }
+  OutlierRows outliers(uint32_t h) const {
+    const OutlierTokens &ott = seq.outliers[h];
+    return {ott.pool, ott.spilled, pool_tokens, ott.positions.data(), ott.keys.data(), ott.values.data()};
+  }
 };
 
 // One attend call: per (sequence, kv head) its query rows (and projected queries), split into
@@ -77,9 +159,13 @@ struct AppendPlan {
   std::vector<uint8_t> new_sink_keys, new_sink_values;  // complete new sinks when new_sinks > 0
   uint32_t new_blocks = 0;
   uint32_t new_tail_tokens = 0;
-  std::vector<std::vector<uint8_t>> grown_heads;  // replacement buffers (old bytes copied) or empty
+  std::vector<BlockRef> new_refs;  // the slots of the new blocks, claimed (holders 1) by the plan
+  // Rollback copies of the new blocks from block first_history_after on ([new_blocks - n, new_blocks)).
+  uint32_t first_history_after = 0;
+  std::vector<std::shared_ptr<BlockHistory>> new_history;
   bool rebuild_tail = false;
   std::vector<uint8_t> new_tail_keys, new_tail_values;  // complete new tail when rebuilt
+  uint64_t growth = 0;  // of bytes_used
 };
 
 class CpuCache final : public qjlkv_cache {
@@ -108,9 +194,12 @@ class CpuCache final : public qjlkv_cache {
     const auto it = map.find(seq);
     return it == map.end() ? 0 : it->second.length;
   }
-  void clear(uint32_t seq) override {
-    for (auto &map : layers_) map.erase(seq);
-  }
+  void clear(uint32_t seq) override;
+  void truncate(uint32_t seq, uint64_t length) override;
+  void fork(uint32_t src, uint32_t dst, uint64_t length) override;
+  uint64_t bytes_needed(uint32_t seq, uint32_t n_tokens) const override;
+  void sequence_bytes(uint32_t seq, uint64_t &bytes, uint64_t &shared) const override;
+  uint64_t bytes_used() const override { return used_; }
   void stats(qjlkv_stats &out) const override;
   void set_stream(void *stream) override {
     if (stream) fail(QJLKV_ERROR_UNSUPPORTED, "cuda_stream must be NULL on a CPU cache (config.backend = QJLKV_BACKEND_CPU)");
@@ -142,7 +231,43 @@ class CpuCache final : public qjlkv_cache {
   // blocks and tail need.
   void plan_append(AppendPlan &plan, uint32_t layer, uint32_t n_new, const uint8_t *keys,
                    const uint8_t *values) const;
-  void create_heads(Sequence &seq, uint32_t layer) const;
+  // A traced layer's OTT pools and spill areas, allocated whole when the sequence is created.
+  void create_outliers(Sequence &seq, uint32_t layer) const;
+  // n free page slots for the next blocks of seq, marked held (holders 1).
+  void claim_slots(uint32_t layer, const Sequence &seq, uint32_t n, std::vector<BlockRef> &refs) const;
+
+  // ---- memory accounting: used_ is bytes_used, kept current by every change -------------------
+  // One block of every kv head; one rollback copy; what a record holds that nobody shares.
+  size_t slot_bytes(uint32_t layer) const { return block_slot_bytes(spec(), layer); }
+  size_t history_bytes(uint32_t layer) const { return rollback_copy_bytes(spec(), layer); }
+  uint64_t own_bytes(uint32_t layer, const Sequence &seq) const;
+  // The change of bytes_used that appending n tokens to seq (null: a new sequence) brings.
+  int64_t append_growth(uint32_t layer, const Sequence *seq, uint32_t n) const;
+  void release_block(uint32_t layer, BlockRef &ref);
+  void release_history(uint32_t layer, std::shared_ptr<const BlockHistory> &copy);
+  // Drops the rollback copies of the blocks before `first` (the floor rose).
+  void keep_history_from(uint32_t layer, Sequence &seq, uint32_t first);
+
+  // ---- rollback (qjlkv.h, "Sequence operations") ---------------------------------------------
+  uint32_t blocks_at(uint64_t length) const { return qjlkv::blocks_at(spec().cfg, length); }
+  uint64_t rollback_floor_after(const Sequence &seq, uint64_t new_length) const {
+    return qjlkv::rollback_floor_after(spec().cfg, seq.rollback_floor, new_length);
+  }
+  // A truncate of one record to `length` positions, planned (allocating) before it is applied
+  // (not allocating, not failing).
+  struct Cut {
+    uint64_t length = 0, floor = 0;
+    uint32_t blocks = 0, sinks = 0, tail_tokens = 0;
+    std::vector<uint8_t> tail_keys, tail_values;  // the complete new tail
+    const BlockHistory *restore = nullptr;        // exact: the pools from before the first reopened block
+  };
+  void plan_cut(uint32_t layer, const Sequence &seq, uint64_t length, Cut &cut) const;
+  // held: seq is in the cache, so what it lets go is released (a fork's staged copy holds nothing yet).
+  void apply_cut(uint32_t layer, Sequence &seq, Cut &cut, bool held) noexcept;
+  // Positions [first, first + count) of seq as the attention sees them, stored in the I/O dtype
+  // (clamped to the range append accepts) into keys/values rows [count][Hkv][d].
+  void store_reconstruction(uint32_t layer, const Sequence &seq, uint64_t first, uint32_t count, uint8_t *keys,
+                            uint8_t *values) const;
   // OTT (SPEC §5) on one block of one head, before it is quantized: updates the pool and spill
   // area, replaces the keys/values of tokens entering the pool by the mean of the others and
   // marks their slots in `mask`.
@@ -172,6 +297,8 @@ class CpuCache final : public qjlkv_cache {
     return it->second;
   }
 
+  uint64_t used_ = 0;           // bytes_used (stats checks it against a full count)
+  mutable uint64_t stats_epoch_ = 0;  // numbers the stats calls (BlockPage::counted)
   const KernelTable *kernels_;  // the instruction set chosen when the cache was created
   ThreadPool own_pool_;                      // config.num_threads threads
   std::shared_ptr<ThreadPool> shared_pool_;  // qjlkv_cache_set_workers, or null
@@ -220,9 +347,8 @@ void CpuCache::check_norms(Method method, const void *data, size_t tokens) const
   }
 }
 
-void CpuCache::create_heads(Sequence &seq, uint32_t layer) const {
+void CpuCache::create_outliers(Sequence &seq, uint32_t layer) const {
   const qjlkv_config &cfg = spec().cfg;
-  seq.heads.resize(cfg.num_kv_heads);
   if (!spec().layers[layer].traced) return;
   const size_t slots = size_t(cfg.outlier_tokens) + cfg.outlier_spill_tokens;
   seq.outliers.resize(cfg.num_kv_heads);
@@ -311,27 +437,68 @@ void CpuCache::trace_outliers(OutlierTokens &ott, uint64_t first_position, float
   }
 }
 
+void CpuCache::claim_slots(uint32_t layer, const Sequence &seq, uint32_t n, std::vector<BlockRef> &refs) const {
+  refs.reserve(n);
+  if (!seq.blocks.empty()) {  // the free slots right after the sequence's last block
+    const BlockRef &last = seq.blocks.back();
+    for (uint32_t s = last.slot + 1; refs.size() < n && s < last.page->capacity && last.page->holders[s] == 0; ++s)
+      refs.push_back({last.page, s});
+  }
+  const uint32_t largest = std::max(1u, kTaskTokens / spec().cfg.block_tokens);
+  while (refs.size() < n) {  // pages grow with the sequence, up to an attend task's run of blocks
+    const uint32_t missing = n - uint32_t(refs.size());
+    const uint32_t capacity = std::min(largest, std::max(missing, seq.block_count() + uint32_t(refs.size())));
+    auto page = std::make_shared<BlockPage>(std::max(1u, capacity), slot_bytes(layer));
+    for (uint32_t s = 0; s < page->capacity && refs.size() < n; ++s) refs.push_back({page, s});
+  }
+  for (const BlockRef &ref : refs) ref.page->holders[ref.slot] = 1;
+}
+
 void CpuCache::plan_append(AppendPlan &plan, uint32_t layer, uint32_t n_new, const uint8_t *keys,
                            const uint8_t *values) const {
   const qjlkv_config &cfg = spec().cfg;
-  const size_t stride = spec().layers[layer].layout.stride;
   const Sequence &seq = *plan.seq;
   const uint64_t blocks = plan.new_blocks;
+  // Token i of the stream that the new blocks and tail come from: the old tail, then the input.
+  const auto stream_row = [&](size_t i, bool value_rows) {
+    if (i < seq.tail_tokens) return (value_rows ? seq.tail_values : seq.tail_keys).data() + i * token_bytes_;
+    return (value_rows ? values : keys) + (i - seq.tail_tokens) * token_bytes_;
+  };
+  // The rollback copies kept after the append: of the blocks a truncate to the new floor may reopen.
+  plan.first_history_after = blocks_at(rollback_floor_after(seq, seq.length + plan.new_sinks + n_new));
   if (blocks > 0) {
-    const size_t needed = (size_t(seq.blocks) + blocks) * stride;
-    plan.grown_heads.resize(cfg.num_kv_heads);
-    for (uint32_t h = 0; h < cfg.num_kv_heads; ++h) {
-      const std::vector<uint8_t> &old = seq.heads[h];
-      if (old.capacity() >= needed) continue;
-      std::vector<uint8_t> &grown = plan.grown_heads[h];
-      grown.reserve(std::max(needed, 2 * old.capacity()));
-      grown.assign(old.begin(), old.end());
+    plan.seq->blocks.reserve(seq.blocks.size() + blocks);  // capacity only: nothing visible changes
+    const uint32_t first_copied = std::max(plan.first_history_after, seq.block_count());
+    const uint32_t end = seq.block_count() + plan.new_blocks;
+    plan.seq->history.reserve(end - std::min(plan.first_history_after, end));
+    const uint32_t B = cfg.block_tokens, P = cfg.outlier_tokens;
+    const size_t row = size_t(cfg.head_dim) * spec().io_elem;
+    for (uint32_t b = first_copied; b < end; ++b) {
+      auto copy = std::make_shared<BlockHistory>();
+      copy->keys.resize(size_t(B) * token_bytes_);
+      copy->values.resize(size_t(B) * token_bytes_);
+      for (uint32_t t = 0; t < B; ++t) {
+        const size_t i = size_t(b - seq.block_count()) * B + t;
+        std::memcpy(copy->keys.data() + t * token_bytes_, stream_row(i, false), token_bytes_);
+        std::memcpy(copy->values.data() + t * token_bytes_, stream_row(i, true), token_bytes_);
+      }
+      if (spec().layers[layer].traced) {
+        copy->pools.resize(cfg.num_kv_heads);
+        for (PoolSnapshot &pool : copy->pools) {
+          pool.keys.resize(P * row);
+          pool.values.resize(P * row);
+          pool.positions.resize(P);
+          pool.norms.resize(P);
+        }
+      }
+      plan.new_history.push_back(std::move(copy));
     }
+    claim_slots(layer, seq, plan.new_blocks, plan.new_refs);  // last: it marks the slots held
   }
   const size_t tail_bytes = size_t(plan.new_tail_tokens) * token_bytes_;
   plan.rebuild_tail = blocks > 0 || seq.tail_keys.capacity() < tail_bytes;
   if (plan.rebuild_tail) {
-    // The new tail is the end of the stream (old tail ++ input) after the quantized blocks.
+    // The new tail is the end of the stream after the quantized blocks.
     const size_t capacity = std::max(tail_bytes, size_t(cfg.residual_tokens + cfg.block_tokens) * token_bytes_);
     const size_t first = size_t(blocks) * cfg.block_tokens;  // stream index of the first tail token
     for (auto [dst, old, input] : {std::tuple{&plan.new_tail_keys, &seq.tail_keys, keys},
@@ -381,13 +548,10 @@ void CpuCache::quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, co
   const uint32_t B = cfg.block_tokens, d = cfg.head_dim;
   const CpuLayer context = layer_context(layer);
   Sequence &seq = *plan.seq;
-  std::vector<uint8_t> &bytes = seq.heads[head];
-  if (plan.grown_heads[head].capacity()) bytes.swap(plan.grown_heads[head]);
-  const size_t old_size = size_t(seq.blocks) * layout.stride;
-  bytes.resize(old_size + size_t(plan.new_blocks) * layout.stride);  // within capacity: cannot throw
   float *block_keys = scratch;                      // [B][d]
   float *block_values = block_keys + size_t(B) * d;  // [B][d]
   float *kernel_scratch = block_values + size_t(B) * d;
+  const uint32_t first_copied = plan.new_blocks - uint32_t(plan.new_history.size());
   for (uint32_t b = 0; b < plan.new_blocks; ++b) {
     for (uint32_t t = 0; t < B; ++t) {
       const size_t stream_index = size_t(b) * B + t;
@@ -398,11 +562,16 @@ void CpuCache::quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, co
       kernels_->load_floats(from_tail ? seq.tail_values.data() : values, dtype_of(cfg), first, d,
                             block_values + size_t(t) * d);
     }
-    uint8_t *block = bytes.data() + old_size + size_t(b) * layout.stride;
+    // The slot was claimed for this append alone: writing it changes nothing another sequence sees.
+    uint8_t *block = const_cast<uint8_t *>(plan.new_refs[b].head(head, layout.stride));
     std::memset(block, 0, layout.stride);
-    if (ls.traced && seq.outliers[head].tracing)
-      trace_outliers(seq.outliers[head], cfg.sink_tokens + (uint64_t(seq.blocks) + b) * B, block_keys, block_values,
-                     block + layout.key_mask, kernel_scratch);
+    if (ls.traced) {
+      OutlierTokens &ott = seq.outliers[head];
+      if (b >= first_copied) save_pool(ott, plan.new_history[b - first_copied]->pools[head]);
+      if (ott.tracing)
+        trace_outliers(ott, cfg.sink_tokens + (uint64_t(seq.block_count()) + b) * B, block_keys, block_values,
+                       block + layout.key_mask, kernel_scratch);
+    }
     with_methods(cfg, [&](auto key_method, auto value_method) {
       key_method.quantize(context, block_keys, block, kernel_scratch);
       value_method.quantize(context, block_values, block);
@@ -430,12 +599,15 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   ThreadPool::Task quantize;  // built before the commit: a std::function may allocate
   try {
     plans.reserve(n_seqs);
+    int64_t growth = 0;
     for (uint32_t i = 0; i < n_seqs; ++i) {
+      const auto existing = map.find(seqs[i]);
+      growth += append_growth(layer, existing == map.end() ? nullptr : &existing->second, tokens_per_seq);
       auto [it, created] = map.try_emplace(seqs[i]);
       AppendPlan &plan = plans.emplace_back();  // reserved: records the creation before anything can throw
       plan.seq = &it->second;
       plan.created = created;
-      if (created) create_heads(it->second, layer);
+      if (created) create_outliers(it->second, layer);
       const Sequence &seq = it->second;
       const AppendSplit split = split_append(cfg, seq.sink_tokens, seq.tail_tokens, tokens_per_seq);
       plan.new_sinks = split.new_sinks;
@@ -454,6 +626,7 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
       plan_append(plan, layer, tokens_per_seq - plan.new_sinks, key_bytes + i * seq_input_bytes + skip,
                   value_bytes + i * seq_input_bytes + skip);
     }
+    if (growth > 0) require_budget(*this, uint64_t(growth), n_seqs > 1 ? "append_batch" : "append");
     scratch.resize(quantize_scratch_floats() * pool_->size());
     quantize = [&, per_worker = scratch.size() / pool_->size()](size_t index, unsigned worker) {
       const uint32_t i = uint32_t(index / cfg.num_kv_heads), head = uint32_t(index % cfg.num_kv_heads);
@@ -464,8 +637,10 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
                     scratch.data() + worker * per_worker);
     };
   } catch (...) {
-    for (uint32_t i = 0; i < plans.size(); ++i)
+    for (uint32_t i = 0; i < plans.size(); ++i) {
+      for (const BlockRef &ref : plans[i].new_refs) ref.page->holders[ref.slot] = 0;  // unclaimed
       if (plans[i].created) map.erase(seqs[i]);
+    }
     throw;
   }
 
@@ -474,6 +649,7 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   for (uint32_t i = 0; i < n_seqs; ++i) {
     AppendPlan &plan = plans[i];
     Sequence &seq = *plan.seq;
+    const uint64_t own_before = plan.created ? 0 : own_bytes(layer, seq);
     const size_t skip = size_t(plan.new_sinks) * token_bytes_;
     if (plan.new_sinks) {
       seq.sink_keys.swap(plan.new_sink_keys);
@@ -490,8 +666,249 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
                              value_bytes + (i + 1) * seq_input_bytes);
     }
     seq.length += tokens_per_seq;
-    seq.blocks += plan.new_blocks;
+    seq.rollback_floor = rollback_floor_after(seq, seq.length);
     seq.tail_tokens = plan.new_tail_tokens;
+    for (BlockRef &ref : plan.new_refs) seq.blocks.push_back(std::move(ref));  // reserved; held since the plan
+    used_ += uint64_t(plan.new_blocks) * slot_bytes(layer);
+    keep_history_from(layer, seq, plan.first_history_after);
+    for (auto &copy : plan.new_history) seq.history.push_back(std::move(copy));  // reserved
+    used_ += plan.new_history.size() * history_bytes(layer);
+    used_ += own_bytes(layer, seq) - own_before;
+  }
+}
+
+// ---- memory accounting ---------------------------------------------------------------------------
+uint64_t CpuCache::own_bytes(uint32_t layer, const Sequence &seq) const {
+  return sizeof(Sequence) + exact_row_bytes(spec(), layer, seq.sink_tokens, seq.tail_tokens);
+}
+
+int64_t CpuCache::append_growth(uint32_t layer, const Sequence *seq, uint32_t n) const {
+  const Sequence empty;
+  const Sequence &s = seq ? *seq : empty;
+  const AppendSplit split = split_append(spec().cfg, s.sink_tokens, s.tail_tokens, n);
+  int64_t growth = seq ? 0 : int64_t(own_bytes(layer, s));
+  growth += int64_t(2 * token_bytes_) * (int64_t(split.new_sinks) + int64_t(split.tail_tokens) - int64_t(s.tail_tokens));
+  growth += int64_t(split.new_blocks * slot_bytes(layer));
+  const uint32_t old_blocks = s.block_count(), end = old_blocks + uint32_t(split.new_blocks);
+  const uint32_t keep_from = blocks_at(rollback_floor_after(s, s.length + n));
+  growth += int64_t(end - std::min(end, std::max(keep_from, old_blocks))) * int64_t(history_bytes(layer));
+  for (uint32_t b = s.first_history; b < std::min(keep_from, old_blocks); ++b)
+    if (s.history[b - s.first_history].use_count() == 1) growth -= int64_t(history_bytes(layer));
+  return growth;
+}
+
+void CpuCache::release_block(uint32_t layer, BlockRef &ref) {
+  if (--ref.page->holders[ref.slot] == 0) used_ -= slot_bytes(layer);
+  ref.page.reset();
+}
+
+void CpuCache::release_history(uint32_t layer, std::shared_ptr<const BlockHistory> &copy) {
+  if (copy.use_count() == 1) used_ -= history_bytes(layer);
+  copy.reset();
+}
+
+void CpuCache::keep_history_from(uint32_t layer, Sequence &seq, uint32_t first) {
+  if (first <= seq.first_history) return;
+  const size_t drop = std::min(size_t(first - seq.first_history), seq.history.size());
+  for (size_t i = 0; i < drop; ++i) release_history(layer, seq.history[i]);
+  seq.history.erase(seq.history.begin(), seq.history.begin() + ptrdiff_t(drop));
+  seq.first_history = first;
+}
+
+uint64_t CpuCache::bytes_needed(uint32_t seq_id, uint32_t n_tokens) const {
+  int64_t growth = 0;
+  for (uint32_t l = 0; l < spec().cfg.num_layers; ++l) {
+    const auto it = layers_[l].find(seq_id);
+    growth += append_growth(l, it == layers_[l].end() ? nullptr : &it->second, n_tokens);
+  }
+  return growth > 0 ? uint64_t(growth) : 0;
+}
+
+void CpuCache::sequence_bytes(uint32_t seq_id, uint64_t &bytes, uint64_t &shared) const {
+  bytes = shared = 0;
+  for (uint32_t l = 0; l < spec().cfg.num_layers; ++l) {
+    const auto it = layers_[l].find(seq_id);
+    if (it == layers_[l].end()) continue;
+    const Sequence &seq = it->second;
+    bytes += own_bytes(l, seq);
+    for (const BlockRef &ref : seq.blocks) {
+      bytes += slot_bytes(l);
+      if (ref.page->holders[ref.slot] > 1) shared += slot_bytes(l);
+    }
+    for (const auto &copy : seq.history) {
+      bytes += history_bytes(l);
+      if (copy.use_count() > 1) shared += history_bytes(l);
+    }
+  }
+}
+
+// ---- sequence operations -------------------------------------------------------------------------
+
+void CpuCache::store_reconstruction(uint32_t layer, const Sequence &seq, uint64_t first, uint32_t count,
+                                    uint8_t *keys, uint8_t *values) const {
+  const qjlkv_dtype dtype = dtype_of(spec().cfg);
+  const float dtype_max = dtype == QJLKV_DTYPE_F16 ? 65504.0f : std::numeric_limits<float>::max();
+  std::vector<float> k(size_t(count) * token_elems_), v(k.size());
+  SequenceRows rows{seq, spec().layers[layer].layout.stride, token_bytes_, spec().cfg.outlier_tokens};
+  reconstruct_positions(spec(), layer, seq.sink_tokens, seq.block_count(), first, count, rows, k.data(), v.data());
+  // A QJL key's reconstruction can lie beyond the range of the keys appended: clamp it there.
+  for (auto [x, limit, out] : {std::tuple{&k, std::min(spec().key_limit, dtype_max), keys},
+                               std::tuple{&v, std::min(spec().value_limit, dtype_max), values}}) {
+    for (float &e : *x) e = std::clamp(e, -limit, limit);
+    store_row(x->data(), x->size(), dtype, out, 0);
+  }
+}
+
+void CpuCache::plan_cut(uint32_t layer, const Sequence &seq, uint64_t length, Cut &cut) const {
+  const qjlkv_config &cfg = spec().cfg;
+  const uint32_t B = cfg.block_tokens;
+  cut.length = length;
+  if (length == 0) return;
+  cut.floor = std::min(seq.rollback_floor, length);
+  cut.sinks = uint32_t(std::min<uint64_t>(length, seq.sink_tokens));
+  cut.blocks = blocks_at(length);
+  if (cut.blocks < seq.block_count() && cut.blocks >= seq.first_history)
+    cut.restore = seq.history[cut.blocks - seq.first_history].get();
+  if (length <= cut.sinks) return;
+  const uint64_t tail_start = cfg.sink_tokens + uint64_t(cut.blocks) * B;
+  const uint64_t old_tail_start = cfg.sink_tokens + uint64_t(seq.block_count()) * B;
+  cut.tail_tokens = uint32_t(length - tail_start);
+  const size_t capacity = std::max(size_t(cut.tail_tokens), size_t(cfg.residual_tokens + B)) * token_bytes_;
+  cut.tail_keys.reserve(capacity);
+  cut.tail_values.reserve(capacity);
+  cut.tail_keys.resize(size_t(cut.tail_tokens) * token_bytes_);
+  cut.tail_values.resize(cut.tail_keys.size());
+  // Reopened blocks without a rollback copy (a truncate below the floor): their reconstruction.
+  const uint64_t copied_start = cfg.sink_tokens + uint64_t(seq.first_history) * B;
+  if (tail_start < std::min(copied_start, old_tail_start))
+    store_reconstruction(layer, seq, tail_start, uint32_t(std::min({copied_start, old_tail_start, length}) - tail_start),
+                         cut.tail_keys.data(), cut.tail_values.data());
+  for (uint64_t p = std::max(tail_start, std::min(copied_start, old_tail_start)); p < length; ++p) {
+    const size_t to = size_t(p - tail_start) * token_bytes_;
+    if (p >= old_tail_start) {
+      const size_t from = size_t(p - old_tail_start) * token_bytes_;
+      std::memcpy(cut.tail_keys.data() + to, seq.tail_keys.data() + from, token_bytes_);
+      std::memcpy(cut.tail_values.data() + to, seq.tail_values.data() + from, token_bytes_);
+      continue;
+    }
+    const uint64_t b = (p - cfg.sink_tokens) / B, t = (p - cfg.sink_tokens) % B;
+    const BlockHistory &copy = *seq.history[b - seq.first_history];
+    std::memcpy(cut.tail_keys.data() + to, copy.keys.data() + t * token_bytes_, token_bytes_);
+    std::memcpy(cut.tail_values.data() + to, copy.values.data() + t * token_bytes_, token_bytes_);
+  }
+}
+
+void CpuCache::apply_cut(uint32_t layer, Sequence &seq, Cut &cut, bool held) noexcept {
+  const qjlkv_config &cfg = spec().cfg;
+  const uint32_t old_blocks = seq.block_count();
+  if (cut.blocks < old_blocks && spec().layers[layer].traced) {
+    const uint64_t reopened_from = cfg.sink_tokens + uint64_t(cut.blocks) * cfg.block_tokens;
+    for (uint32_t h = 0; h < cfg.num_kv_heads; ++h) {
+      OutlierTokens &ott = seq.outliers[h];
+      if (cut.restore) {
+        restore_pool(cut.restore->pools[h], ott);
+        continue;
+      }
+      // No copy of the pool from then: the reopened blocks' tokens leave it (their rows are in the tail).
+      const size_t row = size_t(cfg.head_dim) * spec().io_elem;
+      const auto keep = [&](uint32_t first, uint32_t count, bool pool) {
+        uint32_t kept = first;
+        for (uint32_t i = first; i < first + count; ++i) {
+          if (ott.positions[i] >= reopened_from) continue;
+          std::memmove(ott.keys.data() + kept * row, ott.keys.data() + i * row, row);
+          std::memmove(ott.values.data() + kept * row, ott.values.data() + i * row, row);
+          ott.positions[kept] = ott.positions[i];
+          if (pool) ott.norms[kept] = ott.norms[i];
+          ++kept;
+        }
+        return kept - first;
+      };
+      ott.pool = keep(0, ott.pool, true);
+      ott.spilled = keep(cfg.outlier_tokens, ott.spilled, false);
+    }
+  }
+  for (uint32_t b = cut.blocks; b < old_blocks; ++b)
+    if (held) release_block(layer, seq.blocks[b]);
+  seq.blocks.erase(seq.blocks.begin() + cut.blocks, seq.blocks.end());
+  const size_t kept_copies = cut.blocks > seq.first_history ? std::min(size_t(cut.blocks - seq.first_history), seq.history.size()) : 0;
+  for (size_t i = kept_copies; i < seq.history.size(); ++i)
+    if (held) release_history(layer, seq.history[i]);
+  seq.history.erase(seq.history.begin() + ptrdiff_t(kept_copies), seq.history.end());
+  seq.first_history = std::min(seq.first_history, cut.blocks);
+  seq.sink_keys.resize(size_t(cut.sinks) * token_bytes_);  // shrinks: no allocation
+  seq.sink_values.resize(seq.sink_keys.size());
+  seq.sink_tokens = cut.sinks;
+  seq.tail_keys.swap(cut.tail_keys);
+  seq.tail_values.swap(cut.tail_values);
+  seq.tail_tokens = cut.tail_tokens;
+  seq.length = cut.length;
+  seq.rollback_floor = cut.floor;
+}
+
+void CpuCache::clear(uint32_t seq_id) {
+  for (uint32_t l = 0; l < spec().cfg.num_layers; ++l) {
+    const auto it = layers_[l].find(seq_id);
+    if (it == layers_[l].end()) continue;
+    Sequence &seq = it->second;
+    used_ -= own_bytes(l, seq);
+    for (BlockRef &ref : seq.blocks) release_block(l, ref);
+    for (auto &copy : seq.history) release_history(l, copy);
+    layers_[l].erase(it);
+  }
+}
+
+void CpuCache::truncate(uint32_t seq_id, uint64_t length) {
+  std::vector<std::pair<uint32_t, Cut>> cuts;
+  for (uint32_t l = 0; l < spec().cfg.num_layers; ++l) {
+    const auto it = layers_[l].find(seq_id);
+    if (it == layers_[l].end() || it->second.length <= length) continue;
+    plan_cut(l, it->second, length, cuts.emplace_back(l, Cut{}).second);
+  }
+  for (auto &[l, cut] : cuts) {  // nothing fails from here on
+    const auto it = layers_[l].find(seq_id);
+    Sequence &seq = it->second;
+    if (cut.length == 0) {
+      used_ -= own_bytes(l, seq);
+      for (BlockRef &ref : seq.blocks) release_block(l, ref);
+      for (auto &copy : seq.history) release_history(l, copy);
+      layers_[l].erase(it);
+      continue;
+    }
+    const uint64_t own_before = own_bytes(l, seq);
+    apply_cut(l, seq, cut, true);
+    used_ += own_bytes(l, seq) - own_before;
+  }
+}
+
+void CpuCache::fork(uint32_t src_id, uint32_t dst_id, uint64_t length) {
+  using Map = std::unordered_map<uint32_t, Sequence>;
+  struct Staged {
+    uint32_t layer;
+    Map::node_type node;
+  };
+  std::vector<Staged> staged;
+  uint64_t growth = 0;
+  for (uint32_t l = 0; l < spec().cfg.num_layers; ++l) {
+    const auto it = layers_[l].find(src_id);
+    if (it == layers_[l].end()) continue;
+    Map holder;
+    holder.try_emplace(dst_id, it->second);  // shares the blocks and rollback copies, copies the exact rows
+    Sequence &copy = holder.begin()->second;
+    if (length < copy.length) {
+      Cut cut;
+      plan_cut(l, copy, length, cut);
+      apply_cut(l, copy, cut, false);
+    }
+    growth += own_bytes(l, copy);
+    layers_[l].reserve(layers_[l].size() + 1);  // so that the commit's insert cannot allocate
+    staged.push_back({l, holder.extract(dst_id)});
+  }
+  require_budget(*this, growth, "fork");
+  for (Staged &s : staged) {  // nothing fails from here on
+    const Sequence &copy = s.node.mapped();
+    for (const BlockRef &ref : copy.blocks) ++ref.page->holders[ref.slot];  // src holds them too: no new bytes
+    used_ += own_bytes(s.layer, copy);
+    layers_[s.layer].insert(std::move(s.node));
   }
 }
 
@@ -551,13 +968,12 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
     }
   };
   if (!task.exact) {
-    const uint8_t *blocks = seq.heads[head].data();
     const size_t stride = lk.values.layout->stride;
     const uint32_t end = task.first_block + task.blocks;
     const CpuLayer context = layer_context(layer);
     with_methods(cfg, [&](auto key_method, auto value_method) {
       for (uint32_t b = task.first_block; b < end; ++b) {
-        const uint8_t *block = blocks + size_t(b) * stride;  // the kernels prefetch the next one (simd.hpp)
+        const uint8_t *block = seq.blocks[b].head(head, stride);  // the kernels prefetch the next one (simd.hpp)
         key_method.score(context, block, q, sq, rows, weights, Bp, kernel_scratch);
         const uint64_t first = seq.sink_tokens + uint64_t(b) * B;
         if (first + B - 1 > first_query_position) mask_causal(B, [first](uint32_t t) { return first + t; });
@@ -586,7 +1002,7 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
   if (seq.sink_tokens > 0)
     fold_exact(seq.sink_keys.data() + head_offset_bytes, seq.sink_values.data() + head_offset_bytes, token_elems_,
                seq.sink_tokens, [](uint32_t t) { return uint64_t(t); });
-  const uint64_t tail_start = seq.sink_tokens + uint64_t(seq.blocks) * B;
+  const uint64_t tail_start = seq.sink_tokens + uint64_t(seq.block_count()) * B;
   if (seq.tail_tokens > 0)
     fold_exact(seq.tail_keys.data() + head_offset_bytes, seq.tail_values.data() + head_offset_bytes, token_elems_,
                seq.tail_tokens, [tail_start](uint32_t t) { return tail_start + t; });
@@ -620,7 +1036,7 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   attend_first_task_.clear();
   for (uint32_t index = 0; index < heads; ++index) {
     attend_first_task_.push_back(uint32_t(attend_tasks_.size()));
-    const uint32_t blocks = found[index / Hkv]->blocks;
+    const uint32_t blocks = found[index / Hkv]->block_count();
     for (uint32_t b = 0; b < blocks; b += run) attend_tasks_.push_back({index, b, std::min(run, blocks - b), false});
     attend_tasks_.push_back({index, 0, 0, true});
   }
@@ -726,63 +1142,63 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
     with_key_method(cfg.key_method, [&](auto key_method) {
       const size_t stride = spec().layers[layer].layout.stride;
       const CpuLayer context = layer_context(layer);
-      for (uint32_t b = 0; b < seq.blocks; ++b) {
-        key_method.score(context, seq.heads[head].data() + size_t(b) * stride, q, q + size_t(G) * dp, G, weights, Bp,
+      for (uint32_t b = 0; b < seq.block_count(); ++b) {
+        key_method.score(context, seq.blocks[b].head(head, stride), q, q + size_t(G) * dp, G, weights, Bp,
                          kernel_scratch);
         for (uint32_t g = 0; g < G; ++g) std::copy_n(weights + size_t(g) * Bp, B, blocks_out + g * L + size_t(b) * B);
       }
     });
     if (seq.tail_tokens > 0)
       kernels_->dense_scores(seq.tail_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
-                             seq.tail_tokens, d, q, G, blocks_out + size_t(seq.blocks) * B, L);
+                             seq.tail_tokens, d, q, G, blocks_out + size_t(seq.block_count()) * B, L);
   }
 }
 
 void CpuCache::reconstruct(uint32_t layer, uint32_t seq_id, uint64_t first, uint64_t count, float *keys_out,
                            float *values_out) {
   const Sequence &seq = find(layer, seq_id);
-  const size_t stride = spec().layers[layer].layout.stride, token_bytes = token_bytes_;
-  struct Rows {
-    const Sequence &seq;
-    size_t stride, token_bytes;
-    uint32_t pool_tokens;
-    const uint8_t *sink(uint64_t p, bool values) const {
-      return (values ? seq.sink_values : seq.sink_keys).data() + size_t(p) * token_bytes;
-    }
-    const uint8_t *tail(uint64_t i, bool values) const {
-      return (values ? seq.tail_values : seq.tail_keys).data() + size_t(i) * token_bytes;
-    }
-    const uint8_t *block(uint64_t b, uint32_t h) const { return seq.heads[h].data() + size_t(b) * stride; }
-    OutlierRows outliers(uint32_t h) const {
-      const OutlierTokens &ott = seq.outliers[h];
-      return {ott.pool, ott.spilled, pool_tokens, ott.positions.data(), ott.keys.data(), ott.values.data()};
-    }
-  } rows{seq, stride, token_bytes, spec().cfg.outlier_tokens};
-  reconstruct_positions(spec(), layer, seq.sink_tokens, seq.blocks, first, count, rows, keys_out, values_out);
+  SequenceRows rows{seq, spec().layers[layer].layout.stride, token_bytes_, spec().cfg.outlier_tokens};
+  reconstruct_positions(spec(), layer, seq.sink_tokens, seq.block_count(), first, count, rows, keys_out, values_out);
 }
 
 void CpuCache::stats(qjlkv_stats &out) const {
   const qjlkv_config &cfg = spec().cfg;
   const uint64_t Hkv = cfg.num_kv_heads;
-  uint64_t tokens = 0, keys_q = 0, values_q = 0, full = 0, meta = 0, padding = 0, allocated = 0;
+  uint64_t tokens = 0, keys_q = 0, values_q = 0, full = 0, meta = 0, padding = 0, rollback = 0, shared = 0,
+           allocated = 0;
+  // Pages and rollback copies are counted once, however many sequences hold them.
+  const uint64_t epoch = ++stats_epoch_;
   for (uint32_t l = 0; l < cfg.num_layers; ++l) {
     const BlockLayout &layout = spec().layers[l].layout;
     for (const auto &[id, seq] : layers_[l]) {
       tokens += seq.length;
-      keys_q += uint64_t(seq.blocks) * Hkv * layout.key_bytes;
-      values_q += uint64_t(seq.blocks) * Hkv * layout.value_bytes;
-      full += 2 * (uint64_t(seq.tail_tokens) + seq.sink_tokens) * token_bytes_;
-      padding += uint64_t(seq.blocks) * Hkv * (layout.stride - layout.key_bytes - layout.value_bytes);
-      meta += sizeof(Sequence) + Hkv * sizeof(std::vector<uint8_t>);  // the record and its buffer headers
-      for (const auto &h : seq.heads) allocated += h.capacity();
+      const uint64_t own = own_bytes(l, seq);
+      meta += sizeof(Sequence);
+      full += own - sizeof(Sequence);
+      allocated += sizeof(Sequence) + seq.blocks.capacity() * sizeof(BlockRef) +
+                   seq.history.capacity() * sizeof(seq.history[0]);
       allocated += seq.tail_keys.capacity() + seq.tail_values.capacity();
       allocated += seq.sink_keys.capacity() + seq.sink_values.capacity();
-      for (const OutlierTokens &ott : seq.outliers) {
-        const uint64_t per_token = 2 * token_bytes_ / Hkv + sizeof(uint32_t);  // K, V and position
-        full += uint64_t(ott.pool + ott.spilled) * per_token + uint64_t(ott.pool) * sizeof(float);
+      for (const OutlierTokens &ott : seq.outliers)
         allocated += ott.keys.capacity() + ott.values.capacity() + ott.positions.capacity() * sizeof(uint32_t) +
                      ott.norms.capacity() * sizeof(float);
-        meta += sizeof(OutlierTokens);
+      for (const BlockRef &ref : seq.blocks) {
+        if (std::exchange(ref.page->counted, epoch) == epoch) continue;
+        allocated += uint64_t(ref.page->capacity) * slot_bytes(l) + sizeof(BlockPage) +
+                     ref.page->capacity * sizeof(uint32_t);
+        for (uint32_t holders : ref.page->holders) {
+          if (holders == 0) continue;
+          keys_q += Hkv * layout.key_bytes;
+          values_q += Hkv * layout.value_bytes;
+          padding += Hkv * (layout.stride - layout.key_bytes - layout.value_bytes);
+          if (holders > 1) shared += slot_bytes(l);
+        }
+      }
+      for (const auto &copy : seq.history) {
+        if (std::exchange(copy->counted, epoch) == epoch) continue;
+        rollback += history_bytes(l);
+        allocated += history_bytes(l) + sizeof(BlockHistory);
+        if (copy.use_count() > 1) shared += history_bytes(l);
       }
     }
   }
@@ -791,7 +1207,9 @@ void CpuCache::stats(qjlkv_stats &out) const {
   out.bytes_values_quantized = values_q;
   out.bytes_full_precision = full;
   out.bytes_metadata = meta + padding;  // block padding is stored, so it counts
-  out.bytes_reserved = allocated + meta;  // every allocated byte, used or not
+  out.bytes_rollback = rollback;
+  out.bytes_shared = shared;
+  out.bytes_reserved = allocated;  // every allocated byte, used or not
 }
 
 // ---- serialization (src/serialize.cpp) --------------------------------------------------------
@@ -799,12 +1217,12 @@ PortableCounts CpuCache::portable_counts(uint32_t layer, uint32_t seq_id) const 
   const auto it = layers_[layer].find(seq_id);
   if (it == layers_[layer].end()) return {};
   const Sequence &seq = it->second;
-  return {seq.length, seq.blocks, seq.tail_tokens, seq.sink_tokens};
+  return {seq.length, seq.block_count(), seq.tail_tokens, seq.sink_tokens};
 }
 
 void CpuCache::read_block(uint32_t layer, uint32_t seq_id, uint32_t block, uint32_t head, uint8_t *out) const {
   const size_t stride = spec().layers[layer].layout.stride;
-  std::memcpy(out, find(layer, seq_id).heads[head].data() + size_t(block) * stride, stride);
+  std::memcpy(out, find(layer, seq_id).blocks[block].head(head, stride), stride);
 }
 
 // The buffer of one kind of exact rows of a sequence.
@@ -844,11 +1262,19 @@ class CpuImport final : public PortableImport {
     const CacheSpec &spec = cache_.spec();
     Sequence &seq = layers_.add(layer);
     seq.length = counts.length;
-    seq.blocks = counts.blocks;
+    seq.rollback_floor = counts.length;  // no rollback copies travel in a stream
+    seq.first_history = counts.blocks;
     seq.tail_tokens = counts.tail_tokens;
     seq.sink_tokens = counts.sink_tokens;
-    cache_.create_heads(seq, layer);
-    for (auto &bytes : seq.heads) bytes.resize(size_t(counts.blocks) * spec.layers[layer].layout.stride);
+    cache_.create_outliers(seq, layer);
+    if (counts.blocks > 0) {  // one page, held by this sequence alone
+      auto page = std::make_shared<BlockPage>(counts.blocks, cache_.slot_bytes(layer));
+      seq.blocks.reserve(counts.blocks);
+      for (uint32_t b = 0; b < counts.blocks; ++b) {
+        page->holders[b] = 1;
+        seq.blocks.push_back({page, b});
+      }
+    }
     // The capacity an append leaves, so that the next appends allocate as they would have.
     const size_t tail_bytes = size_t(counts.tail_tokens) * cache_.token_bytes_;
     const size_t capacity =
@@ -864,7 +1290,7 @@ class CpuImport final : public PortableImport {
   }
   void write_block(uint32_t block, uint32_t head, const uint8_t *bytes) override {
     const size_t stride = cache_.spec().layers[layers_.back().layer].layout.stride;
-    std::memcpy(current().heads[head].data() + size_t(block) * stride, bytes, stride);
+    std::memcpy(const_cast<uint8_t *>(current().blocks[block].head(head, stride)), bytes, stride);
   }
   void write_exact(ExactRows which, uint32_t first, uint32_t count, bool values, const uint8_t *rows) override {
     const size_t token = cache_.token_bytes_;
@@ -885,7 +1311,16 @@ class CpuImport final : public PortableImport {
       std::copy_n(src->begin() + ptrdiff_t(in.pool * row), in.spilled * row, dst->begin() + ptrdiff_t(P * row));
     }
   }
+  uint64_t bytes_added() const override {
+    uint64_t bytes = 0;
+    for (const auto &staged : layers_) {
+      const Sequence &seq = staged.node.mapped();
+      bytes += cache_.own_bytes(staged.layer, seq) + seq.blocks.size() * cache_.slot_bytes(staged.layer);
+    }
+    return bytes;
+  }
   void commit() noexcept override {
+    cache_.used_ += bytes_added();  // the layers it fills hold nothing (the C layer checked)
     layers_.commit([this](uint32_t layer) -> auto & { return cache_.layers_[layer]; });
   }
 

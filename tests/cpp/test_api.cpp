@@ -28,9 +28,11 @@ TEST(Status, NamesEveryStatus) {
   EXPECT_STREQ(qjlkv_status_string(QJLKV_ERROR_DEVICE), "QJLKV_ERROR_DEVICE");
   EXPECT_STREQ(qjlkv_status_string(QJLKV_ERROR_CORRUPT_DATA), "QJLKV_ERROR_CORRUPT_DATA");
   EXPECT_STREQ(qjlkv_status_string(QJLKV_ERROR_INTERNAL), "QJLKV_ERROR_INTERNAL");
+  EXPECT_STREQ(qjlkv_status_string(QJLKV_ERROR_MEMORY_BUDGET), "QJLKV_ERROR_MEMORY_BUDGET");
   // A C caller may pass any int; C++ cannot hold such a value in the enum, so C code passes it.
   EXPECT_STREQ(qjlkv_test_status_string_of_int(6), "QJLKV_ERROR_INTERNAL");
-  EXPECT_STREQ(qjlkv_test_status_string_of_int(7), "unknown status");
+  EXPECT_STREQ(qjlkv_test_status_string_of_int(7), "QJLKV_ERROR_MEMORY_BUDGET");
+  EXPECT_STREQ(qjlkv_test_status_string_of_int(8), "unknown status");
   EXPECT_STREQ(qjlkv_test_status_string_of_int(999), "unknown status");
   EXPECT_STREQ(qjlkv_test_status_string_of_int(-1), "unknown status");
   EXPECT_STREQ(qjlkv_test_status_string_of_int(INT32_MIN), "unknown status");

@@ -321,7 +321,7 @@ void check_stats_by_hand(const qjlkv_config &cfg, const std::vector<std::tuple<u
   qt::Cache cache = qt::make_cache(cfg);
   ASSERT_TRUE(cache);
   qt::Rng rng(41);
-  uint64_t tokens = 0, keys_q = 0, values_q = 0, full = 0;
+  uint64_t tokens = 0, keys_q = 0, values_q = 0, full = 0, rollback = 0;
   const uint64_t hkv = cfg.num_kv_heads, d = cfg.head_dim, elem = qt::dtype_bytes(qjlkv_dtype(cfg.dtype));
   for (auto [layer, seq, n] : fills) {
     const std::vector<float> k = rng.normals(size_t(n) * hkv * d), v = rng.normals(k.size());
@@ -333,6 +333,10 @@ void check_stats_by_hand(const qjlkv_config &cfg, const std::vector<std::tuple<u
     keys_q += quantized / cfg.block_tokens * hkv * b.keys;
     values_q += quantized / cfg.block_tokens * hkv * b.values;
     full += (n - quantized) * hkv * d * elem * 2;
+    // Exact copies of the blocks that a truncate to n - rollback_tokens or later would reopen.
+    const uint64_t floor = n > cfg.rollback_tokens ? n - cfg.rollback_tokens : 0;
+    const uint64_t reopenable = quantized - qt::quantized_positions(floor, cfg.block_tokens, cfg.residual_tokens);
+    rollback += reopenable * hkv * d * elem * 2;
   }
   const qjlkv_stats st = qt::stats_of(cache.get());
   EXPECT_EQ(st.tokens, tokens);
@@ -340,8 +344,9 @@ void check_stats_by_hand(const qjlkv_config &cfg, const std::vector<std::tuple<u
   EXPECT_EQ(st.bytes_keys_quantized, keys_q);
   EXPECT_EQ(st.bytes_values_quantized, values_q);
   EXPECT_EQ(st.bytes_full_precision, full);
+  EXPECT_EQ(st.bytes_rollback, rollback);
   EXPECT_EQ(st.bytes_used, st.bytes_keys_quantized + st.bytes_values_quantized + st.bytes_full_precision +
-                               st.bytes_metadata);
+                               st.bytes_metadata + st.bytes_rollback);
   EXPECT_GE(st.bytes_reserved, st.bytes_used);
   EXPECT_DOUBLE_EQ(st.bits_per_number, 8.0 * st.bytes_used / (double(tokens) * hkv * d * 2));
   // Per-sequence bookkeeping is small next to the data it describes.

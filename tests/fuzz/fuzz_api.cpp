@@ -316,7 +316,7 @@ void Harness::check_state() {
   FUZZ_CHECK(st.bytes_used <= st.bytes_reserved, "bytes_used %llu > bytes_reserved %llu",
              (unsigned long long)st.bytes_used, (unsigned long long)st.bytes_reserved);
   FUZZ_CHECK(st.bytes_used == st.bytes_keys_quantized + st.bytes_values_quantized + st.bytes_full_precision +
-                                  st.bytes_metadata,
+                                  st.bytes_metadata + st.bytes_rollback,
              "bytes_used is not the sum of its components");
   FUZZ_CHECK(st.bytes_fp16_equivalent == tokens * token_elems_ * 4, "bytes_fp16_equivalent");
   if (tokens == 0) {
