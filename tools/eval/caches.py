@@ -32,6 +32,16 @@ class ExactCache:
         self.values = [np.empty((0, num_kv_heads, head_dim), np.float32) for _ in range(num_layers)]
         self.lengths = [0] * num_layers
 
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` tokens per layer now, so that a run of known length does not
+        grow to twice its size (a 16k-token Qwen2.5 cache: 0.9 GB instead of 1.8 GB)."""
+        for store in (self.keys, self.values):
+            for layer, held in enumerate(store):
+                if len(held) < tokens:
+                    grown = np.empty((tokens, self.num_kv_heads, self.head_dim), np.float32)
+                    grown[:self.lengths[layer]] = held[:self.lengths[layer]]
+                    store[layer] = grown
+
     def append(self, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
         n, length = len(keys), self.lengths[layer]
         if length + n > len(self.keys[layer]):  # grow geometrically: appends stay O(1)

@@ -209,18 +209,22 @@ def bits_at_length(config: CacheConfig, shape, kv, length: int = BITS_LENGTH) ->
     return float(cache.stats()["bits_per_number"])
 
 
-def evaluate(model: LlamaModel, tokens: list[int], prefix: int, configs: list[CacheConfig],
-             num_threads: int = 1, progress: bool = True, bits_length: int | None = None):
-    """Returns (reference perplexity, [Result per config]) over the len(tokens) - prefix - 1
-    teacher-forced predictions after the exact prefill of tokens[:prefix]. With
-    bits_length, each result also has its bits per number at that many tokens."""
+def decode_through(model: LlamaModel, tokens: list[int], prefix: int, caches: list,
+                   prompt_kv=None, progress: bool = True):
+    """Exact prefill of tokens[:prefix] (or its given per-layer K/V, prompt_kv), appended to
+    the reference cache and to every cache; then teacher-forced decoding of the rest through
+    all of them in one batch. Returns (prompt_kv, kl [steps, caches], top-1 agreement
+    [steps, caches], nll [steps, 1 + caches]: column 0 is the reference's)."""
     from tqdm import tqdm
 
     s = model.shape
     reference = ExactCache(s.num_layers, s.num_q_heads, s.num_kv_heads, s.head_dim)
-    caches = [c.make(s, num_threads) for c in configs]
     everyone = [reference] + caches
-    _, prompt_kv = model.forward(tokens[:prefix], all_logits=False, progress=progress)
+    for cache in everyone:
+        if isinstance(cache, ExactCache):
+            cache.reserve(len(tokens))
+    if prompt_kv is None:
+        _, prompt_kv = model.forward(tokens[:prefix], all_logits=False, progress=progress)
     for cache in everyone:
         for layer, (k, v) in enumerate(prompt_kv):
             cache.append(layer, k, v)
@@ -239,6 +243,17 @@ def evaluate(model: LlamaModel, tokens: list[int], prefix: int, configs: list[Ca
             kl[step] = (np.exp(ref) * (ref - logp[1:])).sum(axis=-1)
             agree[step] = logp[1:].argmax(axis=-1) == ref.argmax()
             nll[step] = -logp[:, tokens[position + 1]]
+    return prompt_kv, kl, agree, nll
+
+
+def evaluate(model: LlamaModel, tokens: list[int], prefix: int, configs: list[CacheConfig],
+             num_threads: int = 1, progress: bool = True, bits_length: int | None = None):
+    """Returns (reference perplexity, [Result per config]) over the len(tokens) - prefix - 1
+    teacher-forced predictions after the exact prefill of tokens[:prefix]. With
+    bits_length, each result also has its bits per number at that many tokens."""
+    s = model.shape
+    caches = [c.make(s, num_threads) for c in configs]
+    prompt_kv, kl, agree, nll = decode_through(model, tokens, prefix, caches, progress=progress)
 
     results = []
     for i, (config, cache) in enumerate(zip(configs, caches)):

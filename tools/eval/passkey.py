@@ -61,11 +61,13 @@ class Prompt:
     question: list[int]   # end of the user turn, assistant header, ANSWER_START
 
 
-def haystack_paragraphs(model: LlamaModel, length: int, text_path: str = DEFAULT_TEXT) -> list[list[int]]:
+def haystack_paragraphs(model: LlamaModel, length: int, text_path: str = DEFAULT_TEXT,
+                        text: str | None = None) -> list[list[int]]:
     """Token ids of the text's paragraphs ("\\n\\n"-separated, each ending with its
-    separator) up to `length` tokens in all."""
-    with open(text_path, encoding="utf-8") as f:
-        text = f.read()
+    separator) up to `length` tokens in all; `text` replaces the file's text when given."""
+    if text is None:
+        with open(text_path, encoding="utf-8") as f:
+            text = f.read()
     pieces = [p + "\n\n" for p in text.split("\n\n") if p.strip()]
     paragraphs, total = [], 0
     for piece in pieces:
@@ -76,17 +78,19 @@ def haystack_paragraphs(model: LlamaModel, length: int, text_path: str = DEFAULT
         total += len(ids)
         if total >= length:
             return paragraphs
-    raise ValueError(f"{text_path} has fewer than {length} tokens")
+    raise ValueError(f"the haystack text has fewer than {length} tokens")
 
 
-def make_prompts(model: LlamaModel, length: int, depths: list[float], seed: int = 0):
+def make_prompts(model: LlamaModel, length: int, depths: list[float], seed: int = 0,
+                 text: str | None = None):
     """(shared head tokens, [Prompt per depth]): the head is system + instruction +
-    the whole haystack; prompt i shares its first prefix_tokens tokens."""
+    the whole haystack (the GPL text, or `text`); prompt i shares its first prefix_tokens
+    tokens."""
     tok = model.tokenizer
     rng = np.random.default_rng(seed + length)
     system = SYSTEM_TURN.get(model.shape.architecture, "")
     header = tok.encode(system + "<|im_start|>user\n" + INSTRUCTION, allow_special=True)
-    paragraphs = haystack_paragraphs(model, length)
+    paragraphs = haystack_paragraphs(model, length, text=text)
     starts = np.cumsum([0] + [len(p) for p in paragraphs])  # token offset of each boundary
     head = header + [t for p in paragraphs for t in p]
     question = tok.encode(QUESTION + "<|im_end|>\n<|im_start|>assistant\n" + ANSWER_START,
@@ -125,29 +129,41 @@ def answer_key(text: str) -> int | None:
 def run_prompt(model: LlamaModel, head_kv, prompt: Prompt, configs: list[CacheConfig],
                num_threads: int = 1) -> tuple[list[str], list]:
     """The answers of the exact cache and of each config's cache, and the caches."""
-    s = model.shape
     past = [(k[:prompt.prefix_tokens], v[:prompt.prefix_tokens]) for k, v in head_kv]
     with single_threaded_blas():  # on the shared machine one thread beats two (model.py)
         _, rest_kv = model.forward(prompt.rest, start_pos=prompt.prefix_tokens, past=past,
                                    all_logits=False)
-    caches = [ExactCache(s.num_layers, s.num_q_heads, s.num_kv_heads, s.head_dim)]
+    kv = [(np.concatenate([p[0], r[0]]), np.concatenate([p[1], r[1]]))
+          for p, r in zip(past, rest_kv)]
+    return answer_through(model, kv, prompt.question, configs, num_threads)
+
+
+def answer_through(model: LlamaModel, kv, question: list[int], configs: list[CacheConfig],
+                   num_threads: int = 1, exact: bool = True,
+                   answer_tokens: int = ANSWER_TOKENS) -> tuple[list[str], list]:
+    """Fresh caches (the exact one first unless exact=False, then one per config) filled
+    with the prompt's per-layer K/V `kv`; the question decoded through each (teacher-forced),
+    then `answer_tokens` greedy tokens. Returns the decoded answers and the caches."""
+    s = model.shape
+    caches = [ExactCache(s.num_layers, s.num_q_heads, s.num_kv_heads, s.head_dim)] if exact else []
     caches += [c.make(s, num_threads) for c in configs]
+    position = len(kv[0][0])
     for cache in caches:
+        if isinstance(cache, ExactCache):  # no geometric growth past the prompt
+            cache.reserve(position + len(question) + answer_tokens)
         for layer in range(s.num_layers):
-            cache.append(layer, np.concatenate([past[layer][0], rest_kv[layer][0]]),
-                         np.concatenate([past[layer][1], rest_kv[layer][1]]))
-    position = prompt.prefix_tokens + len(prompt.rest)
+            cache.append(layer, kv[layer][0], kv[layer][1])
     with single_threaded_blas():
-        for index, token in enumerate(prompt.question):
-            last = index + 1 == len(prompt.question)  # the first answer token's logits
+        for index, token in enumerate(question):
+            last = index + 1 == len(question)  # the first answer token's logits
             logits = model.decode_step([token] * len(caches), position, caches, logits=last)
             position += 1
         answers = [[] for _ in caches]
-        for step in range(ANSWER_TOKENS):
+        for step in range(answer_tokens):
             next_tokens = logits.argmax(axis=-1)
             for answer, token in zip(answers, next_tokens):
                 answer.append(int(token))
-            if step + 1 < ANSWER_TOKENS:  # the last token's own logits are not needed
+            if step + 1 < answer_tokens:  # the last token's own logits are not needed
                 logits = model.decode_step(next_tokens, position, caches)
                 position += 1
     return [model.tokenizer.decode(a) for a in answers], caches
