@@ -640,11 +640,12 @@ QJLKV_API qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out)
  * (clamped to its finite range), and OTT pool and spill tokens from those
  * blocks leave the pool. Attention afterwards equals attention over the
  * reconstruction of [0, n). The floor becomes n.
- * length 0 empties the sequence (as qjlkv_cache_clear_sequence).
- * Never refused for the memory budget (it can raise bytes_used, when the
- * exact copies it reopens are shared with a fork).
+ * length 0 empties the sequence as qjlkv_cache_clear_sequence does, and
+ * like it allocates nothing; so does a length at or above every layer's (a
+ * no-op). Never refused for the memory budget (it can raise bytes_used, when
+ * the exact copies it reopens are shared with a fork).
  * Errors: INVALID_ARGUMENT (c == NULL, length above the longest layer of seq),
- * OUT_OF_MEMORY. On failure nothing changed. */
+ * OUT_OF_MEMORY (for other lengths). On failure nothing changed. */
 QJLKV_API qjlkv_status qjlkv_cache_truncate(qjlkv_cache *c, uint32_t seq, uint64_t length);
 
 /* The empty sequence dst_seq becomes the first `length` positions of src_seq

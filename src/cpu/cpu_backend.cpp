@@ -858,6 +858,7 @@ void CpuCache::clear(uint32_t seq_id) {
 }
 
 void CpuCache::truncate(uint32_t seq_id, uint64_t length) {
+  if (length == 0) return clear(seq_id);  // allocates nothing, so it cannot fail
   std::vector<std::pair<uint32_t, Cut>> cuts;
   for (uint32_t l = 0; l < spec().cfg.num_layers; ++l) {
     const auto it = layers_[l].find(seq_id);
@@ -865,15 +866,7 @@ void CpuCache::truncate(uint32_t seq_id, uint64_t length) {
     plan_cut(l, it->second, length, cuts.emplace_back(l, Cut{}).second);
   }
   for (auto &[l, cut] : cuts) {  // nothing fails from here on
-    const auto it = layers_[l].find(seq_id);
-    Sequence &seq = it->second;
-    if (cut.length == 0) {
-      used_ -= own_bytes(l, seq);
-      for (BlockRef &ref : seq.blocks) release_block(l, ref);
-      for (auto &copy : seq.history) release_history(l, copy);
-      layers_[l].erase(it);
-      continue;
-    }
+    Sequence &seq = layers_[l].find(seq_id)->second;
     const uint64_t own_before = own_bytes(l, seq);
     apply_cut(l, seq, cut, true);
     used_ += own_bytes(l, seq) - own_before;
@@ -1175,8 +1168,7 @@ void CpuCache::stats(qjlkv_stats &out) const {
       const uint64_t own = own_bytes(l, seq);
       meta += sizeof(Sequence);
       full += own - sizeof(Sequence);
-      allocated += sizeof(Sequence) + seq.blocks.capacity() * sizeof(BlockRef) +
-                   seq.history.capacity() * sizeof(seq.history[0]);
+      allocated += sizeof(Sequence);  // the block and copy lists are bookkeeping, not cache data
       allocated += seq.tail_keys.capacity() + seq.tail_values.capacity();
       allocated += seq.sink_keys.capacity() + seq.sink_values.capacity();
       for (const OutlierTokens &ott : seq.outliers)

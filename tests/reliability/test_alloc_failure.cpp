@@ -213,6 +213,28 @@ Scenario import_call(std::string name, const qjlkv_config &cfg, const Setup &sou
           }};
 }
 
+// Truncates seq 7 (watched in layers 0 and 1) to `length`.
+Scenario truncate_call(std::string name, Setup setup, uint64_t length) {
+  return {std::move(name), std::move(setup), 0,
+          [=](qjlkv_cache *c, uint8_t *) { return qjlkv_cache_truncate(c, 7, length); }};
+}
+
+// Forks seq 7 into the watched, empty seq 12345.
+Scenario fork_call(std::string name, Setup setup, uint64_t length) {
+  return {std::move(name), std::move(setup), 0,
+          [=](qjlkv_cache *c, uint8_t *) { return qjlkv_cache_fork(c, 7, 12345, length); }};
+}
+
+// setup, then seq 7 forked into seq 3, which appends on its own; seq 7 then shares pages it no
+// longer writes.
+Setup forked(Setup setup, const qjlkv_config &cfg, uint64_t length) {
+  return [setup, cfg, length](qjlkv_cache *c) {
+    setup(c);
+    expect_setup_ok(qjlkv_cache_fork(c, 7, 3, length), "setup fork");
+    expect_setup_ok(append_tokens(c, cfg, 0, 3, cfg.block_tokens + 1, 99), "setup append to the fork");
+  };
+}
+
 std::vector<Scenario> scenarios(const qjlkv_config &cfg) {
   const uint32_t B = cfg.block_tokens, R = cfg.residual_tokens;
   const Setup two_layers = fill(cfg, {{{0, 7}, R + 3 * B + 2}, {{1, 7}, R + B - 1}});
@@ -233,11 +255,17 @@ std::vector<Scenario> scenarios(const qjlkv_config &cfg) {
       attend_batch_call("attend_batch", fill(cfg, {{{0, 1}, R + B + 2}, {{0, 2}, 3}}), cfg, 0, {1, 2, 1}),
       scores_call("scores", fill(cfg, {{{1, 9}, R + 2 * B + 1}}), cfg, 1, 9, R + 2 * B + 1),
       reconstruct_call("reconstruct", fill(cfg, {{{0, 7}, R + 2 * B + 3}}), cfg, 0, 7, 1, R + 2 * B + 1),
+      truncate_call("truncate that reopens a block from its rollback copy", two_layers, R + 3 * B - 3),
+      truncate_call("truncate below the rollback floor", two_layers, 5),
+      fork_call("fork of a whole sequence", two_layers, R + 3 * B + 2),
+      fork_call("fork of a prefix, reopening a block", two_layers, R + B + 4),
+      fork_call("fork of a forked sequence's prefix", forked(two_layers, cfg, R + 3 * B + 2), B / 2),
   };
   return all;
 }
 
-// Calls that must never fail for lack of memory (the header lists no OUT_OF_MEMORY for them):
+// Calls that must never fail for lack of memory (the header lists no OUT_OF_MEMORY for them, or,
+// for truncate, not in these cases):
 // run them with each of their first allocations failing, so that an allocation added later is
 // caught.
 void walk_non_allocating(const qjlkv_config &cfg) {
@@ -255,6 +283,17 @@ void walk_non_allocating(const qjlkv_config &cfg) {
          std::memcpy(out, &st, sizeof st);
          return s;
        }},
+      {"bytes_needed", setup, sizeof(uint64_t),
+       [](qjlkv_cache *c, uint8_t *out) {
+         return qjlkv_cache_bytes_needed(c, 1, 300, reinterpret_cast<uint64_t *>(out));
+       }},
+      {"sequence_bytes", setup, 2 * sizeof(uint64_t),
+       [](qjlkv_cache *c, uint8_t *out) {
+         return qjlkv_cache_sequence_bytes(c, 1, reinterpret_cast<uint64_t *>(out),
+                                           reinterpret_cast<uint64_t *>(out) + 1);
+       }},
+      {"truncate to the length", setup, 0, [](qjlkv_cache *c, uint8_t *) { return qjlkv_cache_truncate(c, 2, 4); }},
+      {"truncate to 0", setup, 0, [](qjlkv_cache *c, uint8_t *) { return qjlkv_cache_truncate(c, 1, 0); }},
       {"length", setup, sizeof(uint64_t),
        [](qjlkv_cache *c, uint8_t *out) { return qjlkv_cache_length(c, 0, 1, reinterpret_cast<uint64_t *>(out)); }},
       {"config", setup, sizeof(qjlkv_config),
