@@ -13,8 +13,10 @@ pub const QJLKV_MAX_BLOCK_TOKENS: u32 = 4096;
 pub const QJLKV_MAX_RESIDUAL_TOKENS: u32 = 65536;
 pub const QJLKV_MAX_SPILL_TOKENS: u32 = 4096;
 pub const QJLKV_MAX_THREADS: u32 = 1024;
+pub const QJLKV_MAX_ROLLBACK_TOKENS: u32 = 65536;
 pub const QJLKV_SKETCH_ORTHOGONAL: u32 = 1;
 pub const QJLKV_CONFIG_SIZE_0_1: u32 = 112;
+pub const QJLKV_CONFIG_SIZE_0_3: u32 = 128;
 pub const QJLKV_STATS_SIZE_0_1: u32 = 80;
 pub type __uint32_t = ::std::os::raw::c_uint;
 pub type __uint64_t = ::std::os::raw::c_ulong;
@@ -31,6 +33,7 @@ pub const QJLKV_ERROR_UNSUPPORTED: qjlkv_status = 3;
 pub const QJLKV_ERROR_DEVICE: qjlkv_status = 4;
 pub const QJLKV_ERROR_CORRUPT_DATA: qjlkv_status = 5;
 pub const QJLKV_ERROR_INTERNAL: qjlkv_status = 6;
+pub const QJLKV_ERROR_MEMORY_BUDGET: qjlkv_status = 7;
 pub type qjlkv_status = ::std::os::raw::c_uint;
 extern "C" {
     pub fn qjlkv_status_string(s: qjlkv_status) -> *const ::std::os::raw::c_char;
@@ -108,12 +111,15 @@ pub struct qjlkv_config {
     pub backend: u32,
     pub value_method: u32,
     pub sink_tokens: u32,
+    pub unused_0_3: u32,
+    pub memory_budget: u64,
+    pub rollback_tokens: u32,
 }
 #[test]
 fn bindgen_test_layout_qjlkv_config() {
     assert_eq!(
         ::std::mem::size_of::<qjlkv_config>(),
-        128usize,
+        144usize,
         concat!("Size of: ", stringify!(qjlkv_config))
     );
     assert_eq!(
@@ -599,6 +605,57 @@ fn bindgen_test_layout_qjlkv_config() {
         );
     }
     test_field_sink_tokens();
+    fn test_field_unused_0_3() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<qjlkv_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).unused_0_3) as usize - ptr as usize
+            },
+            124usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(qjlkv_config),
+                "::",
+                stringify!(unused_0_3)
+            )
+        );
+    }
+    test_field_unused_0_3();
+    fn test_field_memory_budget() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<qjlkv_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).memory_budget) as usize - ptr as usize
+            },
+            128usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(qjlkv_config),
+                "::",
+                stringify!(memory_budget)
+            )
+        );
+    }
+    test_field_memory_budget();
+    fn test_field_rollback_tokens() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<qjlkv_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).rollback_tokens) as usize - ptr as usize
+            },
+            136usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(qjlkv_config),
+                "::",
+                stringify!(rollback_tokens)
+            )
+        );
+    }
+    test_field_rollback_tokens();
 }
 extern "C" {
     pub fn qjlkv_config_init(
@@ -729,12 +786,14 @@ pub struct qjlkv_stats {
     pub bytes_values_quantized: u64,
     pub bytes_full_precision: u64,
     pub bytes_metadata: u64,
+    pub bytes_rollback: u64,
+    pub bytes_shared: u64,
 }
 #[test]
 fn bindgen_test_layout_qjlkv_stats() {
     assert_eq!(
         ::std::mem::size_of::<qjlkv_stats>(),
-        80usize,
+        96usize,
         concat!("Size of: ", stringify!(qjlkv_stats))
     );
     assert_eq!(
@@ -907,9 +966,60 @@ fn bindgen_test_layout_qjlkv_stats() {
         );
     }
     test_field_bytes_metadata();
+    fn test_field_bytes_rollback() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<qjlkv_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_rollback) as usize - ptr as usize
+            },
+            80usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(qjlkv_stats),
+                "::",
+                stringify!(bytes_rollback)
+            )
+        );
+    }
+    test_field_bytes_rollback();
+    fn test_field_bytes_shared() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<qjlkv_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_shared) as usize - ptr as usize
+            },
+            88usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(qjlkv_stats),
+                "::",
+                stringify!(bytes_shared)
+            )
+        );
+    }
+    test_field_bytes_shared();
 }
 extern "C" {
     pub fn qjlkv_cache_stats(c: *const qjlkv_cache, out: *mut qjlkv_stats) -> qjlkv_status;
+}
+extern "C" {
+    pub fn qjlkv_cache_truncate(c: *mut qjlkv_cache, seq: u32, length: u64) -> qjlkv_status;
+}
+extern "C" {
+    pub fn qjlkv_cache_fork(c: *mut qjlkv_cache, src_seq: u32, dst_seq: u32, length: u64) -> qjlkv_status;
+}
+extern "C" {
+    pub fn qjlkv_cache_bytes_needed(c: *const qjlkv_cache, seq: u32, n_tokens: u32, out: *mut u64) -> qjlkv_status;
+}
+extern "C" {
+    pub fn qjlkv_cache_sequence_bytes(
+        c: *const qjlkv_cache,
+        seq: u32,
+        bytes: *mut u64,
+        shared: *mut u64,
+    ) -> qjlkv_status;
 }
 pub type qjlkv_write_fn = ::std::option::Option<
     unsafe extern "C" fn(user: *mut ::std::os::raw::c_void, data: *const ::std::os::raw::c_void, size: usize) -> usize,

@@ -32,6 +32,12 @@ pub struct Stats {
     pub bytes_full_precision: u64,
     /// Per-sequence bookkeeping.
     pub bytes_metadata: u64,
+    /// Exact copies of recently quantized blocks, kept so that a truncate by up to
+    /// [`Config::rollback_tokens`] positions is exact; a part of `bytes_used` (the parts
+    /// above and this one sum to it).
+    pub bytes_rollback: u64,
+    /// The part of `bytes_used` held by more than one sequence (forks), counted once.
+    pub bytes_shared: u64,
 }
 
 impl Stats {
@@ -42,6 +48,23 @@ impl Stats {
         } else {
             self.bytes_fp16_equivalent as f64 / self.bytes_used as f64
         }
+    }
+}
+
+/// The bytes one sequence holds, all layers ([`Cache::sequence_bytes`]).
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SequenceBytes {
+    /// Everything the sequence references, blocks it shares with other sequences included.
+    pub bytes: u64,
+    /// The part of `bytes` that another sequence holds too.
+    pub shared: u64,
+}
+
+impl SequenceBytes {
+    /// What clearing the sequence frees: `bytes - shared`.
+    pub fn exclusive(&self) -> u64 {
+        self.bytes - self.shared
     }
 }
 
@@ -72,8 +95,11 @@ impl Stats {
 /// assert_eq!(out.len(), 8 * 64);
 /// assert_eq!(cache.length(0, 7)?, 101);
 ///
+/// // At 101 tokens most of the bytes are the exact tail and the exact copies kept for
+/// // rollback (`bytes_rollback`); long sequences approach the preset's bits per number.
 /// let stats = cache.stats()?;
-/// assert!(stats.bits_per_number < 16.0);
+/// assert_eq!(stats.tokens, 101);
+/// assert!(stats.bytes_used - stats.bytes_rollback < stats.bytes_fp16_equivalent);
 ///
 /// // A wrong length is reported without calling the library.
 /// let err = cache.append(0, 7, &keys[..kv_len - 1], &values[..kv_len - 1]).unwrap_err();
@@ -321,6 +347,51 @@ impl Cache {
         check(unsafe { sys::qjlkv_cache_clear_sequence(self.ptr.as_ptr(), seq) })
     }
 
+    /// Keeps the first `min(length, its length)` positions of every layer of `seq`
+    /// (speculative decoding's rollback of rejected draft tokens). Truncating a layer by at
+    /// most [`Config::rollback_tokens`] positions since its appends is exact: the sequence is
+    /// bit for bit the one that never saw the dropped positions (attention, export, later
+    /// appends). Deeper truncates keep the dequantized reconstruction of reopened blocks (see
+    /// `qjlkv_cache_truncate`). `length` 0 empties the sequence. Never refused for the memory
+    /// budget. Errors: `length` above the longest layer of `seq`; on any error nothing
+    /// changed.
+    pub fn truncate(&mut self, seq: u32, length: u64) -> Result<(), Error> {
+        // SAFETY: the cache is live and exclusively borrowed.
+        check(unsafe { sys::qjlkv_cache_truncate(self.ptr.as_ptr(), seq, length) })
+    }
+
+    /// The empty sequence `dst` becomes the first `length` positions of `src` in every layer
+    /// (prefix caching, parallel sampling, beam search). `dst` shares `src`'s quantized blocks
+    /// (reference counted, copy-on-write) and copies only the exact rows; later appends,
+    /// truncates and clears of either never change the other. `fork(src, dst, p)` equals a
+    /// fork of the whole sequence followed by `truncate(dst, p)`. Errors (nothing changed):
+    /// `dst == src`, `dst` holds tokens, `length` above the longest layer of `src`, and
+    /// [`Status::MemoryBudget`] when the copied rows would exceed the budget.
+    pub fn fork(&mut self, src: u32, dst: u32, length: u64) -> Result<(), Error> {
+        // SAFETY: the cache is live and exclusively borrowed.
+        check(unsafe { sys::qjlkv_cache_fork(self.ptr.as_ptr(), src, dst, length) })
+    }
+
+    /// Admission control: the bytes by which [`Stats::bytes_used`] grows when `n_tokens` more
+    /// tokens are appended to `seq` in every layer (each layer from its own length, in one
+    /// append or several). Exact for the cache as it is now. Errors: the sequence would
+    /// exceed `u32::MAX` positions.
+    pub fn bytes_needed(&self, seq: u32, n_tokens: u32) -> Result<u64, Error> {
+        let mut out = 0;
+        // SAFETY: the cache is live; out is a valid out pointer.
+        check(unsafe { sys::qjlkv_cache_bytes_needed(self.ptr.as_ptr(), seq, n_tokens, &mut out) })?;
+        Ok(out)
+    }
+
+    /// The bytes `seq` holds, all layers, and the part of them shared with other sequences;
+    /// zeros for a sequence holding nothing.
+    pub fn sequence_bytes(&self, seq: u32) -> Result<SequenceBytes, Error> {
+        let mut held = SequenceBytes::default();
+        // SAFETY: the cache is live; both out pointers are valid.
+        check(unsafe { sys::qjlkv_cache_sequence_bytes(self.ptr.as_ptr(), seq, &mut held.bytes, &mut held.shared) })?;
+        Ok(held)
+    }
+
     /// Memory statistics.
     pub fn stats(&self) -> Result<Stats, Error> {
         let mut raw = MaybeUninit::<sys::qjlkv_stats>::zeroed();
@@ -340,6 +411,8 @@ impl Cache {
             bytes_values_quantized: raw.bytes_values_quantized,
             bytes_full_precision: raw.bytes_full_precision,
             bytes_metadata: raw.bytes_metadata,
+            bytes_rollback: raw.bytes_rollback,
+            bytes_shared: raw.bytes_shared,
         })
     }
 

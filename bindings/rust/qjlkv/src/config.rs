@@ -215,6 +215,16 @@ impl Config {
         self.raw.device_ordinal
     }
 
+    /// The most `bytes_used` the cache may hold; 0 = no budget (every preset).
+    pub fn get_memory_budget(&self) -> u64 {
+        self.raw.memory_budget
+    }
+
+    /// D: how many positions a truncate can undo exactly (32 in every preset).
+    pub fn get_rollback_tokens(&self) -> u32 {
+        self.raw.rollback_tokens
+    }
+
     /// Element type of keys, values, queries and outputs (default `F32`).
     #[must_use]
     pub fn dtype(mut self, dtype: Dtype) -> Config {
@@ -249,6 +259,18 @@ impl Config {
     #[must_use]
     pub fn seed(mut self, seed: u64) -> Config {
         self.raw.seed = seed;
+        self
+    }
+
+    /// Caps the cache's `bytes_used` ([`Stats::bytes_used`](crate::Stats::bytes_used)) at
+    /// `bytes`; 0 (the default) = no budget. An append, batch append, fork or import that
+    /// would exceed it fails with [`Status::MemoryBudget`](crate::Status::MemoryBudget) and
+    /// changes nothing; truncate and clear never fail for it.
+    /// [`Cache::bytes_needed`](crate::Cache::bytes_needed) tells beforehand what an append
+    /// will take.
+    #[must_use]
+    pub fn memory_budget(mut self, bytes: u64) -> Config {
+        self.raw.memory_budget = bytes;
         self
     }
 
@@ -295,5 +317,9 @@ impl Config {
         value_method;
         /// S: the first S positions of every sequence stay exact (attention sinks), <= 65536.
         sink_tokens;
+        /// D: truncating a sequence by up to D positions is exact
+        /// ([`Cache::truncate`](crate::Cache::truncate)), at the cost of exact copies of the
+        /// blocks it may undo (`Stats::bytes_rollback`); <= 65536, 32 in every preset.
+        rollback_tokens;
     }
 }

@@ -19,6 +19,13 @@ pub enum Status {
     CorruptData,
     /// A bug in the library (`QJLKV_ERROR_INTERNAL`).
     Internal,
+    /// The call would take the cache's `bytes_used` above [`Config::memory_budget`]
+    /// (`QJLKV_ERROR_MEMORY_BUDGET`); nothing changed. Unlike [`OutOfMemory`](Status::OutOfMemory)
+    /// this is the cache's own limit, not a failed allocation: free or preempt a sequence
+    /// (`clear_sequence`, `truncate`), then retry.
+    ///
+    /// [`Config::memory_budget`]: crate::Config::memory_budget
+    MemoryBudget,
     /// A status this version of the crate does not know (from a newer library).
     Other(u32),
 }
@@ -32,6 +39,7 @@ impl Status {
             sys::QJLKV_ERROR_DEVICE => Status::Device,
             sys::QJLKV_ERROR_CORRUPT_DATA => Status::CorruptData,
             sys::QJLKV_ERROR_INTERNAL => Status::Internal,
+            sys::QJLKV_ERROR_MEMORY_BUDGET => Status::MemoryBudget,
             other => Status::Other(other),
         }
     }
@@ -45,6 +53,7 @@ impl Status {
             Status::Device => sys::QJLKV_ERROR_DEVICE,
             Status::CorruptData => sys::QJLKV_ERROR_CORRUPT_DATA,
             Status::Internal => sys::QJLKV_ERROR_INTERNAL,
+            Status::MemoryBudget => sys::QJLKV_ERROR_MEMORY_BUDGET,
             Status::Other(code) => code,
         }
     }

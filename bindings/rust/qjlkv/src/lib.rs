@@ -5,7 +5,8 @@
 //!
 //! - [`Config`]: a preset (`"q3"`, `"q4"`, `"qjl"`, `"kivi"`, `"ott"`, `"exact"`) for a model shape, refined
 //!   with builder methods.
-//! - [`Cache`]: append keys/values per (layer, sequence), attend queries, read statistics.
+//! - [`Cache`]: append keys/values per (layer, sequence), attend queries, read statistics;
+//!   truncate (rollback) and fork sequences, predict and cap their memory.
 //! - [`Sketch`]: the QJL projection matrix, standalone or borrowed from a cache.
 //! - [`Workers`]: CPU worker threads several caches can share.
 //! - [`Error`]: a [`Status`] and the library's message, which names the wrong argument.
@@ -62,7 +63,7 @@ mod workers;
 
 use std::ffi::CStr;
 
-pub use cache::{Cache, Stats};
+pub use cache::{Cache, SequenceBytes, Stats};
 pub use config::{Backend, Config, KeyMethod, Shape};
 pub use element::{Bf16, Dtype, Element, F16};
 pub use error::{Error, Status};

@@ -29,6 +29,8 @@ fn to_io(error: Error) -> io::Error {
         Status::CorruptData => io::ErrorKind::InvalidData,
         Status::InvalidArgument => io::ErrorKind::InvalidInput,
         Status::OutOfMemory => io::ErrorKind::OutOfMemory,
+        // An import that the cache's memory budget refuses.
+        Status::MemoryBudget => io::ErrorKind::QuotaExceeded,
         _ => io::ErrorKind::Other,
     };
     io::Error::new(kind, error)
@@ -184,7 +186,8 @@ impl Cache {
     /// Imports a stream (exactly `stream.len()` bytes) into sequence `seq`, which must be empty
     /// in the stream's layers. On failure nothing changes: `CorruptData` for damaged or
     /// truncated streams, `InvalidArgument` for another format version, a config that does not
-    /// match (the message names the field) or a non-empty target.
+    /// match (the message names the field) or a non-empty target; `MemoryBudget` for a
+    /// stream that would take the cache above [`Config::memory_budget`](crate::Config::memory_budget).
     pub fn import(&mut self, seq: u32, stream: &[u8]) -> Result<(), Error> {
         // A non-null pointer even for an empty slice: the library refuses NULL.
         let data = if stream.is_empty() {
@@ -198,8 +201,8 @@ impl Cache {
 
     /// Reads one stream from `reader` into sequence `seq`: exactly the stream's bytes, so
     /// several streams written one after another are read by as many calls. Errors as
-    /// [`import`](Cache::import), wrapped in `io::Error` like [`export_to`](Cache::export_to);
-    /// an error of the reader is returned as is.
+    /// [`import`](Cache::import), wrapped in `io::Error` like [`export_to`](Cache::export_to)
+    /// (`QuotaExceeded`: the memory budget); an error of the reader is returned as is.
     pub fn import_from<R: Read>(&mut self, seq: u32, reader: &mut R) -> io::Result<u64> {
         let mut state = CallbackState::new(reader);
         // SAFETY: as export_to.
