@@ -97,7 +97,8 @@ class Session {
 };
 
 struct ErrorClasses {
-  py::object base, invalid_argument, invalid_type, out_of_memory, unsupported, device, corrupt_data, internal;
+  py::object base, invalid_argument, invalid_type, out_of_memory, unsupported, device, corrupt_data, internal,
+      memory_budget;
 };
 ErrorClasses *g_errors = nullptr;  // module lifetime; created once in PYBIND11_MODULE
 
@@ -110,6 +111,7 @@ py::object error_class(const StatusError &e) {
     case QJLKV_ERROR_DEVICE: return g_errors->device;
     case QJLKV_ERROR_CORRUPT_DATA: return g_errors->corrupt_data;
     case QJLKV_ERROR_INTERNAL: return g_errors->internal;
+    case QJLKV_ERROR_MEMORY_BUDGET: return g_errors->memory_budget;
     default: return g_errors->base;
   }
 }
@@ -361,12 +363,14 @@ const Field kConfigFields[] = {
     QJLKV_FIELD(num_threads, U32),
     QJLKV_FIELD(value_method, U32),
     QJLKV_FIELD(sink_tokens, U32),
+    QJLKV_FIELD(memory_budget, U64),
+    QJLKV_FIELD(rollback_tokens, U32),
 };
 #undef QJLKV_FIELD
 // Fails to compile when the header grows qjlkv_config: the table above must list the new field.
 constexpr size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 static_assert(sizeof(qjlkv_config) ==
-                  round_up(offsetof(qjlkv_config, sink_tokens) + sizeof(uint32_t), alignof(qjlkv_config)),
+                  round_up(offsetof(qjlkv_config, rollback_tokens) + sizeof(uint32_t), alignof(qjlkv_config)),
               "qjlkv_config has fields that kConfigFields does not list");
 
 py::dict config_to_dict(const qjlkv_config &cfg) {
@@ -425,9 +429,11 @@ py::dict stats_to_dict(const qjlkv_stats &s) {
   d["bytes_values_quantized"] = s.bytes_values_quantized;
   d["bytes_full_precision"] = s.bytes_full_precision;
   d["bytes_metadata"] = s.bytes_metadata;
+  d["bytes_rollback"] = s.bytes_rollback;
+  d["bytes_shared"] = s.bytes_shared;
   return d;
 }
-static_assert(sizeof(qjlkv_stats) == round_up(offsetof(qjlkv_stats, bytes_metadata) + sizeof(uint64_t), 8),
+static_assert(sizeof(qjlkv_stats) == round_up(offsetof(qjlkv_stats, bytes_shared) + sizeof(uint64_t), 8),
               "qjlkv_stats has fields that stats_to_dict does not list");
 
 // ---------------------------------------------------------------------------
@@ -672,6 +678,46 @@ class Cache {
     call_nogil([&] { return qjlkv_cache_clear_sequence(c, s); });
   }
 
+  // ---- sequence operations (qjlkv_cache_truncate, _fork, _bytes_needed, _sequence_bytes) ----
+  void truncate(py::handle seq, py::handle length) {
+    const uint32_t s = to_u32(seq, "seq");
+    const uint64_t n = to_u64(length, "length");
+    const Session session(*handle_);
+    qjlkv_cache *c = session.cache();
+    call_nogil([&] { return qjlkv_cache_truncate(c, s, n); });
+  }
+
+  // length None: the whole of src_seq (its longest layer).
+  void fork(py::handle src_seq, py::handle dst_seq, py::handle length) {
+    const uint32_t src = to_u32(src_seq, "src_seq"), dst = to_u32(dst_seq, "dst_seq");
+    const bool whole = length.is_none();
+    const uint64_t n = whole ? UINT64_MAX : to_u64(length, "length");
+    const Session session(*handle_);
+    qjlkv_cache *c = session.cache();
+    uint64_t count = n;
+    if (whole) {
+      count = 0;
+      for (uint32_t l = 0; l < cfg_.num_layers; ++l) count = std::max(count, length_of(c, l, src));
+    }
+    call_nogil([&] { return qjlkv_cache_fork(c, src, dst, count); });
+  }
+
+  uint64_t bytes_needed(py::handle seq, py::handle n_tokens) const {
+    const uint32_t s = to_u32(seq, "seq"), n = to_u32(n_tokens, "n_tokens");
+    const Session session(*handle_);
+    uint64_t out = 0;
+    check(qjlkv_cache_bytes_needed(session.cache(), s, n, &out));
+    return out;
+  }
+
+  py::tuple sequence_bytes(py::handle seq) const {
+    const uint32_t s = to_u32(seq, "seq");
+    const Session session(*handle_);
+    uint64_t bytes = 0, shared = 0;
+    check(qjlkv_cache_sequence_bytes(session.cache(), s, &bytes, &shared));
+    return py::make_tuple(bytes, shared);
+  }
+
   py::dict stats() const {
     qjlkv_stats s;
     std::memset(&s, 0, sizeof s);
@@ -909,6 +955,11 @@ PYBIND11_MODULE(_qjlkv, m) {
                                          {errors.base, builtins.attr("RuntimeError")});
   errors.internal = make_error_class(m, "InternalError", "A bug in libqjlkv: please report it.",
                                      {errors.base, builtins.attr("RuntimeError")});
+  errors.memory_budget = make_error_class(
+      m, "MemoryBudgetError",
+      "The call would take the cache above config.memory_budget; nothing changed. Not an allocation "
+      "failure: free sequences (preempt) and retry.",
+      {errors.base});
   g_errors = &errors;
 
   py::native_enum<qjlkv_status>(m, "Status", "enum.IntEnum", "qjlkv_status: the C library's status codes.")
@@ -919,6 +970,7 @@ PYBIND11_MODULE(_qjlkv, m) {
       .value("DEVICE", QJLKV_ERROR_DEVICE)
       .value("CORRUPT_DATA", QJLKV_ERROR_CORRUPT_DATA)
       .value("INTERNAL", QJLKV_ERROR_INTERNAL)
+      .value("MEMORY_BUDGET", QJLKV_ERROR_MEMORY_BUDGET)
       .finalize();
   py::native_enum<qjlkv_dtype>(m, "DType", "enum.IntEnum", "qjlkv_dtype")
       .value("F32", QJLKV_DTYPE_F32)
@@ -1025,6 +1077,10 @@ PYBIND11_MODULE(_qjlkv, m) {
       .def("length", &Cache::length, py::arg("layer"), py::arg("seq"))
       .def("clear", &Cache::clear, py::arg("seq"))
       .def("stats", &Cache::stats)
+      .def("truncate", &Cache::truncate, py::arg("seq"), py::arg("length"))
+      .def("fork", &Cache::fork, py::arg("src_seq"), py::arg("dst_seq"), py::arg("length"))
+      .def("bytes_needed", &Cache::bytes_needed, py::arg("seq"), py::arg("n_tokens"))
+      .def("sequence_bytes", &Cache::sequence_bytes, py::arg("seq"))
       .def("export_bytes", &Cache::export_bytes, py::arg("seq"), py::arg("first_layer"), py::arg("num_layers"))
       .def("export_to", &Cache::export_to, py::arg("seq"), py::arg("first_layer"), py::arg("num_layers"),
            py::arg("write"))

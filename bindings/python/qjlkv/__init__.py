@@ -37,6 +37,7 @@ from ._qjlkv import (
     InvalidArgument,
     InvalidType,
     KeyMethod,
+    MemoryBudgetError,
     OutOfMemory,
     Status,
     Unsupported,
@@ -54,6 +55,7 @@ __all__ = [
     "InvalidArgument",
     "InvalidType",
     "KeyMethod",
+    "MemoryBudgetError",
     "OutOfMemory",
     "PRESETS",
     "Sketch",
@@ -259,7 +261,19 @@ class Cache:
 
     Errors: every method raises a ``qjlkv.Error`` subclass naming the bad argument
     (``InvalidArgument``, a ValueError; ``InvalidType``, also a TypeError; ``OutOfMemory``;
-    ``Unsupported``; ``DeviceError``), and a failed call changes nothing.
+    ``MemoryBudgetError``, when ``config.memory_budget`` would be exceeded; ``Unsupported``;
+    ``DeviceError``), and a failed call changes nothing.
+
+    Sequence operations (what serving engines do besides appending)::
+
+        cache.append(l, s, draft_k, draft_v)    # speculative decoding: k draft tokens...
+        cache.truncate(s, accepted)             # ...and back to the accepted length, exactly
+        cache.fork(s, s2)                       # s2 shares s's compressed blocks (beams, n > 1)
+        cache.bytes_needed(s, 128)              # admission control, exact
+        cache.sequence_bytes(s)                 # (bytes, shared) per sequence
+
+    ``config.rollback_tokens`` (32 in every preset) is how far a truncate is exact;
+    ``config.memory_budget`` (0 = none) caps ``stats()["bytes_used"]``.
 
     Threads: the GIL is released while the library works. Calls on one cache from several
     threads are serialized (each waits for the one in flight); different caches run in
@@ -346,11 +360,45 @@ class Cache:
         (``qjlkv_cache_clear_sequence``); the id can be reused."""
         self._handle.clear(seq)
 
+    def truncate(self, seq: int, length: int) -> None:
+        """Keeps the first ``min(length, its length)`` positions of every layer of ``seq``
+        (``qjlkv_cache_truncate``). Exact (as if the dropped positions had never been appended)
+        when it goes back at most ``config.rollback_tokens`` positions from the longest length
+        the sequence had since its last deeper truncate: speculative decoding's rollback. Deeper,
+        the kept positions that must reopen are their reconstruction (see the header).
+        ``length`` 0 empties the sequence. Raises InvalidArgument when ``length`` is above the
+        sequence's longest layer; never MemoryBudgetError."""
+        self._handle.truncate(seq, length)
+
+    def fork(self, src_seq: int, dst_seq: int, length: int | None = None) -> None:
+        """The empty sequence ``dst_seq`` becomes the first ``length`` positions of
+        ``src_seq`` in every layer (``qjlkv_cache_fork``; None = all of it), sharing its
+        compressed blocks (copy-on-write: later operations on one never change the other;
+        only exact rows are copied). A whole fork decodes exactly as a sequence fed the same
+        tokens. Raises InvalidArgument (``dst_seq`` not empty or equal to ``src_seq``, ``length``
+        above ``src_seq``'s), MemoryBudgetError; nothing changes then."""
+        self._handle.fork(src_seq, dst_seq, length)
+
+    def bytes_needed(self, seq: int, n_tokens: int) -> int:
+        """The bytes by which ``stats()["bytes_used"]`` grows when ``n_tokens`` more tokens
+        are appended to ``seq`` in every layer (``qjlkv_cache_bytes_needed``): exact, for
+        admission control against ``config.memory_budget``; 0 when the append frees more than
+        it takes (rollback copies of blocks that fall below the rollback floor)."""
+        return self._handle.bytes_needed(seq, n_tokens)
+
+    def sequence_bytes(self, seq: int) -> tuple[int, int]:
+        """``(bytes, shared)`` of sequence ``seq``, all layers (``qjlkv_cache_sequence_bytes``):
+        everything it references, and the part another sequence holds too (clearing ``seq``
+        frees ``bytes - shared``). ``(0, 0)`` for a sequence holding nothing."""
+        return self._handle.sequence_bytes(seq)
+
     def stats(self) -> dict:
         """Memory statistics (``qjlkv_cache_stats``) as a dict: tokens, bytes_used,
         bytes_reserved, bytes_fp16_equivalent, bits_per_number, bytes_keys_quantized,
-        bytes_values_quantized, bytes_full_precision, bytes_metadata, plus
-        ``compression_ratio`` = bytes_fp16_equivalent / bytes_used (``nan`` when empty)."""
+        bytes_values_quantized, bytes_full_precision, bytes_metadata, bytes_rollback (exact
+        copies kept for exact truncation, a part of bytes_used), bytes_shared (the part of
+        bytes_used that several sequences hold, counted once), plus ``compression_ratio`` =
+        bytes_fp16_equivalent / bytes_used (``nan`` when empty)."""
         stats = self._handle.stats()
         used = stats["bytes_used"]
         stats["compression_ratio"] = stats["bytes_fp16_equivalent"] / used if used else _math.nan
