@@ -4,6 +4,10 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
 
 #include "config.hpp"
 #include "cpu/kernels.hpp"
@@ -40,8 +44,11 @@ inline uint32_t blocks_at(const qjlkv_config &cfg, uint64_t length) {
 // The rollback floor (qjlkv.h, "Sequence operations") after an append takes a sequence whose floor
 // is `floor` to new_length positions. The backends keep exact copies of blocks
 // [blocks_at(floor), blocks) of every sequence.
+// Blocks of 16-bit keys and values read back exactly what a 16-bit input appended: a truncate can
+// reopen them from the blocks themselves, so such caches need no copies (their floor is the length).
 inline uint64_t rollback_floor_after(const qjlkv_config &cfg, uint64_t floor, uint64_t new_length) {
-  const uint64_t D = cfg.rollback_tokens;
+  const bool lossless = cfg.key_method == QJLKV_KEYS_EXACT && cfg.value_bits == 16 && cfg.dtype != QJLKV_DTYPE_F32;
+  const uint64_t D = lossless ? 0 : cfg.rollback_tokens;
   return std::max(floor, new_length > D ? new_length - D : 0);
 }
 
@@ -69,6 +76,35 @@ inline uint64_t exact_row_bytes(const CacheSpec &spec, uint32_t layer, uint64_t 
                                  uint64_t(cfg.outlier_tokens) * sizeof(float));
   }
   return bytes;
+}
+
+// What a (layer, sequence) record holds, as the byte counts need it: its rollback copies cover
+// blocks [first_copy, blocks).
+struct RecordCounts {
+  uint64_t length = 0, rollback_floor = 0;
+  uint64_t sinks = 0, tail_tokens = 0;
+  uint32_t blocks = 0, first_copy = 0;
+};
+
+// The change of bytes_used that appending n tokens brings to a record (null: a new one), where a
+// record itself takes record_bytes and sole_holder(b) says whether the record is the only holder
+// of the rollback copy of block b (a copy that a fork shares is not freed when it drops it).
+template <class SoleHolder>
+int64_t append_growth(const CacheSpec &spec, uint32_t layer, size_t record_bytes, const RecordCounts *record,
+                      uint32_t n, SoleHolder sole_holder) {
+  const RecordCounts r = record ? *record : RecordCounts{};
+  const int64_t token = int64_t(spec.cfg.num_kv_heads) * spec.cfg.head_dim * int64_t(spec.tail_elem);
+  const AppendSplit split = split_append(spec.cfg, uint32_t(r.sinks), r.tail_tokens, n);
+  int64_t growth = record ? 0 : int64_t(record_bytes + exact_row_bytes(spec, layer, 0, 0));
+  growth += 2 * token * (int64_t(split.new_sinks) + int64_t(split.tail_tokens) - int64_t(r.tail_tokens));
+  growth += int64_t(split.new_blocks * block_slot_bytes(spec, layer));
+  const uint32_t end = r.blocks + uint32_t(split.new_blocks);
+  const uint32_t keep_from = blocks_at(spec.cfg, rollback_floor_after(spec.cfg, r.rollback_floor, r.length + n));
+  const int64_t copy = int64_t(rollback_copy_bytes(spec, layer));
+  growth += int64_t(end - std::min(end, std::max(keep_from, r.blocks))) * copy;
+  for (uint32_t b = r.first_copy; b < std::min(keep_from, r.blocks); ++b)
+    if (sole_holder(b)) growth -= copy;
+  return growth;
 }
 
 // OTT's exact outlier tokens of one (sequence, kv head) as a backend keeps them: slots
@@ -129,6 +165,46 @@ void reconstruct_positions(const CacheSpec &spec, uint32_t layer, uint64_t sinks
       }
     }
   });
+}
+
+// Positions [first, first + count) of a record as the attention sees them (reconstruct_positions,
+// `rows` as there), stored in the I/O dtype into keys/values rows [count][Hkv][d]: what a truncate
+// below the rollback floor keeps of reopened blocks. Clamped to the range append accepts (a QJL
+// key's reconstruction can lie beyond the keys appended) and to the dtype's finite range.
+template <class Rows>
+void store_reconstruction(const CacheSpec &spec, uint32_t layer, uint64_t sinks, uint64_t blocks, uint64_t first,
+                          uint64_t count, Rows &rows, uint8_t *keys, uint8_t *values) {
+  const qjlkv_dtype dtype = dtype_of(spec.cfg);
+  const float dtype_max = dtype == QJLKV_DTYPE_F16 ? 65504.0f : std::numeric_limits<float>::max();
+  std::vector<float> k(size_t(count) * spec.cfg.num_kv_heads * spec.cfg.head_dim), v(k.size());
+  reconstruct_positions(spec, layer, sinks, blocks, first, count, rows, k.data(), v.data());
+  for (auto [x, limit, out] : {std::tuple{&k, std::min(spec.key_limit, dtype_max), keys},
+                               std::tuple{&v, std::min(spec.value_limit, dtype_max), values}}) {
+    for (float &e : *x) e = std::clamp(e, -limit, limit);
+    cpu::store_row(x->data(), x->size(), dtype, out, 0);
+  }
+}
+
+// A truncate that reopens blocks without a copy of the OTT pool from before them: the outlier
+// tokens at positions >= reopened_from leave the pool and the spill area (their rows are in the
+// tail again), the others keep their order. The slots are laid out as in OutlierRows, rows of
+// row_bytes bytes; norms [pool_tokens] belong to the pool's slots.
+inline void drop_outliers_from(uint64_t reopened_from, uint32_t pool_tokens, uint32_t &pool, uint32_t &spilled,
+                               uint32_t *positions, float *norms, uint8_t *keys, uint8_t *values, size_t row_bytes) {
+  const auto keep = [&](uint32_t first, uint32_t count, bool in_pool) {
+    uint32_t kept = first;
+    for (uint32_t i = first; i < first + count; ++i) {
+      if (positions[i] >= reopened_from) continue;
+      std::memmove(keys + size_t(kept) * row_bytes, keys + size_t(i) * row_bytes, row_bytes);
+      std::memmove(values + size_t(kept) * row_bytes, values + size_t(i) * row_bytes, row_bytes);
+      positions[kept] = positions[i];
+      if (in_pool) norms[kept] = norms[i];
+      ++kept;
+    }
+    return kept - first;
+  };
+  pool = keep(0, pool, true);
+  spilled = keep(pool_tokens, spilled, false);
 }
 
 }  // namespace qjlkv

@@ -625,7 +625,10 @@ QJLKV_API qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out)
  * length after an import, and copied by a fork. The cache keeps exact copies
  * of the quantized blocks that a truncate to any n >= F would reopen
  * (stats.bytes_rollback): at most rollback_tokens + block_tokens positions a
- * layer, none once the blocks lie below F. */
+ * layer, none once the blocks lie below F. Blocks that store 16-bit keys and
+ * values of 16-bit inputs (the "exact" preset with F16 or BF16) reopen
+ * exactly from themselves: such caches keep no copies, their floor is the
+ * length, and every truncate is exact. */
 
 /* Keeps the first min(length, its length) positions of every layer of seq.
  * Exact: truncating a layer to n >= its rollback floor leaves it bit for bit

@@ -334,7 +334,10 @@ void check_stats_by_hand(const qjlkv_config &cfg, const std::vector<std::tuple<u
     values_q += quantized / cfg.block_tokens * hkv * b.values;
     full += (n - quantized) * hkv * d * elem * 2;
     // Exact copies of the blocks that a truncate to n - rollback_tokens or later would reopen.
-    const uint64_t floor = n > cfg.rollback_tokens ? n - cfg.rollback_tokens : 0;
+    // (16-bit blocks of 16-bit inputs reopen from themselves and need none.)
+    const bool lossless = cfg.key_method == QJLKV_KEYS_EXACT && cfg.dtype != QJLKV_DTYPE_F32;
+    const uint64_t depth = lossless ? 0 : cfg.rollback_tokens;
+    const uint64_t floor = n > depth ? n - depth : 0;
     const uint64_t reopenable = quantized - qt::quantized_positions(floor, cfg.block_tokens, cfg.residual_tokens);
     rollback += reopenable * hkv * d * elem * 2;
   }
