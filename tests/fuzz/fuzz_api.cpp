@@ -4,8 +4,9 @@
 // Bytes choose a config (any preset, dtype, shape, block/residual sizes, bits, threads), then a
 // program of calls: append (lengths 0, 1, block-sized, UINT32_MAX; data of any magnitude, with
 // NaN/Inf or out-of-fp16-range numbers), append_batch (duplicate ids too), attend (n_queries 0
-// up to length + 1; NaN/Inf/negative scales), attend_batch, scores, clear, on valid and invalid
-// layers and sequences. After every call:
+// up to length + 1; NaN/Inf/negative scales), attend_batch, scores, clear, truncate and fork
+// (lengths 0 up to length + 1, a fork into itself or a sequence that holds tokens), on valid and
+// invalid layers and sequences. After every call:
 //   - the status is the one the header prescribes (OK, or INVALID_ARGUMENT for the bad input),
 //     a failure names its argument and leaves lengths and statistics unchanged;
 //   - lengths equal the model's; stats: tokens = sum of lengths, bytes_used = the sum of its
@@ -172,6 +173,22 @@ class Harness {
   void do_scores();
   void do_reconstruct();
   void do_clear();
+  void do_truncate();
+  void do_fork();
+  uint64_t longest(uint32_t seq) const {
+    uint64_t n = 0;
+    for (uint32_t l = 0; l < cfg_.num_layers; ++l) n = std::max(n, model_length(l, seq));
+    return n;
+  }
+  uint64_t pick_length(uint64_t longest) {
+    const uint64_t kLengths[] = {0, 1, longest / 2, longest > 0 ? longest - 1 : 0, longest, longest, longest + 1,
+                                 in_.byte()};
+    return in_.pick(kLengths);
+  }
+  // After a truncate or fork: the model keeps the first `length` tokens of every layer, and takes
+  // the rows the library now keeps exact (the tail, which a truncate below the rollback floor
+  // fills with reconstructions) from qjlkv_cache_reconstruct.
+  void keep_prefix(uint32_t seq, uint64_t length);
 
   Input &in_;
   qjlkv_config cfg_{};
@@ -762,8 +779,60 @@ void Harness::do_clear() {
   for (uint32_t l = 0; l < cfg_.num_layers; ++l) streams_.erase({l, seq});
 }
 
+void Harness::keep_prefix(uint32_t seq, uint64_t length) {
+  for (uint32_t l = 0; l < cfg_.num_layers; ++l) {
+    const auto it = streams_.find({l, seq});
+    if (it == streams_.end()) continue;
+    Stream &stream = it->second;
+    const uint64_t n = std::min<uint64_t>(length, tokens_of(stream));
+    if (n == 0) {
+      streams_.erase(it);
+      continue;
+    }
+    stream.keys.resize(n * token_elems_);
+    stream.values.resize(n * token_elems_);
+    const uint64_t tail = cfg_.sink_tokens + quantized_count(n);
+    if (tail >= n) continue;
+    std::vector<float> k((n - tail) * token_elems_), v(k.size());
+    FUZZ_CHECK(qjlkv_cache_reconstruct(cache_, l, seq, tail, n - tail, k.data(), v.data()) == QJLKV_OK,
+               "reconstruct after truncate: %s", qjlkv_last_error_message());
+    std::copy(k.begin(), k.end(), stream.keys.begin() + ptrdiff_t(tail * token_elems_));
+    std::copy(v.begin(), v.end(), stream.values.begin() + ptrdiff_t(tail * token_elems_));
+  }
+}
+
+void Harness::do_truncate() {
+  const uint32_t seq = pick_seq();
+  const uint64_t held = longest(seq), length = pick_length(held);
+  const std::string before = snapshot();
+  const qjlkv_status s = qjlkv_cache_truncate(cache_, seq, length);
+  FUZZ_TRACE("truncate(seq %u, length %llu) -> %s\n", seq, (unsigned long long)length, qjlkv_status_string(s));
+  if (length > held) return expect_failure(s, before, "truncate", {"length"});
+  FUZZ_CHECK(s == QJLKV_OK, "truncate(seq %u, %llu): %s", seq, (unsigned long long)length, qjlkv_last_error_message());
+  keep_prefix(seq, length);
+}
+
+void Harness::do_fork() {
+  const uint32_t src = pick_seq(), dst = pick_seq();
+  const uint64_t held = longest(src), length = pick_length(held);
+  const std::string before = snapshot();
+  const qjlkv_status s = qjlkv_cache_fork(cache_, src, dst, length);
+  FUZZ_TRACE("fork(src %u, dst %u, length %llu) -> %s\n", src, dst, (unsigned long long)length,
+             qjlkv_status_string(s));
+  std::vector<const char *> wrong;
+  if (src == dst) wrong = {"src_seq", "dst_seq"};
+  else if (longest(dst) > 0) wrong = {"dst_seq"};
+  else if (length > held) wrong = {"length"};
+  if (!wrong.empty()) return expect_failure(s, before, "fork", wrong);
+  FUZZ_CHECK(s == QJLKV_OK, "fork(%u -> %u, %llu): %s", src, dst, (unsigned long long)length,
+             qjlkv_last_error_message());
+  for (uint32_t l = 0; l < cfg_.num_layers; ++l)
+    if (const auto it = streams_.find({l, src}); it != streams_.end() && length > 0) streams_[{l, dst}] = it->second;
+  keep_prefix(dst, length);
+}
+
 void Harness::step() {
-  switch (in_.byte() % 9) {
+  switch (in_.byte() % 11) {
     case 0:
     case 1: do_append(); break;
     case 2: do_append_batch(); break;
@@ -772,6 +841,8 @@ void Harness::step() {
     case 5: do_attend(true); break;
     case 6: do_scores(); break;
     case 7: do_reconstruct(); break;
+    case 8: do_truncate(); break;
+    case 9: do_fork(); break;
     default: do_clear(); break;
   }
   check_state();
