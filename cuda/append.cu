@@ -69,6 +69,21 @@ struct BlockSource {
 
 constexpr uint32_t kThreads = kQuantizeThreads;
 
+// The rows of one kv head of the block into its rollback copy, as they come (before OTT moves
+// any of them): a truncate puts them back into the tail.
+template <class IO>
+__device__ void save_rows(const KernelShape &s, const BlockSource<IO> &src) {
+  using T = typename IO::type;
+  auto *keys = reinterpret_cast<T *>(src.job.copy);
+  auto *values = reinterpret_cast<T *>(src.job.copy + s.copy.values);
+  for (uint32_t i = threadIdx.x; i < s.B * s.d; i += kQuantizeThreads) {
+    const uint32_t t = i / s.d, j = i % s.d;
+    const size_t to = (size_t(t) * s.Hkv + src.head) * s.d + j;
+    keys[to] = src.row(src.job.ring_k, src.job.in_k, t)[j];
+    values[to] = src.row(src.job.ring_v, src.job.in_v, t)[j];
+  }
+}
+
 // QJL keys (CPU: qjl_quantize_block). Sums run sequentially in the CPU's order, without FMA.
 // Dynamic shared memory: the chunk's outlier sign bits (quantize_smem), which only the
 // corrections read: the block does not store them.
@@ -228,6 +243,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const KernelShape s,
   const QuantJob job = jobs[blockIdx.x];
   const BlockSource<IO> src{job, s, blockIdx.y};
   uint8_t *block = job.slot + size_t(blockIdx.y) * s.head_stride;
+  if (job.copy) save_rows<IO>(s, src);
   // Zero the whole block first, padding included, like the CPU backend.
   for (uint32_t i = threadIdx.x; i < s.head_stride / 16; i += kThreads)
     reinterpret_cast<uint4 *>(block)[i] = make_uint4(0, 0, 0, 0);
@@ -356,6 +372,21 @@ __device__ void trace_block(const KernelShape &s, const BlockSource<IO> &src, ui
   }
 }
 
+// The pool of one head's outlier state (header, and P slots of positions, norms, keys and
+// values; not the spill area, which only grows) into a rollback copy's saved pool.
+__device__ void save_pool(const KernelShape &s, const uint8_t *state, uint8_t *saved) {
+  const uint32_t row_bytes = s.d * (s.dtype == QJLKV_DTYPE_F32 ? 4 : 2), P = s.ott_pool;
+  const auto copy_words = [](const uint8_t *from, uint8_t *to, uint32_t bytes) {
+    for (uint32_t i = threadIdx.x; i < bytes / 4; i += kThreads)
+      reinterpret_cast<uint32_t *>(to)[i] = reinterpret_cast<const uint32_t *>(from)[i];
+  };
+  copy_words(state, saved, 16);
+  copy_words(state + s.ott.positions, saved + s.ott_saved.positions, 4 * P);
+  copy_words(state + s.ott.norms, saved + s.ott_saved.norms, 4 * P);
+  copy_words(state + s.ott.keys, saved + s.ott_saved.keys, P * row_bytes);
+  copy_words(state + s.ott.values, saved + s.ott_saved.values, P * row_bytes);
+}
+
 // grid (jobs, kv heads).
 template <class IO, class VALUES>
 __global__ void __launch_bounds__(kThreads) ott_quantize_kernel(const KernelShape s, const OttJob *jobs) {
@@ -386,8 +417,12 @@ __global__ void __launch_bounds__(kThreads) ott_quantize_kernel(const KernelShap
       reinterpret_cast<uint4 *>(block)[i] = make_uint4(0, 0, 0, 0);
     for (uint32_t t = tid; t < s.B; t += kThreads) moved[t] = 0;
     __syncthreads();
+    if (block_job.copy) {  // the rows, and the pool that tracing this block starts from
+      save_rows<IO>(s, src);
+      save_pool(s, state, block_job.copy + s.copy.pools + size_t(head) * s.ott_saved.bytes);
+    }
     const bool tracing = reinterpret_cast<const uint32_t *>(state)[2] != 0;
-    __syncthreads();  // every thread has read the header before tracing changes it
+    __syncthreads();  // every thread has read the state before tracing changes it
     if (tracing) trace_block<IO>(s, src, state, block, smem, &entering_count);
     __syncthreads();
     src.moved = moved;

@@ -8,6 +8,14 @@
 // never moves tokens. Growth is the only allocation on the append path; attend allocates nothing
 // once its scratch buffer has reached the size the calls need.
 //
+// Sequence operations (qjlkv.h). Block slots and rollback copies (CopyLayout: the exact rows of
+// a recently quantized block and the OTT pools from before it) are reference counted on the host
+// (SlotPool): a fork copies the block table and holds the same slots, and an append writes its
+// blocks into fresh slots only, so nothing shared is ever rewritten. Sinks, tail rings and OTT
+// states are per sequence (a fork copies them on the device). A truncate that reopens blocks
+// builds the new tail in a fresh ring and the pools in the other OTT side, and switches to them
+// only once everything is enqueued: every operation stays all-or-nothing.
+//
 // Synchronization. append validates the data on the device (finite, within the fp16 range where
 // stored quantized, QJL key norms) and must read the verdict before committing, to stay
 // all-or-nothing: that is one host synchronization per append, overlapped with the quantization
@@ -56,9 +64,12 @@ size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 struct SeqState {
   uint32_t length = 0, blocks = 0;
   uint32_t sinks = 0;           // min(length, config.sink_tokens): positions [0, sinks)
+  uint32_t rollback_floor = 0;  // qjlkv.h, "Sequence operations"
   uint8_t *sink = nullptr;      // sinks: keys [S][Hkv][d], then values, in the input dtype
   std::vector<uint64_t> table;  // host copy of the block table: slot addresses
   DeviceBuffer table_dev;       // the block table the kernels read
+  uint32_t first_copy = 0;      // copies[i]: the rollback copy of block first_copy + i, to the last block
+  std::vector<uint8_t *> copies;
   uint8_t *ring = nullptr;      // tail ring: keys [ring][Hkv][d], then values, in the input dtype
   // OTT-traced layers: two outlier states ([Hkv] heads each); `ott_side` is the committed one,
   // valid once a block was traced (ott_ready).
@@ -73,6 +84,7 @@ struct LayerState {
   DeviceBuffer sketch_t;
   DeviceBuffer value_signs;  // rotated Lloyd-Max values: the rotation's signs [d]
   std::unique_ptr<SlotPool> blocks, rings, otts, sinks;  // otts: traced layers only; sinks: sink_tokens > 0
+  std::unique_ptr<SlotPool> copies;                      // rollback copies (CopyLayout)
   std::unordered_map<uint32_t, SeqState> seqs;
   size_t key_bytes = 0, value_bytes = 0;  // BlockLayout sizes, for the statistics
 };
@@ -104,20 +116,11 @@ class CudaCache final : public qjlkv_cache {
     return it == map.end() ? 0 : it->second.length;
   }
   void clear(uint32_t seq) override;
-  // Sequence operations: not yet on device memory.
-  void truncate(uint32_t, uint64_t) override { fail(QJLKV_ERROR_UNSUPPORTED, "truncate: not yet on CUDA caches"); }
-  void fork(uint32_t, uint32_t, uint64_t) override { fail(QJLKV_ERROR_UNSUPPORTED, "fork: not yet on CUDA caches"); }
-  uint64_t bytes_needed(uint32_t, uint32_t) const override {
-    fail(QJLKV_ERROR_UNSUPPORTED, "bytes_needed: not yet on CUDA caches");
-  }
-  void sequence_bytes(uint32_t, uint64_t &, uint64_t &) const override {
-    fail(QJLKV_ERROR_UNSUPPORTED, "sequence_bytes: not yet on CUDA caches");
-  }
-  uint64_t bytes_used() const override {
-    qjlkv_stats st{};
-    stats(st);
-    return st.bytes_keys_quantized + st.bytes_values_quantized + st.bytes_full_precision + st.bytes_metadata;
-  }
+  void truncate(uint32_t seq, uint64_t length) override;
+  void fork(uint32_t src, uint32_t dst, uint64_t length) override;
+  uint64_t bytes_needed(uint32_t seq, uint32_t n_tokens) const override;
+  void sequence_bytes(uint32_t seq, uint64_t &bytes, uint64_t &shared) const override;
+  uint64_t bytes_used() const override { return used_; }
   void stats(qjlkv_stats &out) const override;
   void set_stream(void *stream) override;
   void set_workers(std::shared_ptr<ThreadPool> workers) override {
@@ -164,22 +167,106 @@ class CudaCache final : public qjlkv_cache {
     return it->second;
   }
 
-  // Tail tokens [first, first + count) after the blocks of seq: their keys (or values) are in
-  // ring slots (blocks·B + first + i) % ring; fn(device pointer, count, index of the first) per
+  // Positions [first, first + count) after the sinks in tail ring `ring`: their keys (or values)
+  // are in ring slots (first + i) % ring; fn(device pointer, count, index of the first) per
   // contiguous run of slots (at most two).
   template <class Fn>
-  void for_tail_runs(const LayerState &layer, const SeqState &seq, uint32_t first, uint32_t count, bool values,
+  void for_ring_runs(const LayerState &layer, uint8_t *ring, uint32_t first, uint32_t count, bool values,
                      Fn fn) const {
-    const uint32_t ring = layer.shape.ring;
-    uint8_t *base = seq.ring + (values ? ring_bytes_ / 2 : 0);
+    const uint32_t capacity = layer.shape.ring;
+    uint8_t *base = ring + (values ? ring_bytes_ / 2 : 0);
     for (uint32_t done = 0; done < count;) {
-      const uint32_t slot = (seq.blocks * layer.shape.B + first + done) % ring;
-      const uint32_t run = std::min(count - done, ring - slot);
+      const uint32_t slot = (first + done) % capacity;
+      const uint32_t run = std::min(count - done, capacity - slot);
       fn(base + size_t(slot) * token_bytes_, run, done);
       done += run;
     }
   }
+  // Tail tokens [first, first + count) after the blocks of seq.
+  template <class Fn>
+  void for_tail_runs(const LayerState &layer, const SeqState &seq, uint32_t first, uint32_t count, bool values,
+                     Fn fn) const {
+    for_ring_runs(layer, seq.ring, seq.blocks * layer.shape.B + first, count, values, fn);
+  }
+  // Host to device through the pinned upload ring: `host` is copied when this returns, the device
+  // copy runs asynchronously (the ring waits only when a whole ring is in flight).
+  void upload(void *device, const void *host, size_t bytes) const;
+  void copy_on_device(void *to, const void *from, size_t bytes) const {
+    check_cuda(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream_), "cudaMemcpyAsync (on the device)");
+  }
 
+  // Host copies of what reconstruct_positions reads of one sequence (the methods' CPU decoders
+  // read the stored bytes): the sinks and the tail ring where [first, first + count) needs them,
+  // the committed outlier state, and one block slot (all kv heads) at a time.
+  struct HostRows {
+    const CudaCache &cache;
+    const LayerState &layer;
+    const SeqState &seq;
+    std::vector<uint8_t> sinks, ring, slot, ott;
+    uint64_t slot_block = ~0ull;
+    const uint8_t *sink(uint64_t p, bool values) const {  // keys [S][Hkv][d], then values
+      return sinks.data() + (values ? cache.sink_bytes() : 0) + size_t(p) * cache.token_bytes_;
+    }
+    const uint8_t *tail(uint64_t i, bool values) const {  // ring slot (blocks·B + i) % ring; values half a ring later
+      const uint64_t slot_index = (uint64_t(seq.blocks) * layer.shape.B + i) % layer.shape.ring;
+      return ring.data() + (values ? cache.ring_bytes_ / 2 : 0) + size_t(slot_index) * cache.token_bytes_;
+    }
+    const uint8_t *block(uint64_t b, uint32_t h) {
+      if (b != slot_block) {
+        slot_block = b;
+        cache.download(slot.data(), reinterpret_cast<const void *>(seq.table[b]), slot.size());
+      }
+      return slot.data() + size_t(h) * layer.shape.head_stride;
+    }
+    OutlierRows outliers(uint32_t h) const {
+      const OttLayout &o = layer.shape.ott;
+      const uint8_t *state = ott.data() + size_t(h) * o.bytes;
+      const auto *header = reinterpret_cast<const uint32_t *>(state);
+      return {header[0], header[1], layer.shape.ott_pool, reinterpret_cast<const uint32_t *>(state + o.positions),
+              state + o.keys, state + o.values};
+    }
+  };
+  HostRows host_rows(const LayerState &layer, const SeqState &seq, uint64_t first, uint64_t count) const;
+
+  // ---- memory accounting: used_ is bytes_used, kept current by every change -------------------
+  // The sizes the CPU backend counts (positions.hpp); a record takes sizeof(SeqState).
+  size_t slot_bytes(uint32_t layer) const { return block_slot_bytes(spec(), layer); }
+  size_t copy_bytes(uint32_t layer) const { return rollback_copy_bytes(spec(), layer); }
+  uint32_t tail_tokens(const SeqState &seq) const { return seq.length - seq.sinks - seq.blocks * spec().cfg.block_tokens; }
+  uint64_t own_bytes(uint32_t layer, const SeqState &seq) const {
+    return sizeof(SeqState) + exact_row_bytes(spec(), layer, seq.sinks, tail_tokens(seq));
+  }
+  RecordCounts counts_of(const SeqState &seq) const {
+    return {seq.length, seq.rollback_floor, seq.sinks, tail_tokens(seq), seq.blocks, seq.first_copy};
+  }
+  // The change of bytes_used that appending n tokens to seq (null: a new sequence) brings.
+  int64_t append_growth(uint32_t layer, const SeqState *seq, uint32_t n) const;
+  void release_block(uint32_t layer, uint64_t slot) noexcept {
+    if (layers_[layer].blocks->give(reinterpret_cast<const uint8_t *>(slot))) used_ -= slot_bytes(layer);
+  }
+  void release_copy(uint32_t layer, const uint8_t *copy) noexcept {
+    if (layers_[layer].copies->give(copy)) used_ -= copy_bytes(layer);
+  }
+  // Drops the rollback copies of the blocks before `first` (the floor rose).
+  void keep_copies_from(uint32_t layer, SeqState &seq, uint32_t first) noexcept;
+  // The storage a record holds alone (sinks, ring, OTT states, device table) back to the pools.
+  void give_own_storage(LayerState &layer, SeqState &seq) noexcept;
+  // Everything a record in the cache holds, released (its blocks and copies once no one holds them).
+  void release_record(uint32_t layer, SeqState &seq) noexcept;
+
+  // ---- rollback (qjlkv.h, "Sequence operations") ---------------------------------------------
+  // A truncate of one record to `length` positions: planned (allocating, enqueuing device copies
+  // into storage nobody sees) before it is applied (not allocating, not failing).
+  struct Cut {
+    uint32_t length = 0, floor = 0, blocks = 0, sinks = 0;
+    uint8_t *ring = nullptr;    // a fresh tail ring holding the new tail, or null: the ring stays
+    bool other_ott = false;     // the other OTT side holds the pools after the cut
+  };
+  void plan_cut(uint32_t layer, const SeqState &seq, uint32_t length, Cut &cut);
+  // held: seq is in the cache, so what it lets go is released (a fork's staged copy holds nothing yet).
+  void apply_cut(uint32_t layer, SeqState &seq, const Cut &cut, bool held) noexcept;
+
+  uint64_t used_ = 0;  // bytes_used (stats checks it against a full count)
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t switch_event_ = nullptr;
@@ -286,6 +373,8 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   k.ott_pool = cfg.outlier_tokens;
   k.ott_spill = cfg.outlier_spill_tokens;
   k.ott = ott_layout(k.ott_pool, k.ott_spill, k.d, uint32_t(spec().io_elem));
+  k.ott_saved = ott_layout(k.ott_pool, 0, k.d, uint32_t(spec().io_elem));
+  k.copy = copy_layout(k.B, k.Hkv, k.d, uint32_t(spec().io_elem), k.traced ? k.ott_saved.bytes : 0);
   layer.key_bytes = b.key_bytes;
   layer.value_bytes = b.value_bytes;
 
@@ -303,6 +392,7 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   layer.blocks = std::make_unique<SlotPool>(size_t(k.head_stride) * k.Hkv, 16);
   layer.rings = std::make_unique<SlotPool>(align_up(ring_bytes_), 4);
   if (cfg.sink_tokens) layer.sinks = std::make_unique<SlotPool>(align_up(2 * sink_bytes()), 4);
+  layer.copies = std::make_unique<SlotPool>(align_up(k.copy.bytes), 4);
   if (k.kind == KeyKind::qjl) {
     size_t max_dynamic = 0;
     check_cuda(configure_qjl_quantize(smem_optin, &max_dynamic), "cudaFuncSetAttribute");
@@ -364,6 +454,7 @@ void CudaCache::release_all() noexcept {
     if (layer.rings) layer.rings->release_all(*pool_, stream_);
     if (layer.otts) layer.otts->release_all(*pool_, stream_);
     if (layer.sinks) layer.sinks->release_all(*pool_, stream_);
+    if (layer.copies) layer.copies->release_all(*pool_, stream_);
     layer.sketch_t.release(*pool_, stream_);
     layer.value_signs.release(*pool_, stream_);
   }
@@ -425,13 +516,18 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
     uint32_t n_after = 0;     // ... the other n_after follow the tail rule
     uint32_t new_blocks = 0;
     size_t first_slot = 0;     // into `slots`
+    // Rollback copies kept after the append: of blocks [first_copy_after, blocks); the new blocks
+    // among them get copies[first_copy, first_copy + new_copies).
+    uint32_t first_copy_after = 0;
+    size_t first_copy = 0, new_copies = 0;
     DeviceBuffer grown_table;  // replaces seq->table_dev when the table must grow
   };
   std::vector<Plan> plans;
-  std::vector<uint8_t *> slots;
+  std::vector<uint8_t *> slots, copies;
   const auto rollback = [&]() noexcept {
     for (Plan &p : plans) p.grown_table.release(*pool_, stream_);
     for (uint8_t *slot : slots) layer.blocks->give(slot);
+    for (uint8_t *copy : copies) layer.copies->give(copy);
     for (Plan &p : plans)
       if (p.created) {
         if (p.seq->ring) layer.rings->give(p.seq->ring);
@@ -442,7 +538,13 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
   };
 
   // 1. Plan and reserve everything (nothing visible changes; failures roll back).
-  size_t quant_jobs = 0, ott_jobs = 0;
+  int64_t growth = 0;
+  for (uint32_t i = 0; i < n_seqs; ++i) {
+    const auto it = layer.seqs.find(seqs[i]);
+    growth += append_growth(layer_index, it == layer.seqs.end() ? nullptr : &it->second, tokens_per_seq);
+  }
+  if (growth > 0) require_budget(*this, uint64_t(growth), n_seqs > 1 ? "append_batch" : "append");
+  size_t quant_jobs = 0, ott_jobs = 0, copy_jobs = 0;
   uint8_t *blob_host = nullptr;
   size_t commit_offset = 0, entries_offset = 0, ott_offset = 0, blob_bytes = 0;
   try {
@@ -462,20 +564,30 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
       p.new_blocks = uint32_t(split.new_blocks);
       p.first_slot = quant_jobs;
       quant_jobs += p.new_blocks;
+      const SeqState &seq = *p.seq;
+      p.first_copy_after = blocks_at(cfg, rollback_floor_after(cfg, seq.rollback_floor, seq.length + tokens_per_seq));
+      const uint32_t end = seq.blocks + p.new_blocks;
+      p.first_copy = copy_jobs;
+      p.new_copies = end - std::min(end, std::max(p.first_copy_after, seq.blocks));
+      copy_jobs += p.new_copies;
     }
     layer.blocks->reserve(quant_jobs, *pool_, stream_);
+    layer.copies->reserve(copy_jobs, *pool_, stream_);
     layer.rings->reserve(created, *pool_, stream_);
     if (k.traced) layer.otts->reserve(created, *pool_, stream_);
     if (layer.sinks) layer.sinks->reserve(created, *pool_, stream_);
     slots.reserve(quant_jobs);
+    copies.reserve(copy_jobs);
     for (Plan &p : plans) {
       if (p.created) p.seq->ring = layer.rings->take();
       if (p.created && k.traced) p.seq->ott = layer.otts->take();
       if (p.created && layer.sinks) p.seq->sink = layer.sinks->take();
       if (k.traced && p.new_blocks) ++ott_jobs;
       for (uint32_t b = 0; b < p.new_blocks; ++b) slots.push_back(layer.blocks->take());
+      for (size_t c = 0; c < p.new_copies; ++c) copies.push_back(layer.copies->take());
       const size_t needed = p.seq->blocks + p.new_blocks;
       p.seq->table.reserve(needed);  // the commit appends within capacity
+      p.seq->copies.reserve(p.seq->copies.size() + p.new_copies);
       if (needed * sizeof(uint64_t) > p.seq->table_dev.bytes)
         p.grown_table.ensure(std::max(needed, size_t(16)) * sizeof(uint64_t) * 2, *pool_, stream_);
     }
@@ -508,9 +620,11 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
     const size_t skip = size_t(p.new_sinks) * token_bytes_;
     const uint8_t *in_k = key_bytes + i * seq_input_bytes + skip, *in_v = value_bytes + i * seq_input_bytes + skip;
     const uint32_t old_length = seq.length - seq.sinks;  // positions after the sinks
+    const uint32_t first_copied = p.new_blocks - uint32_t(p.new_copies);  // the new blocks' first with a copy
     for (uint32_t b = 0; b < p.new_blocks; ++b) {
       QuantJob &job = quant[p.first_slot + b];
       job.slot = slots[p.first_slot + b];
+      job.copy = b >= first_copied ? copies[p.first_copy + (b - first_copied)] : nullptr;
       job.ring_k = seq.ring;
       job.ring_v = seq.ring + ring_half;
       job.in_k = in_k;
@@ -586,6 +700,7 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
   for (uint32_t i = 0; i < n_seqs; ++i) {
     Plan &p = plans[i];
     SeqState &seq = *p.seq;
+    const uint64_t own_before = p.created ? 0 : own_bytes(layer_index, seq);
     if (p.grown_table.data) {
       seq.table_dev.release(*pool_, stream_);  // stream-ordered after the commit kernel's copy
       seq.table_dev = p.grown_table;
@@ -597,8 +712,14 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
       seq.ott_ready = true;
     }
     seq.length += tokens_per_seq;
+    seq.rollback_floor = uint32_t(rollback_floor_after(cfg, seq.rollback_floor, seq.length));
     seq.sinks += p.new_sinks;
     seq.blocks += p.new_blocks;
+    used_ += uint64_t(p.new_blocks) * slot_bytes(layer_index);
+    keep_copies_from(layer_index, seq, p.first_copy_after);
+    for (size_t c = 0; c < p.new_copies; ++c) seq.copies.push_back(copies[p.first_copy + c]);  // reserved
+    used_ += p.new_copies * copy_bytes(layer_index);
+    used_ += own_bytes(layer_index, seq) - own_before;
   }
 }
 
@@ -699,46 +820,11 @@ std::vector<uint8_t> CudaCache::download_ott(const LayerState &layer, const SeqS
   return state;
 }
 
-// Not a fast path: the stored bytes come to the host and the methods' decoders read them
-// (reconstruct_positions), so the reconstruction of equal bytes is equal on both backends.
-void CudaCache::reconstruct(uint32_t layer_index, uint32_t seq_id, uint64_t first, uint64_t count, float *keys_out,
-                            float *values_out) {
-  DeviceGuard guard(device_);
-  const LayerState &layer = layers_[layer_index];
-  const SeqState &seq = find(layer_index, seq_id);
-  const uint64_t quantized = seq.sinks + uint64_t(seq.blocks) * layer.shape.B;
-  // Host copies of what the positions need: the sinks, the tail ring, the outlier states, and
-  // one block (all kv heads) at a time.
-  struct Rows {
-    const CudaCache &cache;
-    const LayerState &layer;
-    const SeqState &seq;
-    std::vector<uint8_t> sinks, ring, slot, ott;
-    uint64_t slot_block = ~0ull;
-    const uint8_t *sink(uint64_t p, bool values) const {  // keys [S][Hkv][d], then values
-      return sinks.data() + (values ? cache.sink_bytes() : 0) + size_t(p) * cache.token_bytes_;
-    }
-    const uint8_t *tail(uint64_t i, bool values) const {  // ring slot (blocks·B + i) % ring; values half a ring later
-      const uint64_t slot_index = (uint64_t(seq.blocks) * layer.shape.B + i) % layer.shape.ring;
-      return ring.data() + (values ? cache.ring_bytes_ / 2 : 0) + size_t(slot_index) * cache.token_bytes_;
-    }
-    const uint8_t *block(uint64_t b, uint32_t h) {
-      if (b != slot_block) {
-        slot_block = b;
-        cache.download(slot.data(), reinterpret_cast<const void *>(seq.table[b]), slot.size());
-      }
-      return slot.data() + size_t(h) * layer.shape.head_stride;
-    }
-    OutlierRows outliers(uint32_t h) const {
-      const OttLayout &o = layer.shape.ott;
-      const uint8_t *state = ott.data() + size_t(h) * o.bytes;
-      const auto *header = reinterpret_cast<const uint32_t *>(state);
-      return {header[0], header[1], layer.shape.ott_pool, reinterpret_cast<const uint32_t *>(state + o.positions),
-              state + o.keys, state + o.values};
-    }
-  } rows{*this, layer, seq, {}, {}, std::vector<uint8_t>(size_t(layer.shape.head_stride) * layer.shape.Hkv),
-         download_ott(layer, seq)};
-  if (first + count > quantized) {
+CudaCache::HostRows CudaCache::host_rows(const LayerState &layer, const SeqState &seq, uint64_t first,
+                                         uint64_t count) const {
+  HostRows rows{*this, layer, seq, {}, {}, std::vector<uint8_t>(size_t(layer.shape.head_stride) * layer.shape.Hkv),
+                download_ott(layer, seq)};
+  if (first + count > seq.sinks + uint64_t(seq.blocks) * layer.shape.B) {
     rows.ring.resize(ring_bytes_);
     download(rows.ring.data(), seq.ring, ring_bytes_);
   }
@@ -746,22 +832,303 @@ void CudaCache::reconstruct(uint32_t layer_index, uint32_t seq_id, uint64_t firs
     rows.sinks.resize(2 * sink_bytes());
     download(rows.sinks.data(), seq.sink, rows.sinks.size());
   }
+  return rows;
+}
+
+// Not a fast path: the stored bytes come to the host and the methods' decoders read them
+// (reconstruct_positions), so the reconstruction of equal bytes is equal on both backends.
+void CudaCache::reconstruct(uint32_t layer_index, uint32_t seq_id, uint64_t first, uint64_t count, float *keys_out,
+                            float *values_out) {
+  DeviceGuard guard(device_);
+  const SeqState &seq = find(layer_index, seq_id);
+  HostRows rows = host_rows(layers_[layer_index], seq, first, count);
   reconstruct_positions(spec(), layer_index, seq.sinks, seq.blocks, first, count, rows, keys_out, values_out);
+}
+
+void CudaCache::upload(void *device, const void *host, size_t bytes) const {
+  if (bytes == 0) return;  // host may be the NULL data() of an empty vector
+  uint8_t *pinned = upload_->acquire(bytes, stream_);
+  std::memcpy(pinned, host, bytes);
+  check_cuda(cudaMemcpyAsync(device, pinned, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (to the device)");
+}
+
+// ---- memory accounting ---------------------------------------------------------------------------
+int64_t CudaCache::append_growth(uint32_t layer_index, const SeqState *seq, uint32_t n) const {
+  const RecordCounts counts = seq ? counts_of(*seq) : RecordCounts{};
+  const SlotPool &pool = *layers_[layer_index].copies;
+  return qjlkv::append_growth(spec(), layer_index, sizeof(SeqState), seq ? &counts : nullptr, n, [&](uint32_t b) {
+    return pool.holders(seq->copies[b - seq->first_copy]) == 1;
+  });
+}
+
+void CudaCache::keep_copies_from(uint32_t layer_index, SeqState &seq, uint32_t first) noexcept {
+  if (first <= seq.first_copy) return;
+  const size_t drop = std::min(size_t(first - seq.first_copy), seq.copies.size());
+  for (size_t i = 0; i < drop; ++i) release_copy(layer_index, seq.copies[i]);
+  seq.copies.erase(seq.copies.begin(), seq.copies.begin() + ptrdiff_t(drop));
+  seq.first_copy = first;
+}
+
+void CudaCache::give_own_storage(LayerState &layer, SeqState &seq) noexcept {
+  // Stream order keeps kernels already enqueued on these slots ahead of their next writer.
+  if (seq.ring) layer.rings->give(seq.ring);
+  if (seq.ott) layer.otts->give(seq.ott);
+  if (seq.sink) layer.sinks->give(seq.sink);
+  seq.ring = seq.ott = seq.sink = nullptr;
+  seq.table_dev.release(*pool_, stream_);
+}
+
+void CudaCache::release_record(uint32_t layer_index, SeqState &seq) noexcept {
+  used_ -= own_bytes(layer_index, seq);
+  for (uint64_t slot : seq.table) release_block(layer_index, slot);
+  for (const uint8_t *copy : seq.copies) release_copy(layer_index, copy);
+  give_own_storage(layers_[layer_index], seq);
+}
+
+uint64_t CudaCache::bytes_needed(uint32_t seq_id, uint32_t n_tokens) const {
+  int64_t growth = 0;
+  for (uint32_t l = 0; l < spec().cfg.num_layers; ++l) {
+    const auto &map = layers_[l].seqs;
+    const auto it = map.find(seq_id);
+    growth += append_growth(l, it == map.end() ? nullptr : &it->second, n_tokens);
+  }
+  return growth > 0 ? uint64_t(growth) : 0;
+}
+
+void CudaCache::sequence_bytes(uint32_t seq_id, uint64_t &bytes, uint64_t &shared) const {
+  bytes = shared = 0;
+  for (uint32_t l = 0; l < spec().cfg.num_layers; ++l) {
+    const LayerState &layer = layers_[l];
+    const auto it = layer.seqs.find(seq_id);
+    if (it == layer.seqs.end()) continue;
+    const SeqState &seq = it->second;
+    bytes += own_bytes(l, seq);
+    for (uint64_t slot : seq.table) {
+      bytes += slot_bytes(l);
+      if (layer.blocks->holders(reinterpret_cast<const uint8_t *>(slot)) > 1) shared += slot_bytes(l);
+    }
+    for (const uint8_t *copy : seq.copies) {
+      bytes += copy_bytes(l);
+      if (layer.copies->holders(copy) > 1) shared += copy_bytes(l);
+    }
+  }
+}
+
+// ---- sequence operations -------------------------------------------------------------------------
+void CudaCache::plan_cut(uint32_t layer_index, const SeqState &seq, uint32_t length, Cut &cut) {
+  const qjlkv_config &cfg = spec().cfg;
+  LayerState &layer = layers_[layer_index];
+  const KernelShape &k = layer.shape;
+  const uint32_t B = cfg.block_tokens;
+  cut.length = length;
+  if (length == 0) return;
+  cut.floor = std::min(seq.rollback_floor, length);
+  cut.sinks = std::min(length, seq.sinks);
+  cut.blocks = blocks_at(cfg, length);
+  if (cut.blocks == seq.blocks) return;  // only the tail shortens: its ring slots stay as they are
+  // Blocks [cut.blocks, seq.blocks) reopen. Positions here count from the sinks (all present).
+  const uint32_t tail_start = cut.blocks * B, old_tail_start = seq.blocks * B;
+  const uint32_t end = length > seq.sinks ? length - seq.sinks : 0;
+  const uint32_t copied_start = seq.first_copy * B;
+  const uint32_t rebuilt_end = std::min(old_tail_start, end);  // the rows that are not in the ring
+  if (tail_start < rebuilt_end) {
+    layer.rings->reserve(1, *pool_, stream_);
+    cut.ring = layer.rings->take();  // given back by the caller if anything below fails
+    copy_on_device(cut.ring, seq.ring, ring_bytes_);
+    // Reopened blocks without a rollback copy (a truncate below the floor): their reconstruction.
+    const uint32_t reconstructed_end = std::min(copied_start, rebuilt_end);
+    if (tail_start < reconstructed_end) {
+      const uint32_t count = reconstructed_end - tail_start;
+      std::vector<uint8_t> keys(size_t(count) * token_bytes_), values(keys.size());
+      HostRows rows = host_rows(layer, seq, seq.sinks + tail_start, count);
+      store_reconstruction(spec(), layer_index, seq.sinks, seq.blocks, seq.sinks + tail_start, count, rows,
+                           keys.data(), values.data());
+      for (auto [rows_of, value_rows] : {std::pair{&keys, false}, std::pair{&values, true}})
+        for_ring_runs(layer, cut.ring, tail_start, count, value_rows, [&](uint8_t *device, uint32_t run, uint32_t done) {
+          upload(device, rows_of->data() + size_t(done) * token_bytes_, size_t(run) * token_bytes_);
+        });
+    }
+    // The others from their copies, as appended.
+    for (uint32_t p = std::max(tail_start, reconstructed_end); p < rebuilt_end;) {
+      const uint32_t b = p / B, t = p % B, count = std::min(rebuilt_end, (b + 1) * B) - p;
+      const uint8_t *copy = seq.copies[b - seq.first_copy];
+      for (auto [offset, value_rows] : {std::pair{size_t(0), false}, std::pair{size_t(k.copy.values), true}})
+        for_ring_runs(layer, cut.ring, p, count, value_rows, [&](uint8_t *device, uint32_t run, uint32_t done) {
+          copy_on_device(device, copy + offset + size_t(t + done) * token_bytes_, size_t(run) * token_bytes_);
+        });
+      p += count;
+    }
+  }
+  if (!k.traced || !seq.ott_ready) return;
+  // The pools after the cut go to the other side of the outlier state, the committed one first.
+  const OttLayout &o = k.ott;
+  uint8_t *other = ott_state(layer, seq, 1 - seq.ott_side);
+  copy_on_device(other, ott_state(layer, seq, seq.ott_side), size_t(k.Hkv) * o.bytes);
+  cut.other_ott = true;
+  if (cut.blocks >= seq.first_copy) {  // exact: the pools from before the first reopened block
+    const uint8_t *saved = seq.copies[cut.blocks - seq.first_copy] + k.copy.pools;
+    const OttLayout &so = k.ott_saved;
+    const size_t row = size_t(k.d) * spec().io_elem, P = k.ott_pool;
+    for (auto [to, from, bytes] : {std::tuple{size_t(0), size_t(0), size_t(16)},
+                                   std::tuple{size_t(o.positions), size_t(so.positions), 4 * P},
+                                   std::tuple{size_t(o.norms), size_t(so.norms), 4 * P},
+                                   std::tuple{size_t(o.keys), size_t(so.keys), P * row},
+                                   std::tuple{size_t(o.values), size_t(so.values), P * row}})
+      check_cuda(cudaMemcpy2DAsync(other + to, o.bytes, saved + from, so.bytes, bytes, k.Hkv,
+                                   cudaMemcpyDeviceToDevice, stream_),
+                 "cudaMemcpy2DAsync (restoring the outlier pools)");
+    return;
+  }
+  // No copy of the pools from then: the reopened blocks' tokens leave them (their rows are in the tail).
+  std::vector<uint8_t> state = download_ott(layer, seq);
+  for (uint32_t h = 0; h < k.Hkv; ++h) {
+    uint8_t *head = state.data() + size_t(h) * o.bytes;
+    auto *header = reinterpret_cast<uint32_t *>(head);
+    drop_outliers_from(seq.sinks + uint64_t(tail_start), k.ott_pool, header[0], header[1],
+                       reinterpret_cast<uint32_t *>(head + o.positions), reinterpret_cast<float *>(head + o.norms),
+                       head + o.keys, head + o.values, size_t(k.d) * spec().io_elem);
+  }
+  upload(other, state.data(), state.size());
+}
+
+void CudaCache::apply_cut(uint32_t layer_index, SeqState &seq, const Cut &cut, bool held) noexcept {
+  LayerState &layer = layers_[layer_index];
+  if (cut.other_ott) seq.ott_side = 1 - seq.ott_side;
+  if (cut.ring) {
+    layer.rings->give(seq.ring);
+    seq.ring = cut.ring;
+  }
+  for (uint32_t b = cut.blocks; b < seq.blocks; ++b)
+    if (held) release_block(layer_index, seq.table[b]);
+  seq.table.resize(cut.blocks);  // shrinks: no allocation; the device table keeps its first entries
+  const size_t kept_copies =
+      cut.blocks > seq.first_copy ? std::min(size_t(cut.blocks - seq.first_copy), seq.copies.size()) : 0;
+  for (size_t i = kept_copies; i < seq.copies.size(); ++i)
+    if (held) release_copy(layer_index, seq.copies[i]);
+  seq.copies.resize(kept_copies);
+  seq.first_copy = std::min(seq.first_copy, cut.blocks);
+  seq.blocks = cut.blocks;
+  seq.sinks = cut.sinks;  // the sink slot keeps its bytes; the next appends write after cut.sinks
+  seq.length = cut.length;
+  seq.rollback_floor = cut.floor;
+}
+
+void CudaCache::truncate(uint32_t seq_id, uint64_t length) {
+  DeviceGuard guard(device_);
+  std::vector<std::pair<uint32_t, Cut>> cuts;
+  try {
+    for (uint32_t l = 0; l < spec().cfg.num_layers; ++l) {
+      const auto it = layers_[l].seqs.find(seq_id);
+      if (it == layers_[l].seqs.end() || it->second.length <= length) continue;
+      plan_cut(l, it->second, uint32_t(length), cuts.emplace_back(l, Cut{}).second);
+    }
+  } catch (...) {
+    for (auto &[l, cut] : cuts)
+      if (cut.ring) layers_[l].rings->give(cut.ring);
+    throw;
+  }
+  for (auto &[l, cut] : cuts) {  // nothing fails from here on
+    const auto it = layers_[l].seqs.find(seq_id);
+    SeqState &seq = it->second;
+    if (cut.length == 0) {
+      release_record(l, seq);
+      layers_[l].seqs.erase(it);
+      continue;
+    }
+    const uint64_t own_before = own_bytes(l, seq);
+    apply_cut(l, seq, cut, true);
+    used_ += own_bytes(l, seq) - own_before;
+  }
+}
+
+void CudaCache::fork(uint32_t src_id, uint32_t dst_id, uint64_t length) {
+  DeviceGuard guard(device_);
+  const qjlkv_config &cfg = spec().cfg;
+  // What dst will hold: src's records cut to `length`; only its own rows are new bytes.
+  uint64_t growth = 0;
+  for (uint32_t l = 0; l < cfg.num_layers; ++l) {
+    const auto it = layers_[l].seqs.find(src_id);
+    if (it == layers_[l].seqs.end()) continue;
+    const SeqState &src = it->second;
+    if (length >= src.length) {
+      growth += own_bytes(l, src);
+      continue;
+    }
+    const uint32_t sinks = std::min(uint32_t(length), src.sinks), blocks = blocks_at(cfg, length);
+    growth += sizeof(SeqState) + exact_row_bytes(spec(), l, sinks, length - sinks - uint64_t(blocks) * cfg.block_tokens);
+  }
+  require_budget(*this, growth, "fork");
+
+  using Map = std::unordered_map<uint32_t, SeqState>;
+  struct Staged {
+    uint32_t layer;
+    Map::node_type node;
+    Cut cut;
+    bool cut_needed;
+  };
+  std::vector<Staged> staged;
+  try {
+    staged.reserve(cfg.num_layers);
+    for (uint32_t l = 0; l < cfg.num_layers; ++l) {
+      LayerState &layer = layers_[l];
+      const auto it = layer.seqs.find(src_id);
+      if (it == layer.seqs.end()) continue;
+      const SeqState &src = it->second;
+      Map holder;
+      holder.try_emplace(dst_id);
+      Staged &s = staged.emplace_back(Staged{l, holder.extract(dst_id), Cut{}, length < src.length});
+      SeqState &dst = s.node.mapped();  // from here on the cleanup below gives back what it takes
+      dst.length = src.length;
+      dst.blocks = src.blocks;
+      dst.sinks = src.sinks;
+      dst.rollback_floor = src.rollback_floor;
+      dst.first_copy = src.first_copy;
+      dst.table = src.table;    // the same slots: held at the commit
+      dst.copies = src.copies;  // the same rollback copies, likewise
+      layer.rings->reserve(1, *pool_, stream_);
+      if (layer.otts) layer.otts->reserve(1, *pool_, stream_);
+      if (layer.sinks) layer.sinks->reserve(1, *pool_, stream_);
+      dst.table_dev.ensure(std::max(size_t(src.blocks), size_t(16)) * sizeof(uint64_t) * 2, *pool_, stream_);
+      layer.seqs.reserve(layer.seqs.size() + 1);  // so that the commit's insert cannot allocate
+      dst.ring = layer.rings->take();
+      if (layer.otts) dst.ott = layer.otts->take();
+      if (layer.sinks) dst.sink = layer.sinks->take();
+      // Copies of the rows that are src's own: the tail ring, the sinks, the committed outlier state.
+      if (src.blocks) copy_on_device(dst.table_dev.data, src.table_dev.data, size_t(src.blocks) * sizeof(uint64_t));
+      copy_on_device(dst.ring, src.ring, ring_bytes_);
+      if (dst.sink) copy_on_device(dst.sink, src.sink, 2 * sink_bytes());
+      if (src.ott_ready) {
+        copy_on_device(ott_state(layer, dst, 0), ott_state(layer, src, src.ott_side),
+                       size_t(layer.shape.Hkv) * layer.shape.ott.bytes);
+        dst.ott_ready = true;
+      }
+      if (s.cut_needed) plan_cut(l, dst, uint32_t(length), s.cut);
+    }
+  } catch (...) {
+    for (Staged &s : staged) {
+      if (s.cut.ring) layers_[s.layer].rings->give(s.cut.ring);
+      give_own_storage(layers_[s.layer], s.node.mapped());
+    }
+    throw;
+  }
+  for (Staged &s : staged) {  // nothing fails from here on
+    LayerState &layer = layers_[s.layer];
+    SeqState &dst = s.node.mapped();
+    if (s.cut_needed) apply_cut(s.layer, dst, s.cut, false);
+    for (uint64_t slot : dst.table) layer.blocks->hold(reinterpret_cast<const uint8_t *>(slot));  // no new bytes
+    for (const uint8_t *copy : dst.copies) layer.copies->hold(copy);
+    used_ += own_bytes(s.layer, dst);
+    layer.seqs.insert(std::move(s.node));
+  }
 }
 
 void CudaCache::clear(uint32_t seq_id) {
   DeviceGuard guard(device_);
-  for (LayerState &layer : layers_) {
-    const auto it = layer.seqs.find(seq_id);
-    if (it == layer.seqs.end()) continue;
-    SeqState &seq = it->second;
-    // Stream order keeps kernels already enqueued on these slots ahead of their next writer.
-    for (uint64_t slot : seq.table) layer.blocks->give(reinterpret_cast<uint8_t *>(slot));
-    if (seq.ring) layer.rings->give(seq.ring);
-    if (seq.ott) layer.otts->give(seq.ott);
-    if (seq.sink) layer.sinks->give(seq.sink);
-    seq.table_dev.release(*pool_, stream_);
-    layer.seqs.erase(it);
+  for (uint32_t l = 0; l < spec().cfg.num_layers; ++l) {
+    const auto it = layers_[l].seqs.find(seq_id);
+    if (it == layers_[l].seqs.end()) continue;
+    release_record(l, it->second);
+    layers_[l].seqs.erase(it);
   }
 }
 
@@ -851,10 +1218,7 @@ class CudaImport final : public PortableImport {
       LayerState &layer = cache_.layers_[staged.layer];
       SeqState &seq = staged.node.mapped();
       for (uint64_t slot : seq.table) layer.blocks->give(reinterpret_cast<uint8_t *>(slot));
-      if (seq.ring) layer.rings->give(seq.ring);
-      if (seq.ott) layer.otts->give(seq.ott);
-      if (seq.sink) layer.sinks->give(seq.sink);
-      seq.table_dev.release(*cache_.pool_, cache_.stream_);
+      cache_.give_own_storage(layer, seq);
     }
   }
   CudaImport(const CudaImport &) = delete;
@@ -871,6 +1235,8 @@ class CudaImport final : public PortableImport {
     seq.length = uint32_t(counts.length);
     seq.blocks = counts.blocks;
     seq.sinks = counts.sink_tokens;
+    seq.rollback_floor = seq.length;  // no rollback copies travel in a stream
+    seq.first_copy = seq.blocks;
     layer.blocks->reserve(counts.blocks, *cache_.pool_, cache_.stream_);
     layer.rings->reserve(1, *cache_.pool_, cache_.stream_);
     if (layer.otts) layer.otts->reserve(1, *cache_.pool_, cache_.stream_);
@@ -938,24 +1304,25 @@ class CudaImport final : public PortableImport {
     DeviceGuard guard(cache_.device_);
     check_cuda(cudaStreamSynchronize(cache_.stream_), "cudaStreamSynchronize (import)");
   }
+  uint64_t bytes_added() const override {
+    uint64_t bytes = 0;
+    for (const auto &staged : layers_) {
+      const SeqState &seq = staged.node.mapped();
+      bytes += cache_.own_bytes(staged.layer, seq) + uint64_t(seq.blocks) * cache_.slot_bytes(staged.layer);
+    }
+    return bytes;
+  }
   // The C layer checked that the layers hold no tokens: no record with slots is replaced.
-  uint64_t bytes_added() const override { return 0; }
   void commit() noexcept override {
+    cache_.used_ += bytes_added();
     layers_.commit([this](uint32_t layer) -> auto & { return cache_.layers_[layer].seqs; });
   }
 
  private:
   using StagedLayer = StagedLayers<SeqState>::Layer;
   SeqState &current() { return layers_.back().node.mapped(); }
-  // Host to device through the pinned upload ring: the caller's buffer is copied when this returns,
-  // the device copy runs asynchronously (the ring waits only when a whole ring is in flight);
-  // flush() waits for all of them.
-  void upload(void *device, const void *host, size_t bytes) const {
-    if (bytes == 0) return;  // host may be the NULL data() of an empty vector (no blocks)
-    uint8_t *pinned = cache_.upload_->acquire(bytes, cache_.stream_);
-    std::memcpy(pinned, host, bytes);
-    check_cuda(cudaMemcpyAsync(device, pinned, bytes, cudaMemcpyHostToDevice, cache_.stream_), "cudaMemcpyAsync");
-  }
+  // The cache's asynchronous upload; flush() waits for all of them.
+  void upload(void *device, const void *host, size_t bytes) const { cache_.upload(device, host, bytes); }
 
   CudaCache &cache_;
   StagedLayers<SeqState> layers_;
@@ -966,41 +1333,38 @@ std::unique_ptr<PortableImport> CudaCache::begin_import(uint32_t seq) { return s
 void CudaCache::stats(qjlkv_stats &out) const {
   const qjlkv_config &cfg = spec().cfg;
   const uint64_t Hkv = cfg.num_kv_heads;
-  uint64_t tokens = 0, keys_q = 0, values_q = 0, full = 0, meta = 0, padding = 0, allocated = 0;
-  for (const LayerState &layer : layers_) {
-    const uint64_t head_stride = layer.shape.head_stride;
-    allocated += layer.blocks->bytes_reserved() + layer.rings->bytes_reserved();
-    for (const auto &[id, seq] : layer.seqs) {
-      const uint32_t tail = seq.length - seq.blocks * cfg.block_tokens;  // and the sinks: full precision
-      tokens += seq.length;
-      keys_q += uint64_t(seq.blocks) * Hkv * layer.key_bytes;
-      values_q += uint64_t(seq.blocks) * Hkv * layer.value_bytes;
-      full += 2 * uint64_t(tail) * token_bytes_;
-      padding += uint64_t(seq.blocks) * Hkv * (head_stride - layer.key_bytes - layer.value_bytes);
-      meta += sizeof(SeqState) + 2 * sizeof(uint64_t) * uint64_t(seq.blocks);  // record, host and device tables
-      allocated += seq.table_dev.bytes + seq.table.capacity() * sizeof(uint64_t) + sizeof(SeqState);
-      if (!layer.shape.traced) continue;
-      // OTT: the pool and spill tokens (K, V, position) and the pool's norms, as the CPU counts them.
-      meta += uint64_t(Hkv) * 16;  // the state headers
-      if (!seq.ott_ready) continue;
-      std::vector<uint32_t> headers(4 * Hkv);
-      check_cuda(cudaMemcpy2DAsync(headers.data(), 16, ott_state(layer, seq, seq.ott_side), layer.shape.ott.bytes, 16,
-                                   Hkv, cudaMemcpyDeviceToHost, stream_),
-                 "reading the OTT state");
-      check_cuda(cudaStreamSynchronize(stream_), "reading the OTT state");
-      const uint64_t per_token = 2 * token_bytes_ / Hkv + sizeof(uint32_t);
-      for (uint32_t h = 0; h < Hkv; ++h)
-        full += uint64_t(headers[4 * h] + headers[4 * h + 1]) * per_token + uint64_t(headers[4 * h]) * sizeof(float);
-    }
+  uint64_t tokens = 0, keys_q = 0, values_q = 0, full = 0, meta = 0, padding = 0, rollback = 0, shared = 0,
+           allocated = 0;
+  for (uint32_t l = 0; l < cfg.num_layers; ++l) {
+    const LayerState &layer = layers_[l];
+    const BlockLayout &b = spec().layers[l].layout;
+    // Slots and rollback copies are counted once, however many sequences hold them. The bytes that
+    // align each head's block to 16 (head_stride > stride) are allocation, as the CPU's page slack.
+    const uint64_t held = layer.blocks->slots_held(), copies = layer.copies->slots_held();
+    keys_q += held * Hkv * b.key_bytes;
+    values_q += held * Hkv * b.value_bytes;
+    padding += held * Hkv * (b.stride - b.key_bytes - b.value_bytes);
+    rollback += copies * copy_bytes(l);
+    shared += layer.blocks->slots_shared() * slot_bytes(l) + layer.copies->slots_shared() * copy_bytes(l);
+    allocated += layer.blocks->bytes_reserved() + layer.rings->bytes_reserved() + layer.copies->bytes_reserved();
     if (layer.otts) allocated += layer.otts->bytes_reserved();
     if (layer.sinks) allocated += layer.sinks->bytes_reserved();
+    for (const auto &[id, seq] : layer.seqs) {
+      tokens += seq.length;
+      meta += sizeof(SeqState);
+      full += own_bytes(l, seq) - sizeof(SeqState);
+      allocated += sizeof(SeqState) + seq.table_dev.bytes + seq.table.capacity() * sizeof(uint64_t) +
+                   seq.copies.capacity() * sizeof(uint8_t *);
+    }
   }
   out.tokens = tokens;
   out.bytes_keys_quantized = keys_q;
   out.bytes_values_quantized = values_q;
   out.bytes_full_precision = full;
   out.bytes_metadata = meta + padding;  // block padding is stored, so it counts
-  out.bytes_reserved = allocated;
+  out.bytes_rollback = rollback;
+  out.bytes_shared = shared;
+  out.bytes_reserved = allocated;  // every allocated byte, used or not
 }
 
 }  // namespace

@@ -62,13 +62,14 @@ void SlotPool::reserve(size_t n, DevicePool &pool, cudaStream_t stream) {
   const size_t slots = std::max({n - free_.size(), total_slots_, min_chunk_slots_});
   auto *chunk = static_cast<uint8_t *>(pool.allocate(slots * slot_bytes_, stream));
   try {
-    chunks_.push_back(chunk);
+    chunks_.push_back({chunk, total_slots_, slots});
   } catch (...) {
     pool.release(chunk, stream);
     throw;
   }
   try {
     free_.reserve(total_slots_ + slots);  // give() never reallocates
+    holders_.resize(total_slots_ + slots, 0);
   } catch (...) {
     chunks_.pop_back();
     pool.release(chunk, stream);
@@ -78,10 +79,22 @@ void SlotPool::reserve(size_t n, DevicePool &pool, cudaStream_t stream) {
   total_slots_ += slots;
 }
 
+size_t SlotPool::index_of(const uint8_t *p) const {
+  for (const Chunk &chunk : chunks_)
+    if (p >= chunk.base && p < chunk.base + chunk.slots * slot_bytes_)
+      return chunk.first + size_t(p - chunk.base) / slot_bytes_;
+  unreachable();
+}
+
+size_t SlotPool::slots_shared() const {
+  return size_t(std::count_if(holders_.begin(), holders_.end(), [](uint32_t n) { return n > 1; }));
+}
+
 void SlotPool::release_all(DevicePool &pool, cudaStream_t stream) noexcept {
-  for (void *chunk : chunks_) pool.release(chunk, stream);
+  for (const Chunk &chunk : chunks_) pool.release(chunk.base, stream);
   chunks_.clear();
   free_.clear();
+  holders_.clear();
   total_slots_ = 0;
 }
 

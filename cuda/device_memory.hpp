@@ -44,26 +44,46 @@ class DevicePool {
 
 // Equal slots carved from chunks that never move; each new chunk holds as many slots as all the
 // earlier ones together (at least `min_chunk_slots`), so growth is geometric and its cost amortized.
+// Slots are reference counted on the host: a slot that several sequences hold (forks share blocks
+// and rollback copies) returns to the free list when the last of them gives it back.
 class SlotPool {
  public:
   SlotPool(size_t slot_bytes, size_t min_chunk_slots) : slot_bytes_(slot_bytes), min_chunk_slots_(min_chunk_slots) {}
   // Makes at least n slots free (may allocate a chunk: the only allocation on the append path).
   void reserve(size_t n, DevicePool &pool, cudaStream_t stream);
-  uint8_t *take() {  // after reserve(): cannot fail
+  uint8_t *take() {  // after reserve(): cannot fail; the caller holds the slot
     uint8_t *p = free_.back();
     free_.pop_back();
+    holders_[index_of(p)] = 1;
     return p;
   }
-  void give(uint8_t *p) { free_.push_back(p); }  // capacity reserved by reserve(): cannot fail
+  void hold(const uint8_t *p) { ++holders_[index_of(p)]; }  // one more holder of a taken slot
+  // One holder fewer; the slot is free again (returns true) when it was the last. Capacity
+  // reserved by reserve(): cannot fail.
+  bool give(const uint8_t *p) {
+    if (--holders_[index_of(p)] > 0) return false;
+    free_.push_back(const_cast<uint8_t *>(p));
+    return true;
+  }
+  uint32_t holders(const uint8_t *p) const { return holders_[index_of(p)]; }
+  size_t slots_held() const { return total_slots_ - free_.size(); }
+  size_t slots_shared() const;  // held more than once
   void release_all(DevicePool &pool, cudaStream_t stream) noexcept;
   size_t slot_bytes() const { return slot_bytes_; }
   size_t bytes_reserved() const { return total_slots_ * slot_bytes_; }
 
  private:
+  struct Chunk {
+    uint8_t *base;
+    size_t first, slots;  // slot indices [first, first + slots)
+  };
+  size_t index_of(const uint8_t *p) const;  // chunks double: a search of O(log slots) of them
+
   size_t slot_bytes_, min_chunk_slots_;
   size_t total_slots_ = 0;
-  std::vector<void *> chunks_;
+  std::vector<Chunk> chunks_;
   std::vector<uint8_t *> free_;
+  std::vector<uint32_t> holders_;  // per slot index
 };
 
 // Pinned host memory for host-to-device uploads (job lists, descriptors), used as a ring of

@@ -38,14 +38,19 @@ struct KernelShape {
   bool has_mask, traced;
   uint32_t ott_pool, ott_spill;  // P and S
   OttLayout ott;                 // one head's state; a sequence holds [2 sides][Hkv] of them
+  OttLayout ott_saved;           // one head's pool in a rollback copy (ott_layout(P, 0, ...))
+  CopyLayout copy;               // a rollback copy of one block
 };
 
 // ---- append ---------------------------------------------------------------------------------
 // One block (all kv heads) to quantize. Its tokens are positions first_pos .. first_pos + B - 1;
 // positions below old_length come from the sequence's tail ring, the others from the input.
 // Positions here count from the end of the sequence's sinks (position S + p of the sequence).
+// copy: where the block's rollback copy goes (CopyLayout), or null: its rows as they come, and
+// (OTT) the pools from before its tracing.
 struct QuantJob {
   uint8_t *slot;
+  uint8_t *copy;
   const uint8_t *ring_k, *ring_v;
   const uint8_t *in_k, *in_v;  // this sequence's input tokens after its new sinks ([n][Hkv][d])
   uint32_t first_pos, old_length;

@@ -238,6 +238,22 @@ QJLKV_HD OttLayout ott_layout(uint32_t pool_tokens, uint32_t spill_tokens, uint3
   o.bytes = round_up(o.values + slots * d * io_elem, 16);
   return o;
 }
+// A rollback copy of one block (what a truncate needs to reopen it exactly): its keys [B][Hkv][d]
+// as appended, then its values, in the input dtype; on traced layers then, per kv head, the OTT
+// pool from before the block: an OttLayout without spill area (header, positions, norms, keys,
+// values of P slots).
+struct CopyLayout {
+  uint32_t values = 0, pools = 0, bytes = 0;
+};
+QJLKV_HD CopyLayout copy_layout(uint32_t block_tokens, uint32_t kv_heads, uint32_t d, uint32_t io_elem,
+                                uint32_t saved_pool_bytes) {
+  CopyLayout c;
+  const uint32_t rows = block_tokens * kv_heads * d * io_elem;
+  c.values = rows;
+  c.pools = round_up(2 * rows, 16);
+  c.bytes = c.pools + kv_heads * saved_pool_bytes;
+  return c;
+}
 // Outlier token o of [0, pool + spilled) lives in slot o (pool) or P + o - pool (spill area).
 QJLKV_HD uint32_t ott_slot(uint32_t o, uint32_t pool, uint32_t pool_tokens) {
   return o < pool ? o : pool_tokens + (o - pool);
