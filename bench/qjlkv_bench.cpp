@@ -16,6 +16,14 @@
 //                      one 4096-token prefill into an empty sequence: Mtoken_heads_per_s and,
 //                      for qjl, the fraction of the GEMM rate its sketch products reach, against
 //                      a GEMM of the same shape run alternately in the same loop
+//   Fork/<model>/<preset>/32768/forks:8
+//                      8 forks of one 32k-token sequence (every layer) into empty ids, then their
+//                      clears: ms_per_fork, MB each fork adds to bytes_used (its copies of the
+//                      exact rows) against the MB the source holds
+//   Truncate/<model>/<preset>/32768/tokens:32
+//                      a speculative-decoding round on a 32k-token sequence: 32 draft tokens
+//                      appended one at a time to every layer (untimed), then one truncate back:
+//                      ms_per_truncate
 //   Kernels/<isa>/<preset>, VectorPorts/<instruction>
 //                      white-box: the kernels on hot data (kernel_bench.cpp) and the vector-port
 //                      operations of AVX-512 instructions (port_probe.cpp)
@@ -295,6 +303,58 @@ void bm_append(benchmark::State &state, const Shape &shape, const char *preset) 
   }
 }
 
+constexpr uint32_t kForkContext = 32768, kForks = 8, kDraftTokens = 32;
+
+// Fills every layer of seq 0 with `context` tokens.
+void fill_all_layers(BenchCache &bc, uint64_t context) {
+  for (uint32_t l = 0; l < bc.shape.layers; ++l) bc.fill(l, 0, context);
+}
+
+uint64_t used_bytes(const qjlkv_cache *cache) {
+  qjlkv_stats st{};
+  st.struct_size = sizeof st;
+  check(qjlkv_cache_stats(cache, &st), "stats");
+  return st.bytes_used;
+}
+
+void bm_fork(benchmark::State &state, const Shape &shape, const char *preset) {
+  BenchCache &bc = bench_cache(shape, preset);
+  fill_all_layers(bc, kForkContext);
+  const uint64_t source = used_bytes(bc.cache);
+  double fork_s = 0.0, added = 0.0;
+  for (auto _ : state) {
+    const uint64_t before = used_bytes(bc.cache);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (uint32_t i = 0; i < kForks; ++i) check(qjlkv_cache_fork(bc.cache, 0, 2000 + i, kForkContext), "fork");
+    const auto t1 = std::chrono::steady_clock::now();
+    added += double(used_bytes(bc.cache) - before) / kForks;
+    for (uint32_t i = 0; i < kForks; ++i) check(qjlkv_cache_clear_sequence(bc.cache, 2000 + i), "clear");
+    fork_s += std::chrono::duration<double>(t1 - t0).count();
+    state.SetIterationTime(std::chrono::duration<double>(t1 - t0).count());
+  }
+  const double n = double(state.iterations());
+  state.counters["ms_per_fork"] = fork_s / n / kForks * 1e3;
+  state.counters["MB_added_per_fork"] = added / n / 1e6;
+  state.counters["MB_source"] = double(source) / 1e6;
+}
+
+void bm_truncate(benchmark::State &state, const Shape &shape, const char *preset) {
+  BenchCache &bc = bench_cache(shape, preset);
+  fill_all_layers(bc, kForkContext);
+  double truncate_s = 0.0;
+  for (auto _ : state) {
+    for (uint32_t t = 0; t < kDraftTokens; ++t)
+      for (uint32_t l = 0; l < shape.layers; ++l)
+        check(qjlkv_cache_append(bc.cache, l, 0, 1, bc.tokens->keys(t), bc.tokens->values(t)), "append");
+    const auto t0 = std::chrono::steady_clock::now();
+    check(qjlkv_cache_truncate(bc.cache, 0, kForkContext), "truncate");
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    truncate_s += s;
+    state.SetIterationTime(s);
+  }
+  state.counters["ms_per_truncate"] = truncate_s / double(state.iterations()) * 1e3;
+}
+
 // Each worker thread sums its slice of a 1 GiB buffer.
 void bm_read_bandwidth(benchmark::State &state) {
   const size_t words = (size_t(1) << 30) / sizeof(uint64_t);
@@ -363,6 +423,16 @@ void register_all() {
       RegisterBenchmark((std::string("Append/") + model + "/" + preset).c_str(), bm_append, shape, preset)
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
+    for (const char *preset : {"q3", "q4", "qjl"}) {
+      const std::string tail = std::string("/") + preset + "/" + std::to_string(kForkContext);
+      RegisterBenchmark(("Fork/" + model + tail + "/forks:" + std::to_string(kForks)).c_str(), bm_fork, shape, preset)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+      RegisterBenchmark(("Truncate/" + model + tail + "/tokens:" + std::to_string(kDraftTokens)).c_str(), bm_truncate,
+                        shape, preset)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+    }
   }
 }
 

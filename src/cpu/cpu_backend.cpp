@@ -258,7 +258,8 @@ class CpuCache final : public qjlkv_cache {
   struct Cut {
     uint64_t length = 0, floor = 0;
     uint32_t blocks = 0, sinks = 0, tail_tokens = 0;
-    std::vector<uint8_t> tail_keys, tail_values;  // the complete new tail
+    bool shrink_tail = false;                     // no block reopens: the tail keeps its first tokens
+    std::vector<uint8_t> tail_keys, tail_values;  // otherwise the complete new tail
     const BlockHistory *restore = nullptr;        // exact: the pools from before the first reopened block
   };
   void plan_cut(uint32_t layer, const Sequence &seq, uint64_t length, Cut &cut) const;
@@ -773,6 +774,8 @@ void CpuCache::plan_cut(uint32_t layer, const Sequence &seq, uint64_t length, Cu
   const uint64_t tail_start = cfg.sink_tokens + uint64_t(cut.blocks) * B;
   const uint64_t old_tail_start = cfg.sink_tokens + uint64_t(seq.block_count()) * B;
   cut.tail_tokens = uint32_t(length - tail_start);
+  cut.shrink_tail = cut.blocks == seq.block_count();  // the usual rollback: the tail only gets shorter
+  if (cut.shrink_tail) return;
   const size_t capacity = std::max(size_t(cut.tail_tokens), size_t(cfg.residual_tokens + B)) * token_bytes_;
   cut.tail_keys.reserve(capacity);
   cut.tail_values.reserve(capacity);
@@ -838,8 +841,13 @@ void CpuCache::apply_cut(uint32_t layer, Sequence &seq, Cut &cut, bool held) noe
   seq.sink_keys.resize(size_t(cut.sinks) * token_bytes_);  // shrinks: no allocation
   seq.sink_values.resize(seq.sink_keys.size());
   seq.sink_tokens = cut.sinks;
-  seq.tail_keys.swap(cut.tail_keys);
-  seq.tail_values.swap(cut.tail_values);
+  if (cut.shrink_tail) {  // no allocation: the vectors only shrink
+    seq.tail_keys.resize(size_t(cut.tail_tokens) * token_bytes_);
+    seq.tail_values.resize(seq.tail_keys.size());
+  } else {
+    seq.tail_keys.swap(cut.tail_keys);
+    seq.tail_values.swap(cut.tail_values);
+  }
   seq.tail_tokens = cut.tail_tokens;
   seq.length = cut.length;
   seq.rollback_floor = cut.floor;
