@@ -53,7 +53,11 @@ def _normal_pdf(x: np.ndarray) -> np.ndarray:
 def lloyd_max_gaussian(bits: int, iterations: int = 2000) -> np.ndarray:
     """The 2^bits reconstruction levels minimizing E(x - x̂)² for x ~ N(0, 1), ascending:
     Lloyd's iteration (cells split at midpoints, each level the conditional mean of its cell)."""
-    n = 2 ** bits
+    return lloyd_max_levels(2 ** bits, iterations)
+
+
+def lloyd_max_levels(n: int, iterations: int = 2000) -> np.ndarray:
+    """lloyd_max_gaussian for any number n >= 2 of levels (3: the ternary code)."""
     levels = np.linspace(-2.0, 2.0, n) * (1.0 if n > 2 else 0.5)
     for _ in range(iterations):
         edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
@@ -68,10 +72,52 @@ def lloyd_max_gaussian(bits: int, iterations: int = 2000) -> np.ndarray:
 _CODEBOOKS: dict[int, np.ndarray] = {}
 
 
-def codebook(bits: int) -> np.ndarray:
-    if bits not in _CODEBOOKS:
-        _CODEBOOKS[bits] = lloyd_max_gaussian(bits)
-    return _CODEBOOKS[bits]
+def codebook(bits: int, levels: int = 0) -> np.ndarray:
+    n = levels or 2 ** bits
+    if n not in _CODEBOOKS:
+        _CODEBOOKS[n] = lloyd_max_levels(n)
+    return _CODEBOOKS[n]
+
+
+def allocate_bits(ranges: np.ndarray, average: float, low: int, high: int,
+                  midrise: bool, power: float = 1.0) -> np.ndarray:
+    """Integer bits per channel [..., d] from the channels' ranges [..., d]: round(average·d)
+    bits in all, each between low and high, given greedily where a bit removes the most
+    squared error (range² × the error factor f(b): midrise levels f(b) = 4^-b, min/max
+    endpoint levels f(b) = (2^b − 1)^-2). f is convex, so the greedy choice is the largest
+    round(average·d) − low·d of the gains r²·(f(b) − f(b + 1)), low ≤ b < high, taken at once;
+    ties go to the lower channel index, then the lower b. power ≠ 1 weighs a channel's
+    error by range^(2·power) instead (power > 1 favours the widest channels further)."""
+    d = ranges.shape[-1]
+    b = np.arange(low, high)
+    f = (lambda k: 4.0 ** -k) if midrise else (lambda k: 1.0 / (2.0 ** k - 1) ** 2)
+    gains = ranges[..., :, None] ** (2 * power) * (f(b) - f(b + 1))            # [..., d, high - low]
+    flat = gains.reshape(*ranges.shape[:-1], -1)
+    extra = int(round(average * d)) - low * d
+    order = np.argsort(-flat, axis=-1, kind="stable")[..., :extra]
+    chosen = np.zeros(flat.shape, bool)
+    np.put_along_axis(chosen, order, True, axis=-1)
+    return low + chosen.reshape(gains.shape).sum(-1)
+
+
+def channel_codes(x: np.ndarray, bits, midrise: bool) -> np.ndarray:
+    """x [B, H, d] quantized per channel over the block's B tokens with `bits` (an int, or
+    per (head, channel) [H, d]), reconstructed. Endpoint levels (KIVI, DESIGN.md's
+    rounding): fp16 minimum rounded down, fp16 scale = range/(2^b − 1) rounded up, codes
+    round((x − min)/scale). Midrise levels: fp16 minimum down and maximum up, scale =
+    range/2^b, codes floor((x − min)/scale) clamped, value min + (code + ½)·scale; 0 bits: the
+    midpoint."""
+    from .prototype import fp16_toward
+    bits = np.broadcast_to(np.asarray(bits), x.shape[1:]).astype(np.float64)
+    lo = fp16_toward(x.min(0), -np.inf)
+    if midrise:
+        hi = fp16_toward(x.max(0), np.inf)
+        scale = (hi - lo) / 2.0 ** bits
+        codes = np.clip(np.floor((x - lo) / np.where(scale > 0, scale, 1)), 0, 2.0 ** bits - 1)
+        return lo + (codes + 0.5) * scale
+    scale = fp16_toward((x.max(0) - lo) / np.maximum(2.0 ** bits - 1, 1), np.inf)
+    codes = np.clip(np.rint((x - lo) / np.where(scale > 0, scale, 1)), 0, 2.0 ** bits - 1)
+    return codes * scale + lo
 
 
 def hadamard(d: int) -> np.ndarray:
@@ -99,16 +145,27 @@ class Codec:
     rotate: bool = False     # token: randomized Hadamard rotation first
     lloyd: bool = False      # token: Lloyd-Max Gaussian levels + fp16 group norm
     norm_correct: bool = True  # lloyd: rescale the decoded group to the stored norm
+    levels: int = 0          # token lloyd: levels (0: 2^bits; 3: ternary, 5 codes a byte)
+    midrise: bool = False    # channel/mixed: levels at cell centres, not min/max endpoints
+    average: float = 0.0     # mixed: bits per channel on average (per block and head)
+    low: int = 0             # mixed: fewest and most bits of one channel
+    high: int = 4
+    power: float = 1.0       # mixed: allocation weight range^(2·power)
 
     def __post_init__(self):
-        if self.kind not in ("exact", "channel", "token"):
+        if self.kind not in ("exact", "channel", "token", "mixed"):
             raise ValueError(f"unknown codec kind {self.kind!r}")
 
     def label(self) -> str:
         if self.kind == "exact":
             return "fp16"
         if self.kind == "channel":
-            return f"ch{self.bits}"
+            return f"ch{self.bits}" + ("m" if self.midrise else "")
+        if self.kind == "mixed":
+            return (f"mix{self.average:g}[{self.low}-{self.high}]" + ("m" if self.midrise else "")
+                    + (f"^{self.power:g}" if self.power != 1 else ""))
+        if self.levels == 3:
+            return ("rot-" if self.rotate else "") + "lm-ternary"
         g = f"g{self.group}" if self.group else "gd"
         return (("rot-" if self.rotate else "") + ("lm" if self.lloyd else "u")
                 + f"{self.bits}{'' if self.lloyd and not self.group else g}"
@@ -118,7 +175,13 @@ class Codec:
         """Bytes of one block of `tokens` tokens of one kv head."""
         if self.kind == "exact":
             return tokens * d * 2
-        codes = tokens * d * self.bits / 8
+        if self.kind == "mixed":   # codes, fp16 min + scale and the bit width per channel
+            width = math.ceil(math.log2(self.high - self.low + 1))
+            return tokens * round(self.average * d) / 8 + d * 4 + d * width / 8
+        if self.levels == 3:       # 5 trits a byte
+            codes = tokens * math.ceil(d / 5)
+        else:
+            codes = tokens * d * self.bits / 8
         if self.kind == "channel":
             return codes + d * 4                            # fp16 scale + min per channel
         groups = d // (self.group or d)
@@ -129,7 +192,15 @@ class Codec:
         if self.kind == "exact":
             return fp16(x)
         if self.kind == "channel":
+            if self.midrise:
+                return channel_codes(x, self.bits, True)
             return dequantized(x, self.bits, axis=0)
+        if self.kind == "mixed":
+            from .prototype import fp16_toward
+            ranges = fp16_toward(x.max(0), np.inf) - fp16_toward(x.min(0), -np.inf)   # [H, d]
+            bits = allocate_bits(ranges, self.average, self.low, self.high, self.midrise,
+                                 self.power)
+            return channel_codes(x, bits, self.midrise)
         B, H, d = x.shape
         if self.rotate:
             x = x @ rotation.T
@@ -138,7 +209,7 @@ class Codec:
         if self.lloyd:
             norm = fp16(np.linalg.norm(xg, axis=-1, keepdims=True))
             safe = np.where(norm > 0, norm, 1.0)
-            levels = codebook(self.bits)
+            levels = codebook(self.bits, self.levels)
             unit = xg * (math.sqrt(g) / safe)
             edges = (levels[1:] + levels[:-1]) / 2
             y = levels[np.searchsorted(edges, unit)]
@@ -180,6 +251,9 @@ class Format:
     boundary_layers: tuple[int, int] = (0, 0)   # first, last layers using the boundary codecs
     boundary_key: Codec | None = None
     boundary_value: Codec | None = None
+    value_residual: int = -1         # >= 0: values (per-token codecs) leave the exact tail
+                                     # once this many newer tokens follow, not with the keys'
+                                     # block (keys and values then have separate boundaries)
 
     def codecs(self, layer: int, num_layers: int) -> tuple[Codec, Codec]:
         first, last = self.boundary_layers
@@ -214,6 +288,11 @@ class Format:
                      + value.block_bytes(self.block - self.outlier_tokens, d)
                      + self.outlier_tokens * (2 * d * 2 + 1))
         mean = d * 2 if self.center_keys and blocks else 0
+        if self.value_residual >= 0:   # keys by blocks; values token by token
+            coded = max(0, rest - self.value_residual)
+            keys = exact * d * 2 + blocks * key.block_bytes(self.block, d)
+            values = (tokens - coded) * d * 2 + coded * value.block_bytes(1, d)
+            return shape.num_kv_heads * (keys + values + mean)
         return shape.num_kv_heads * (exact * 2 * d * 2 + blocks * per_block + mean)
 
     def bits_at(self, shape, tokens: int) -> float:
@@ -236,6 +315,9 @@ class ResearchCache(ExactCache):
         rng = np.random.default_rng(seed)
         self.rotations = [randomized_hadamard(shape.head_dim, rng) for _ in range(shape.num_layers)]
         self.quantized = [fmt.sinks] * shape.num_layers   # [sinks, quantized): blocks
+        self.values_coded = [fmt.sinks] * shape.num_layers  # value_residual: [sinks, this)
+        if fmt.value_residual >= 0 and (fmt.outlier_tokens or fmt.value.kind != "token"):
+            raise ValueError("separate value boundaries need per-token value codes, no outlier tokens")
         self.key_means: list[np.ndarray | None] = [None] * shape.num_layers
 
     def append(self, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
@@ -243,6 +325,14 @@ class ResearchCache(ExactCache):
             keys, values = keys.astype(np.float16), values.astype(np.float16)
         super().append(layer, keys, values)
         f = self.fmt
+        if f.value_residual >= 0:      # values token by token, past their own tail
+            start, end = self.values_coded[layer], self.lengths[layer] - f.value_residual
+            if end > start:
+                _, value_codec = f.codecs(layer, self.shape.num_layers)
+                span = slice(start, end)
+                self.values[layer][span] = value_codec.apply(
+                    self.values[layer][span].astype(np.float64), self.rotations[layer])
+                self.values_coded[layer] = end
         while self.lengths[layer] - self.quantized[layer] >= f.residual + f.block:
             start = self.quantized[layer]
             end = start + f.block
@@ -270,7 +360,7 @@ class ResearchCache(ExactCache):
             kq = key_codec.apply(kb - mean, rotation) + mean
         else:
             kq = key_codec.apply(kb, rotation)
-        vq = value_codec.apply(vb, rotation)
+        vq = vb if f.value_residual >= 0 else value_codec.apply(vb, rotation)
         if kept is not None:
             kq[kept, heads], vq[kept, heads] = exact_k, exact_v
         self.keys[layer][span] = kq
@@ -379,6 +469,18 @@ def lm(bits: int, group: int = 0) -> Codec:
     return token(bits, group, rotate=True, lloyd=True)
 
 
+def mixed(average: float, low: int = 0, high: int = 4, midrise: bool = True,
+          power: float = 1.0) -> Codec:
+    """Keys per channel over the block with bits per channel chosen from the block's ranges
+    (allocate_bits)."""
+    return Codec("mixed", 0, average=average, low=low, high=high, midrise=midrise, power=power)
+
+
+def ternary(group: int = 0) -> Codec:
+    """Rotated Lloyd-Max values with 3 levels (log2 3 bits, 5 codes a byte) and a norm."""
+    return Codec("token", 2, group, rotate=True, lloyd=True, levels=3)
+
+
 def candidate_sets() -> dict[str, list[ResearchConfig]]:
     C = ResearchConfig
     sets = {}
@@ -467,6 +569,38 @@ def candidate_sets() -> dict[str, list[ResearchConfig]]:
         L("q3 with OTT keys B64 R16", "q3", {**first, "key_method": "ott", "block_tokens": 64,
                                             "residual_tokens": 16}, "q3 + OTT tracing"),
         L("q4 preset", "q4", group="q4 as shipped"),
+    ]
+    # The 2-bit tier (≤ 2.5 bits at 8k, d = 128, fp16 I/O): keys are what 2 bits break
+    # (K ch2: KL 0.27-0.38 on SmolLM2 with fp16 values), so the candidates spend the bits on
+    # the key channels with the widest ranges (mixed), move levels to cell centres (midrise),
+    # or take bits from the values (ternary codes) to give them to the keys.
+    sets["q2"] = [
+        C("Q2a K ch2, V lm2", Format(channel(2), lm(2), sinks=16), "2-bit tier"),
+        C("Q2b K ch2 midrise, V lm2", Format(Codec("channel", 2, midrise=True), lm(2), sinks=16),
+          "2-bit tier"),
+        C("Q2c K mix2.15, V lm2", Format(mixed(2.15), lm(2), sinks=16), "2-bit tier"),
+        C("Q2d K mix2.5, V ternary", Format(mixed(2.5), ternary(), sinks=16), "2-bit tier"),
+        C("Q2e K mix2.5 endpoints, V ternary", Format(mixed(2.5, 1, 4, midrise=False), ternary(),
+                                                      sinks=16), "2-bit tier"),
+        C("Q2f K mix2.5 up to 8, V ternary", Format(mixed(2.5, 0, 8), ternary(), sinks=16),
+          "2-bit tier"),
+        C("Q2g K mix3, V lm1", Format(mixed(3.0), lm(1), sinks=16), "2-bit tier"),
+        C("Q2h K centered rot-lm2, V lm2", Format(lm(2), lm(2), sinks=16, center_keys=True),
+          "2-bit tier"),
+        C("Q2i K mix2.75, V ternary", Format(mixed(2.75), ternary(), sinks=16),
+          "2-bit tier (over budget)"),
+        C("Q2j K ch3, V lm2", Format(channel(3), lm(2), sinks=16), "2-bit tier (over budget)"),
+        # second round, around the first round's best (Q2c: midrise levels, bits per channel
+        # from the block's ranges)
+        C("Q2k K mix2.3, V lm2, V tail 16", Format(mixed(2.3), lm(2), sinks=16, value_residual=16),
+          "2-bit tier, separate value tail"),
+        C("Q2l K mix2.15^1.5, V lm2", Format(mixed(2.15, power=1.5), lm(2), sinks=16),
+          "2-bit tier"),
+        C("Q2m K mix2.15 up to 8, V lm2", Format(mixed(2.15, 0, 8), lm(2), sinks=16), "2-bit tier"),
+        C("Q2n K mix2, V lm2", Format(mixed(2.0), lm(2), sinks=16), "2-bit tier"),
+        C("Q2o K mix2.15 S4, V lm2", Format(mixed(2.15), lm(2), sinks=4), "2-bit tier"),
+        C("Q2p K mix2.7, V ternary, V tail 16",
+          Format(mixed(2.7), ternary(), sinks=16, value_residual=16), "2-bit tier, separate value tail"),
     ]
     return sets
 
