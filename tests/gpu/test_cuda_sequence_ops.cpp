@@ -422,4 +422,67 @@ TEST(CudaSequenceBudget, RefusalsChangeNothing) {
   qjlkv_cache_destroy(gpu);
 }
 
+#if defined(QJLKV_CUDA_EMULATION)
+// Every device (and pinned host) allocation that an operation makes fails in turn: the operation
+// reports OUT_OF_MEMORY and the cache stays as it was (streams, bytes), until it succeeds and
+// matches the CPU again. Each operation below needs new pool chunks or tables, so each fails at
+// least once.
+TEST(CudaSequenceFailures, OutOfMemoryChangesNothing) {
+  for (const char *preset : {"q3", "ott"}) {
+    SCOPED_TRACE(preset);
+    {
+      CachePair pair(ops_config({preset, QJLKV_DTYPE_F16}));
+      ASSERT_TRUE(pair.ok()) << pair.error();
+      const qjlkv_config &cfg = pair.cfg();
+      std::mt19937 rng(17);
+      const std::vector<uint32_t> ids = {0, 1, 2, 3, 4, 5, 6};
+      for (uint32_t seq = 0; seq < 4; ++seq) {
+        const Tokens t = make_tokens(rng, cfg, 50 + 9 * seq);
+        for (uint32_t l = 0; l < kLayers; ++l) pair.append(l, seq, t.keys, t.values);
+      }
+      const Tokens more = make_tokens(rng, cfg, 160);
+      const auto k = encode(more.keys, qjlkv_dtype(cfg.dtype)), v = encode(more.values, qjlkv_dtype(cfg.dtype));
+      DeviceBytes dk(k), dv(v);
+      const auto stream = export_seq(pair.cpu(), 3);
+      struct Operation {
+        const char *name;
+        std::function<qjlkv_status(qjlkv_cache *, bool)> run;
+      };
+      const Operation operations[] = {
+          {"truncate below the floor", [](qjlkv_cache *c, bool) { return qjlkv_cache_truncate(c, 1, 30); }},
+          {"fork", [](qjlkv_cache *c, bool) { return qjlkv_cache_fork(c, 0, 5, 45); }},
+          {"append",
+           [&](qjlkv_cache *c, bool device) {
+             return qjlkv_cache_append(c, 1, 2, 160, device ? dk.get() : k.data(), device ? dv.get() : v.data());
+           }},
+          {"import", [&](qjlkv_cache *c, bool) { return qjlkv_cache_import(c, 6, stream.data(), stream.size()); }},
+      };
+      for (const Operation &op : operations) {
+        SCOPED_TRACE(op.name);
+        std::vector<std::vector<uint8_t>> before;
+        for (uint32_t id : ids) before.push_back(longest(pair.gpu(), id) ? export_seq(pair.gpu(), id) : std::vector<uint8_t>{});
+        const uint64_t used = stats_of(pair.gpu()).bytes_used;
+        uint32_t failures = 0;
+        for (;; ++failures) {
+          ASSERT_LT(failures, 100u);
+          emu::fail_allocations_after(failures);
+          const qjlkv_status status = op.run(pair.gpu(), true);
+          emu::fail_allocations_after(-1);
+          if (status == QJLKV_OK) break;
+          ASSERT_EQ(status, QJLKV_ERROR_OUT_OF_MEMORY) << qjlkv_last_error_message();
+          for (size_t i = 0; i < ids.size(); ++i)
+            EXPECT_EQ(longest(pair.gpu(), ids[i]) ? export_seq(pair.gpu(), ids[i]) : std::vector<uint8_t>{}, before[i])
+                << "seq " << ids[i] << " changed after a failure at allocation " << failures;
+          EXPECT_EQ(stats_of(pair.gpu()).bytes_used, used);
+        }
+        EXPECT_GT(failures, 0u) << "the operation allocated nothing";
+        QJLKV_OK(op.run(pair.cpu(), false));
+        expect_same_state(pair, ids, rng, op.name);
+      }
+    }
+    EXPECT_STREQ(emu::first_error(), "") << "leaked or damaged device memory";
+  }
+}
+#endif
+
 }  // namespace

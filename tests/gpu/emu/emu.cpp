@@ -259,6 +259,15 @@ void clear_error() {
   g_last_error = cudaSuccess;
 }
 size_t live_allocations() { return g_allocations.size(); }
+long g_allocations_left = -1;  // fail_allocations_after
+void fail_allocations_after(long successes) { g_allocations_left = successes; }
+// Whether an allocation may succeed (fail_allocations_after).
+bool allocation_allowed() {
+  if (g_allocations_left < 0) return true;
+  if (g_allocations_left == 0) return false;
+  --g_allocations_left;
+  return true;
+}
 
 const dim3 &thread_index() { return g_cta ? self().tid : kZero; }
 const dim3 &block_index() { return g_block_index; }
@@ -369,6 +378,7 @@ cudaError_t sticky() { return g_first_error.empty() ? cudaSuccess : cudaErrorLau
 // Device allocations carry a guard zone after their end, checked when they are freed.
 constexpr size_t kGuard = 256;
 void *allocate(size_t bytes, EmuMemPool *pool) {
+  if (!emu::allocation_allowed()) return nullptr;
   void *p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256 + kGuard);
   if (!p) return nullptr;
   std::memset(p, 0xff, bytes);  // fresh device memory is garbage
@@ -489,6 +499,7 @@ cudaError_t cudaMallocFromPoolAsync(void **p, size_t bytes, cudaMemPool_t pool, 
 }
 cudaError_t cudaFreeAsync(void *p, cudaStream_t) { return release(p); }
 cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned) {
+  if (!emu::allocation_allowed()) return cudaErrorMemoryAllocation;
   *p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
   return *p ? cudaSuccess : cudaErrorMemoryAllocation;
 }

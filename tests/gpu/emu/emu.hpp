@@ -9,4 +9,7 @@ const char *first_error();
 void clear_error();
 // Device allocations alive now (cudaMalloc and memory pools).
 size_t live_allocations();
+// Out-of-memory injection: the device and pinned host allocations after the next `successes` fail
+// with cudaErrorMemoryAllocation, until called again; a negative count lets every one succeed.
+void fail_allocations_after(long successes);
 }  // namespace emu
