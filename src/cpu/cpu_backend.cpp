@@ -628,15 +628,17 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
                   value_bytes + i * seq_input_bytes + skip);
     }
     if (growth > 0) require_budget(*this, uint64_t(growth), n_seqs > 1 ? "append_batch" : "append");
-    scratch.resize(quantize_scratch_floats() * pool_->size());
-    quantize = [&, per_worker = scratch.size() / pool_->size()](size_t index, unsigned worker) {
-      const uint32_t i = uint32_t(index / cfg.num_kv_heads), head = uint32_t(index % cfg.num_kv_heads);
-      if (plans[i].new_blocks == 0) return;
-      const size_t skip = size_t(plans[i].new_sinks) * token_bytes_;
-      quantize_head(layer, plans[i], head, key_bytes + i * seq_input_bytes + skip,
-                    value_bytes + i * seq_input_bytes + skip,
-                    scratch.data() + worker * per_worker);
-    };
+    // Most decode appends quantize nothing: they need no scratch and no workers.
+    if (std::any_of(plans.begin(), plans.end(), [](const AppendPlan &p) { return p.new_blocks > 0; })) {
+      scratch.resize(quantize_scratch_floats() * pool_->size());
+      quantize = [&, per_worker = scratch.size() / pool_->size()](size_t index, unsigned worker) {
+        const uint32_t i = uint32_t(index / cfg.num_kv_heads), head = uint32_t(index % cfg.num_kv_heads);
+        if (plans[i].new_blocks == 0) return;
+        const size_t skip = size_t(plans[i].new_sinks) * token_bytes_;
+        quantize_head(layer, plans[i], head, key_bytes + i * seq_input_bytes + skip,
+                      value_bytes + i * seq_input_bytes + skip, scratch.data() + worker * per_worker);
+      };
+    }
   } catch (...) {
     for (uint32_t i = 0; i < plans.size(); ++i) {
       for (const BlockRef &ref : plans[i].new_refs) ref.page->holders[ref.slot] = 0;  // unclaimed
@@ -646,7 +648,7 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   }
 
   // From here on nothing can fail: quantize every (sequence, head) in parallel, then commit.
-  pool_->parallel_for(size_t(n_seqs) * cfg.num_kv_heads, quantize);
+  if (quantize) pool_->parallel_for(size_t(n_seqs) * cfg.num_kv_heads, quantize);
   for (uint32_t i = 0; i < n_seqs; ++i) {
     AppendPlan &plan = plans[i];
     Sequence &seq = *plan.seq;
