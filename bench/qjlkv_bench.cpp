@@ -24,6 +24,9 @@
 //                      a speculative-decoding round on a 32k-token sequence: 32 draft tokens
 //                      appended one at a time to every layer (untimed), then one truncate back:
 //                      ms_per_truncate
+//   RollbackBits/<model>/<preset>/8192
+//                      what the rollback copies cost: bits per number over the last 256 decode
+//                      steps (one token a step) up to 8192 tokens with rollback_tokens 32 and 0
 //   Kernels/<isa>/<preset>, VectorPorts/<instruction>
 //                      white-box: the kernels on hot data (kernel_bench.cpp) and the vector-port
 //                      operations of AVX-512 instructions (port_probe.cpp)
@@ -355,6 +358,44 @@ void bm_truncate(benchmark::State &state, const Shape &shape, const char *preset
   state.counters["ms_per_truncate"] = truncate_s / double(state.iterations()) * 1e3;
 }
 
+double bits_per_number(const qjlkv_cache *cache) {
+  qjlkv_stats st{};
+  st.struct_size = sizeof st;
+  check(qjlkv_cache_stats(cache, &st), "stats");
+  return st.bits_per_number;
+}
+
+void bm_rollback_bits(benchmark::State &state, const Shape &shape, const char *preset) {
+  constexpr uint32_t kContext = 8192, kSteps = 256;
+  double with_copies = 0.0, without = 0.0;
+  for (auto _ : state) {
+    qjlkv_cache *caches[2];
+    for (uint32_t rollback : {32u, 0u}) {
+      qjlkv_config cfg{};
+      cfg.struct_size = sizeof cfg;
+      check(qjlkv_config_init(&cfg, preset, 1, shape.q_heads, shape.kv_heads, shape.head_dim), "config_init");
+      cfg.dtype = QJLKV_DTYPE_F16;
+      cfg.num_threads = bench_threads();
+      cfg.rollback_tokens = rollback;
+      check(qjlkv_cache_create(&cfg, &caches[rollback == 0]), "cache_create");
+    }
+    const Tokens tokens(shape);
+    for (qjlkv_cache *c : caches)
+      for (uint32_t t = 0; t < kContext - kSteps; t += kChunk)
+        check(qjlkv_cache_append(c, 0, 0, std::min(kChunk, kContext - kSteps - t), tokens.keys(t), tokens.values(t)),
+              "append");
+    for (uint32_t t = kContext - kSteps; t < kContext; ++t)
+      for (int i = 0; i < 2; ++i) {
+        check(qjlkv_cache_append(caches[i], 0, 0, 1, tokens.keys(t), tokens.values(t)), "append");
+        (i == 0 ? with_copies : without) += bits_per_number(caches[i]) / kSteps;
+      }
+    for (qjlkv_cache *c : caches) qjlkv_cache_destroy(c);
+  }
+  const double n = double(state.iterations());
+  state.counters["bits_rollback_32"] = with_copies / n;
+  state.counters["bits_rollback_0"] = without / n;
+}
+
 // Each worker thread sums its slice of a 1 GiB buffer.
 void bm_read_bandwidth(benchmark::State &state) {
   const size_t words = (size_t(1) << 30) / sizeof(uint64_t);
@@ -424,6 +465,10 @@ void register_all() {
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
     for (const char *preset : {"q3", "q4", "qjl"}) {
+      RegisterBenchmark((std::string("RollbackBits/") + model + "/" + preset + "/8192").c_str(), bm_rollback_bits,
+                        shape, preset)
+          ->Iterations(1)
+          ->Unit(benchmark::kMillisecond);
       const std::string tail = std::string("/") + preset + "/" + std::to_string(kForkContext);
       RegisterBenchmark(("Fork/" + model + tail + "/forks:" + std::to_string(kForks)).c_str(), bm_fork, shape, preset)
           ->UseManualTime()

@@ -134,7 +134,7 @@ extern "C" {
  * Version
  * ======================================================================== */
 #define QJLKV_VERSION_MAJOR 0
-#define QJLKV_VERSION_MINOR 3
+#define QJLKV_VERSION_MINOR 4
 #define QJLKV_VERSION_PATCH 0
 /* MAJOR*10000 + MINOR*100 + PATCH, as zstd does. */
 #define QJLKV_VERSION_NUMBER \
