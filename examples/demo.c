@@ -4,7 +4,9 @@
  * Inputs are fp32, so the tokens every preset keeps exact (the newest ones, and q3's and q4's
  * first ones) take 32 bits each: a short run shows more bits per number than a long one.
  *
- *   usage: qjlkv_demo [tokens] [decode_steps]     (defaults: 8192 tokens, 16 steps)
+ *   usage: qjlkv_demo [tokens] [decode_steps] [f16]   (defaults: 8192 tokens, 16 steps, fp32)
+ * With f16 the keys, values and queries go in as fp16 (_Float16), as an engine holds them, and
+ * the exact tokens take 16 bits.
  *   build: cc demo.c $(pkg-config --cflags --libs qjlkv) -lm */
 #include <math.h>
 #include <stdio.h>
@@ -47,11 +49,32 @@ static void make_token(float *keys, float *values) {
     }
 }
 
+/* IEEE half (GCC 12+, Clang): a C extension, hence __extension__ for -Wpedantic. */
+__extension__ typedef _Float16 half;
+
+/* The calls in the cache's dtype: the fp32 arrays as they are, or converted to fp16. */
+static qjlkv_status append_token(qjlkv_cache *c, const float *keys, const float *values, int f16) {
+  if (!f16) return qjlkv_cache_append(c, 0, 0, 1, keys, values);
+  half k[HKV * D], v[HKV * D];
+  for (int i = 0; i < HKV * D; ++i) k[i] = (half)keys[i], v[i] = (half)values[i];
+  return qjlkv_cache_append(c, 0, 0, 1, k, v);
+}
+
+static qjlkv_status attend_query(qjlkv_cache *c, const float *query, float *out, int f16) {
+  if (!f16) return qjlkv_cache_attend(c, 0, 0, 1, query, 0.0f, out);
+  half q[HQ * D], o[HQ * D];
+  for (int i = 0; i < HQ * D; ++i) q[i] = (half)query[i];
+  const qjlkv_status s = qjlkv_cache_attend(c, 0, 0, 1, q, 0.0f, o);
+  for (int i = 0; i < HQ * D; ++i) out[i] = (float)o[i];
+  return s;
+}
+
 int main(int argc, char **argv) {
   const unsigned tokens = argc > 1 ? (unsigned)atoi(argv[1]) : 8192;
   const unsigned steps = argc > 2 ? (unsigned)atoi(argv[2]) : 16;
-  if (tokens == 0 || steps == 0 || steps > tokens) {
-    fprintf(stderr, "usage: %s [tokens > 0] [decode_steps in 1..tokens]\n", argv[0]);
+  const int f16 = argc > 3 && strcmp(argv[3], "f16") == 0;
+  if (tokens == 0 || steps == 0 || steps > tokens || (argc > 3 && !f16)) {
+    fprintf(stderr, "usage: %s [tokens > 0] [decode_steps in 1..tokens] [f16]\n", argv[0]);
     return 2;
   }
   const char *presets[] = {"exact", "q3", "q4", "qjl", "kivi", "ott"};
@@ -62,6 +85,8 @@ int main(int argc, char **argv) {
     cfg.struct_size = sizeof cfg; /* the size of this header's struct: set before every call */
     check(qjlkv_config_init(&cfg, presets[p], LAYERS, HQ, HKV, D), "qjlkv_config_init");
     cfg.seed = 42;
+    cfg.dtype = f16 ? QJLKV_DTYPE_F16 : QJLKV_DTYPE_F32;
+    cfg.outlier_skip_layers = 0; /* ott: trace this one layer (the preset skips a model's first two) */
     if (qjlkv_cache_create(&cfg, &caches[p]) != QJLKV_OK) {
       fprintf(stderr, "preset %s unavailable: %s\n", presets[p], qjlkv_last_error_message());
       caches[p] = NULL;
@@ -71,13 +96,13 @@ int main(int argc, char **argv) {
   float *query = malloc(sizeof(float) * HQ * D), *exact = malloc(sizeof(float) * HQ * D);
   float *approx = malloc(sizeof(float) * HQ * D);
   double err2[NPRESETS] = {0}, ref2 = 0;
-  printf("libqjlkv %s demo: Llama-3-8B-shaped layer (Hq=%d, Hkv=%d, d=%d), %u tokens, %u decode steps\n",
-         qjlkv_version_string(), HQ, HKV, D, tokens, steps);
+  printf("libqjlkv %s demo: Llama-3-8B-shaped layer (Hq=%d, Hkv=%d, d=%d), %s, %u tokens, %u decode steps\n",
+         qjlkv_version_string(), HQ, HKV, D, f16 ? "fp16" : "fp32", tokens, steps);
   for (unsigned t = 0; t < tokens; ++t) {
     float *keys = all_keys + (size_t)t * HKV * D;
     make_token(keys, values);
     for (int p = 0; p < NPRESETS; ++p)
-      if (caches[p]) check(qjlkv_cache_append(caches[p], 0, 0, 1, keys, values), "qjlkv_cache_append");
+      if (caches[p]) check(append_token(caches[p], keys, values, f16), "qjlkv_cache_append");
     if (t + steps < tokens) continue;
     /* Decode step: each query head looks for one earlier token (a retrieval-like, peaked
      * attention, as many real heads have), plus noise. */
@@ -85,11 +110,11 @@ int main(int argc, char **argv) {
       const float *target = all_keys + ((size_t)(uniform() * t) * HKV + h / (HQ / HKV)) * D;
       for (int j = 0; j < D; ++j) query[h * D + j] = target[j] + 0.5f * normal();
     }
-    check(qjlkv_cache_attend(caches[0], 0, 0, 1, query, 0.0f, exact), "attend exact");
+    check(attend_query(caches[0], query, exact, f16), "attend exact");
     for (int i = 0; i < HQ * D; ++i) ref2 += (double)exact[i] * exact[i];
     for (int p = 1; p < NPRESETS; ++p) {
       if (!caches[p]) continue;
-      check(qjlkv_cache_attend(caches[p], 0, 0, 1, query, 0.0f, approx), "attend");
+      check(attend_query(caches[p], query, approx, f16), "attend");
       for (int i = 0; i < HQ * D; ++i) err2[p] += ((double)approx[i] - exact[i]) * ((double)approx[i] - exact[i]);
     }
   }
