@@ -22,15 +22,24 @@ constexpr uint32_t kLayers = 2;
 struct OpsCase {
   const char *preset;
   qjlkv_dtype dtype;
+  const char *variant = "";  // a name for `adjust`
+  void (*adjust)(qjlkv_config &) = nullptr;
 };
-void PrintTo(const OpsCase &c, std::ostream *os) { *os << c.preset << ", " << dtype_name(c.dtype); }
+void PrintTo(const OpsCase &c, std::ostream *os) { *os << c.preset << ", " << dtype_name(c.dtype) << " " << c.variant; }
 std::string ops_case_name(const testing::TestParamInfo<OpsCase> &info) {
-  return std::string(info.param.preset) + "_" + dtype_name(info.param.dtype);
+  return std::string(info.param.preset) + "_" + dtype_name(info.param.dtype) + info.param.variant;
 }
 std::vector<OpsCase> ops_cases() {
   std::vector<OpsCase> cases;
   for (const char *preset : {"q3", "q4", "qjl", "kivi", "ott", "exact"})
     for (qjlkv_dtype dtype : {QJLKV_DTYPE_F32, QJLKV_DTYPE_F16, QJLKV_DTYPE_BF16}) cases.push_back({preset, dtype});
+  // No rollback copies at all (every truncate that reopens a block reconstructs it); sinks longer
+  // than a block with a rollback depth that is not a multiple of it.
+  cases.push_back({"ott", QJLKV_DTYPE_F32, "_no_rollback", [](qjlkv_config &c) { c.rollback_tokens = 0; }});
+  cases.push_back({"q4", QJLKV_DTYPE_BF16, "_sinks20_depth40", [](qjlkv_config &c) {
+                     c.sink_tokens = 20;
+                     c.rollback_tokens = 40;
+                   }});
   return cases;
 }
 
@@ -51,6 +60,7 @@ qjlkv_config ops_config(const OpsCase &c, uint64_t memory_budget = 0) {
     cfg.outlier_skip_layers = 1;  // layer 1 traced
   }
   cfg.memory_budget = memory_budget;
+  if (c.adjust) c.adjust(cfg);
   return cfg;
 }
 
@@ -151,6 +161,14 @@ void expect_same_state(CachePair &pair, const std::vector<uint32_t> &seqs, std::
   const Mismatch m = compare_outputs(o_gpu, o_cpu, qjlkv_dtype(pair.cfg().dtype));
   EXPECT_EQ(m.count, 0u) << "attend, layer " << layer << ", seq " << seq << ": worst " << m.worst << ", rms "
                          << m.rms_relative;
+  // attend_batch over every sequence the layer holds (forks reading shared blocks side by side).
+  std::vector<uint32_t> batch;
+  for (const auto &[l, s] : held)
+    if (l == layer) batch.push_back(s);
+  const auto [b_cpu, b_gpu] =
+      pair.attend(layer, batch, 1, make_values(rng, batch.size() * pair.query_elems()), 0.0f, true);
+  const Mismatch mb = compare_outputs(b_gpu, b_cpu, qjlkv_dtype(pair.cfg().dtype));
+  EXPECT_EQ(mb.count, 0u) << "attend_batch, layer " << layer << ": worst " << mb.worst << ", rms " << mb.rms_relative;
 }
 
 class CudaSequenceOps : public testing::TestWithParam<OpsCase> {};
@@ -257,6 +275,7 @@ TEST_P(CudaSequenceOps, RollbackWithinTheFloorIsExact) {
   CachePair pair(ops_config(c));
   ASSERT_TRUE(pair.ok()) << pair.error();
   const qjlkv_config &cfg = pair.cfg();
+  if (cfg.rollback_tokens == 0) GTEST_SKIP() << "rollback_tokens 0: a truncate that reopens a block is not exact";
   std::mt19937 rng(7);
   const Tokens prefix = make_tokens(rng, cfg, 70);
   const size_t te = size_t(cfg.num_kv_heads) * cfg.head_dim;
@@ -431,7 +450,7 @@ TEST(CudaSequenceFailures, OutOfMemoryChangesNothing) {
   for (const char *preset : {"q3", "ott"}) {
     SCOPED_TRACE(preset);
     {
-      CachePair pair(ops_config({preset, QJLKV_DTYPE_F16}));
+      CachePair pair(ops_config(OpsCase{preset, QJLKV_DTYPE_F16}));
       ASSERT_TRUE(pair.ok()) << pair.error();
       const qjlkv_config &cfg = pair.cfg();
       std::mt19937 rng(17);
