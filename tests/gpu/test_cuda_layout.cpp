@@ -7,8 +7,10 @@
 #include <random>
 #include <vector>
 
+#include "config.hpp"
 #include "cpu/kernels.hpp"
 #include "layout.hpp"
+#include "positions.hpp"
 
 namespace {
 
@@ -235,6 +237,33 @@ TEST(CudaLayout, PresetShapesFitTheDevices) {
       s.value_groups = 1;
       EXPECT_LE(attend_smem(s).total, 166912u) << "d " << d << ", key_bits " << key_bits;
     }
+}
+
+// A rollback copy on the device holds at least the bytes the statistics count for it (positions.hpp),
+// its regions in order and 16-byte aligned, every saved pool inside its own OttLayout.
+TEST(CudaLayout, RollbackCopiesHoldWhatTheStatisticsCount) {
+  for (const char *preset : {"q3", "ott", "qjl"})
+    for (qjlkv_dtype dtype : {QJLKV_DTYPE_F32, QJLKV_DTYPE_F16})
+      for (uint32_t d : {40u, 128u}) {
+        qjlkv_config cfg{};
+        cfg.struct_size = sizeof cfg;
+        ASSERT_EQ(qjlkv_config_init(&cfg, preset, 3, 8, 2, d), QJLKV_OK);
+        cfg.dtype = dtype;
+        const qjlkv::CacheSpec spec = qjlkv::make_cache_spec(cfg);
+        const uint32_t io = uint32_t(spec.io_elem), P = spec.cfg.outlier_tokens;
+        for (uint32_t layer = 0; layer < 3; ++layer) {
+          const bool traced = spec.layers[layer].traced;
+          const OttLayout saved = ott_layout(P, 0, d, io);
+          const CopyLayout c = copy_layout(spec.cfg.block_tokens, 2, d, io, traced ? saved.bytes : 0);
+          EXPECT_GE(c.bytes, qjlkv::rollback_copy_bytes(spec, layer)) << preset << ", layer " << layer;
+          EXPECT_EQ(c.values, spec.cfg.block_tokens * 2 * d * io);
+          EXPECT_GE(c.pools, 2 * c.values);
+          EXPECT_EQ(c.pools % 16, 0u);
+          if (!traced) continue;
+          EXPECT_LE(saved.values + P * d * io, saved.bytes);
+          EXPECT_EQ(saved.bytes % 16, 0u);
+        }
+      }
 }
 
 TEST(CudaLayout, SplitPlanCoversEveryUnitOnce) {
