@@ -287,6 +287,10 @@ std::vector<FieldCase> bad_fields() {
       {"head_dim 20", "qjl", [](qjlkv_config &c) { c.head_dim = 20; }, {"head_dim"}},
       {"struct_size of 0.1 + 4", "qjl", [](qjlkv_config &c) { c.struct_size = QJLKV_CONFIG_SIZE_0_1 + 4; },
        {"struct_size"}},
+      {"struct_size of 0.3 + 8", "q3", [](qjlkv_config &c) { c.struct_size = QJLKV_CONFIG_SIZE_0_3 + 8; },
+       {"struct_size"}},
+      {"rollback_tokens above the limit", "q3",
+       [](qjlkv_config &c) { c.rollback_tokens = QJLKV_MAX_ROLLBACK_TOKENS + 1; }, {"rollback_tokens"}},
       {"dtype 3", "qjl", [](qjlkv_config &c) { c.dtype = 3; }, {"dtype"}},
       {"dtype 2^32 - 1", "qjl", [](qjlkv_config &c) { c.dtype = UINT32_MAX; }, {"dtype"}},
       {"backend 2", "qjl", [](qjlkv_config &c) { c.backend = 2; }, {"backend"}},
@@ -752,6 +756,71 @@ void add_query_rows(std::vector<Row> &t, const World &world) {
                }, {QJLKV_OK}, {}});
 }
 
+// Sequence operations: truncate, fork, bytes_needed, sequence_bytes.
+void add_sequence_rows(std::vector<Row> &t, const World &world) {
+  const std::string tr = "qjlkv_cache_truncate", fk = "qjlkv_cache_fork", bn = "qjlkv_cache_bytes_needed",
+                    sb = "qjlkv_cache_sequence_bytes";
+  const uint64_t length = world.length;
+  t.push_back({tr, "c NULL", [](World &) { return qjlkv_cache_truncate(nullptr, kSeq, 1); }, {kInvalid}, {"c"}});
+  t.push_back({tr, "length above the sequence's", [length](World &w) {
+                 return qjlkv_cache_truncate(w.cache.get(), kSeq, length + 1);
+               }, {kInvalid}, {"length"}});
+  t.push_back({tr, "length UINT64_MAX", [](World &w) { return qjlkv_cache_truncate(w.cache.get(), kSeq, UINT64_MAX); },
+               {kInvalid}, {"length"}});
+  t.push_back({tr, "unknown sequence, length 1", [](World &w) {
+                 return qjlkv_cache_truncate(w.cache.get(), kUnknownSeq, 1);
+               }, {kInvalid}, {"length"}});
+  t.push_back({tr, "its own length (valid, a no-op)", [length](World &w) {
+                 return qjlkv_cache_truncate(w.cache.get(), kSeq, length);
+               }, {QJLKV_OK}, {}});
+  t.push_back({fk, "c NULL", [](World &) { return qjlkv_cache_fork(nullptr, kSeq, kUnknownSeq, 1); }, {kInvalid},
+               {"c"}});
+  t.push_back({fk, "dst_seq == src_seq", [](World &w) { return qjlkv_cache_fork(w.cache.get(), kSeq, kSeq, 1); },
+               {kInvalid}, {"src_seq", "dst_seq"}});
+  t.push_back({fk, "dst_seq holds tokens", [](World &w) {
+                 return qjlkv_cache_fork(w.cache.get(), kSeq, kOtherLayerSeq, 1);
+               }, {kInvalid}, {"dst_seq"}});
+  t.push_back({fk, "length above src_seq's", [length](World &w) {
+                 return qjlkv_cache_fork(w.cache.get(), kSeq, kUnknownSeq, length + 1);
+               }, {kInvalid}, {"length"}});
+  t.push_back({fk, "unknown src_seq", [](World &w) { return qjlkv_cache_fork(w.cache.get(), 99, kUnknownSeq, 1); },
+               {kInvalid}, {"length"}});
+  t.push_back({fk, "length 0 (valid, a no-op)", [](World &w) {
+                 return qjlkv_cache_fork(w.cache.get(), kSeq, kUnknownSeq, 0);
+               }, {QJLKV_OK}, {}});
+  t.push_back({bn, "c NULL", [](World &) {
+                 uint64_t out;
+                 return qjlkv_cache_bytes_needed(nullptr, kSeq, 1, &out);
+               }, {kInvalid}, {"c"}});
+  t.push_back({bn, "out NULL", [](World &w) { return qjlkv_cache_bytes_needed(w.cache.get(), kSeq, 1, nullptr); },
+               {kInvalid}, {"out"}});
+  t.push_back({bn, "n_tokens beyond 2^32 - 1 positions", [](World &w) {
+                 GuardedBuffer out(sizeof(uint64_t));
+                 return qjlkv_cache_bytes_needed(w.cache.get(), kSeq, UINT32_MAX, out.as<uint64_t>());
+               }, {kInvalid}, {"n_tokens"}});
+  t.push_back({bn, "n_tokens 0 (valid: 0 bytes)", [](World &w) {
+                 GuardedBuffer out(sizeof(uint64_t));
+                 const qjlkv_status s = qjlkv_cache_bytes_needed(w.cache.get(), kSeq, 0, out.as<uint64_t>());
+                 if (*out.as<uint64_t>() != 0) w.post_failure = "0 tokens need bytes";
+                 return s;
+               }, {QJLKV_OK}, {}});
+  t.push_back({sb, "c NULL", [](World &) {
+                 uint64_t bytes, shared;
+                 return qjlkv_cache_sequence_bytes(nullptr, kSeq, &bytes, &shared);
+               }, {kInvalid}, {"c"}});
+  t.push_back({sb, "both outputs NULL (valid)", [](World &w) {
+                 return qjlkv_cache_sequence_bytes(w.cache.get(), kSeq, nullptr, nullptr);
+               }, {QJLKV_OK}, {}});
+  t.push_back({sb, "unknown sequence (valid: 0 and 0)", [](World &w) {
+                 GuardedBuffer out(2 * sizeof(uint64_t));
+                 std::memset(out.data(), 0xff, out.size());
+                 const qjlkv_status s =
+                     qjlkv_cache_sequence_bytes(w.cache.get(), kUnknownSeq, out.as<uint64_t>(), out.as<uint64_t>() + 1);
+                 if (out.as<uint64_t>()[0] != 0 || out.as<uint64_t>()[1] != 0) w.post_failure = "not 0 and 0";
+                 return s;
+               }, {QJLKV_OK}, {}});
+}
+
 // Export and import (docs/FORMAT.md): every argument class; the import rows use a valid stream
 // of seq 1, exported when the row runs.
 std::vector<uint8_t> stream_of(World &w, uint32_t seq) {
@@ -840,6 +909,7 @@ std::vector<Row> table(const World &world) {
   add_attend_rows(t, world);
   add_query_rows(t, world);
   add_serialize_rows(t);
+  add_sequence_rows(t, world);
   return t;
 }
 
@@ -877,7 +947,7 @@ TEST_P(BadInput, EveryFunctionEveryArgumentClass) {
   // The table itself must have had rows of every public function.
   std::set<std::string> functions;
   for (const Row &row : rows) functions.insert(row.function);
-  EXPECT_GE(functions.size(), 26u);
+  EXPECT_GE(functions.size(), 30u);
   std::printf("%zu rows, %zu failed, %zu functions\n", rows.size(), failures, functions.size());
 }
 
