@@ -157,10 +157,10 @@ def test_key_estimate_matters_and_is_accurate(model, prompt, reference):
     tokens, ref_logits, _ = reference
     use_qjlkv_attention(model)
     preset_kl = kl_and_top1(ref_logits[:12], teacher_forced_logits(
-        model, prompt, tokens, QJLCache(model.config, value_bits=16), steps=12))[0]
+        model, prompt, tokens, QJLCache(model.config, preset="qjl", value_bits=16), steps=12))[0]
     tiny_kl = kl_and_top1(ref_logits[:12], teacher_forced_logits(
-        model, prompt, tokens, QJLCache(model.config, value_bits=16, key_sketch_dim=8, outlier_channels=0),
-        steps=12))[0]
+        model, prompt, tokens, QJLCache(model.config, preset="qjl", value_bits=16, key_sketch_dim=8,
+                                        outlier_channels=0), steps=12))[0]
     assert preset_kl < 2e-3 and preset_kl * 10 < tiny_kl
 
 
@@ -199,16 +199,18 @@ def test_qjlkv_attention_without_a_qjl_cache_is_sdpa(model):
 
 def test_unsupported_uses_raise(model):
     prompt = torch.randint(0, 1024, (2, 20), generator=torch.Generator().manual_seed(7))
+    cache = QJLCache(model.config)
     with torch.no_grad():
-        with pytest.raises(qjlkv.Unsupported, match="beam"):
-            model.generate(prompt[:1], max_new_tokens=3, num_beams=2, do_sample=False,
-                           past_key_values=QJLCache(model.config))
         use_qjlkv_attention(model)
         padding = torch.ones_like(prompt)
-        padding[0, :5] = 0
-        with pytest.raises(qjlkv.Unsupported, match="padding"):
-            model.generate(prompt, attention_mask=padding, max_new_tokens=3, do_sample=False,
-                           past_key_values=QJLCache(model.config))
+        padding[0, 5:8] = 0  # a hole, not left padding
+        with pytest.raises(qjlkv.Unsupported, match="left padding"):
+            model.generate(prompt, attention_mask=padding, max_new_tokens=3, do_sample=False, cache=cache)
+        for call in (lambda layer: layer.crop(-1), lambda layer: layer.reorder_cache(torch.tensor([0])),
+                     lambda layer: layer.batch_repeat_interleave(2),
+                     lambda layer: layer.batch_select_indices(torch.tensor([0]))):
+            with pytest.raises(qjlkv.Unsupported, match="call QJLCache"):
+                call(cache.layers[0])
     with pytest.raises(qjlkv.InvalidArgument, match="preset"):
         QJLCache(model.config, preset="nope")
     with pytest.raises(qjlkv.InvalidArgument, match="config.value_bits is 5"):
@@ -251,3 +253,136 @@ def test_public_callables_have_docstrings():
             if not name.startswith("_") and (callable(member) or isinstance(member, property)):
                 assert (getattr(cls, name).__doc__ or "").strip(), f"{cls.__name__}.{name}"
     assert set(hf.__all__) <= set(dir(hf))
+
+
+def test_default_preset_is_the_library_default(model):
+    cache = QJLCache(model.config)
+    with torch.no_grad():
+        model(torch.randint(0, 1024, (1, 10)), cache=cache, use_cache=True)
+    cfg = cache.library_cache.config
+    assert (cfg.preset, cfg.key_method, cfg.key_bits, cfg.sink_tokens) == ("q3", "kivi", 3, 16)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "qjlkv"])
+def test_float16_cache_on_a_float32_model(model, attention):
+    """dtype=torch.float16 stores fp16 whatever the model computes in (converted at the boundary)."""
+    model.set_attn_implementation(attention)
+    prompt = torch.randint(0, 1024, (1, 200), generator=torch.Generator().manual_seed(9))
+    half, full = QJLCache(model.config, dtype=torch.float16), QJLCache(model.config)
+    with torch.no_grad():
+        got = model.generate(prompt, max_new_tokens=8, do_sample=False, cache=half)
+        want = model.generate(prompt, max_new_tokens=8, do_sample=False, cache=full)
+    assert half.library_cache.config.dtype == "float16"
+    assert half.stats()["bytes_full_precision"] * 2 == full.stats()["bytes_full_precision"]
+    assert got.shape == want.shape == (1, 208) and torch.equal(got[:, :201], want[:, :201])
+
+
+@pytest.mark.parametrize("preset", ["q3", "qjl"])
+def test_left_padded_batch_rows_decode_as_they_do_alone(model, preset):
+    """Fused attention: padding is never stored, each row is a sequence of its own length."""
+    use_qjlkv_attention(model)
+    gen = torch.Generator().manual_seed(10)
+    prompts = [torch.randint(1, 1024, (n,), generator=gen) for n in (150, 97, 40)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
+    cache = QJLCache(model.config, preset=preset)
+    with torch.no_grad():
+        batched = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, cache=cache)
+        assert cache.pads == [width - len(p) for p in prompts]
+        lib = cache.library_cache
+        assert [lib.length(0, s) for s in cache.rows] == [len(p) + 11 for p in prompts]  # no padding stored
+        for b, p in enumerate(prompts):
+            alone = model.generate(p[None], max_new_tokens=12, do_sample=False, cache=QJLCache(model.config,
+                                                                                                preset=preset))
+            assert torch.equal(batched[b, width:], alone[0, len(p):]), b
+
+
+def test_crop_is_an_exact_rollback(model):
+    """Draft tokens appended and cropped away leave the bytes of a cache that never saw them."""
+    use_qjlkv_attention(model)
+    gen = torch.Generator().manual_seed(11)
+    prompt, more, draft = (torch.randint(0, 1024, (1, n), generator=gen) for n in (100, 5, 20))
+    want, got = QJLCache(model.config), QJLCache(model.config)
+    assert got.is_croppable
+    with torch.no_grad():
+        for cache in (want, got):
+            model(prompt, cache=cache, use_cache=True)
+            model(more, cache=cache, use_cache=True)
+        model(draft, cache=got, use_cache=True)
+        assert got.get_seq_length() == 125
+        got.crop(-20)
+        assert got.get_seq_length() == 105
+        assert got.library_cache.export_bytes(got.rows[0]) == want.library_cache.export_bytes(want.rows[0])
+        step = torch.randint(0, 1024, (1, 1), generator=gen)
+        torch.testing.assert_close(model(step, cache=got).logits, model(step, cache=want).logits, rtol=0, atol=0)
+        got.crop(50)  # the older spelling: keep the first 50
+        assert got.get_seq_length() == 50
+
+
+def test_multi_token_steps_attend_as_single_steps(model):
+    """Each query sees the cache as it stood when its own token came in, so feeding tokens in
+    one forward or one at a time gives the same attention."""
+    use_qjlkv_attention(model)
+    gen = torch.Generator().manual_seed(12)
+    prompt, more = torch.randint(0, 1024, (1, 120), generator=gen), torch.randint(0, 1024, (1, 40), generator=gen)
+    together, apart = QJLCache(model.config), QJLCache(model.config)
+    with torch.no_grad():
+        model(prompt, cache=together, use_cache=True)
+        model(prompt, cache=apart, use_cache=True)
+        logits = model(more, cache=together, use_cache=True).logits[0]
+        singles = torch.cat([model(more[:, t:t + 1], cache=apart, use_cache=True).logits[0] for t in range(40)])
+    torch.testing.assert_close(logits, singles, rtol=1e-4, atol=1e-4)
+
+
+def small_assistant(model, layers=1):
+    """A smaller draft model: the first `layers` decoder layers of `model` (same vocabulary)."""
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    assistant = LlamaForCausalLM(config).eval()
+    assistant.load_state_dict(model.state_dict(), strict=False)
+    assistant.set_attn_implementation("sdpa")
+    return assistant
+
+
+@pytest.mark.parametrize("mode", ["prompt_lookup", "assistant"])
+def test_assisted_decoding_gives_the_tokens_of_greedy_decoding(model, mode):
+    use_qjlkv_attention(model)
+    gen = torch.Generator().manual_seed(13)
+    piece = torch.randint(0, 1024, (1, 30), generator=gen)
+    prompt = torch.cat([piece, torch.randint(0, 1024, (1, 50), generator=gen), piece, piece[:, :10]], dim=1)
+    extra = dict(prompt_lookup_num_tokens=10) if mode == "prompt_lookup" else dict(assistant_model=small_assistant(model))
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=40, do_sample=False, cache=QJLCache(model.config))
+        cache = QJLCache(model.config)
+        got = model.generate(prompt, max_new_tokens=40, do_sample=False, cache=cache, **extra)
+    assert torch.equal(got, want)
+    assert cache.get_seq_length() == got.shape[1] - 1
+
+
+@pytest.mark.parametrize("attention", ["qjlkv", "sdpa"])
+def test_beam_search_and_sampling_share_the_prompt(model, attention):
+    """Four beams or samples of one prompt hold its compressed blocks once (the equal prompt
+    rows are forked, and so is each kept beam): each copies only its exact rows (16 sinks and
+    a tail of 16 to 79 tokens), so at 4,000 tokens they take little more than one sequence."""
+    model.set_attn_implementation(attention)
+    prompt = torch.randint(0, 1024, (1, 4000), generator=torch.Generator().manual_seed(14))
+    one = QJLCache(model.config, dtype=torch.float16)
+    modes = [dict(num_beams=4, num_return_sequences=4, do_sample=False)]
+    if attention == "qjlkv":  # the sdpa path rebuilds every row densely each step: one mode is enough
+        modes += [dict(do_sample=True, num_return_sequences=4), dict(num_beams=4, num_return_sequences=4,
+                                                                     do_sample=True)]
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=6, do_sample=False, cache=one)
+        for kwargs in modes:
+            cache = QJLCache(model.config, dtype=torch.float16)
+            torch.manual_seed(0)
+            out = model.generate(prompt, max_new_tokens=6, cache=cache, **kwargs)
+            assert out.shape == (4, 4006), kwargs
+            stats = cache.stats()
+            assert stats["bytes_shared"] > 0.5 * stats["bytes_used"], (kwargs, stats)
+            assert stats["bytes_used"] < 1.5 * one.stats()["bytes_used"], (kwargs, stats, one.stats())

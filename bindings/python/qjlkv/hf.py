@@ -1,26 +1,45 @@
 """Hugging Face transformers integration: a ``Cache`` backed by libqjlkv.
 
->>> from qjlkv.hf import QJLCache
->>> out = model.generate(**inputs, cache=QJLCache(model.config, preset="qjl"))
+>>> from qjlkv.hf import QJLCache, use_qjlkv_attention
+>>> use_qjlkv_attention(model)          # decoding steps attend on the compressed cache
+>>> out = model.generate(**inputs, cache=QJLCache(model.config))           # preset "q3"
 
 (``cache=`` is the spelling of transformers 5.x; ``past_key_values=`` still works there, with
 a FutureWarning that it goes away in 6.0.) ``examples/hf_generate.py`` runs this on
-SmolLM2-135M.
+SmolLM2-135M; ``examples/hf_modes.py`` measures every generate mode below.
 
 Works with Llama-family decoders (GQA included; RoPE is applied before keys reach the
-cache). Batch row ``b`` is the library's sequence ``b``.
+cache). Each batch row is a library sequence of its own; the rows' ids change as generate
+reorders them.
+
+Every ``generate`` mode works: greedy and sampling, ``num_return_sequences``, beam search
+(``reorder_cache``), assisted decoding with an ``assistant_model`` or
+``prompt_lookup_num_tokens`` (``crop``), and ``batch_repeat_interleave`` /
+``batch_select_indices``. None of them copies the compressed cache: a row that several rows
+continue is forked (``qjlkv.Cache.fork``: they share its compressed blocks), rejected draft
+tokens are truncated (``qjlkv.Cache.truncate``), and rows that are dropped are cleared.
+Prompt rows that are equal (``num_return_sequences`` and beams repeat the prompt) are stored
+once and forked, so they share the prompt's bytes (``stats()["bytes_shared"]``).
 
 Two ways to attend:
 
-* Any attention implementation transformers ships (``sdpa``, ``eager``, ``flex``...): the
-  prompt attends to its exact keys and values, and every decoding step gets back the dense
-  reconstruction of the compressed cache from ``qjlkv_cache_reconstruct`` — keys k-hat
-  whose dot products with any query equal the QJL estimates exactly, and dequantized
-  values — so the model sees exactly what the compressed cache holds.
-* The ``"qjlkv"`` attention function (``use_qjlkv_attention(model)``): decoding steps call
-  the library's fused attention on the compressed bytes; nothing dense is materialized.
+* The ``"qjlkv"`` attention function (``use_qjlkv_attention(model)``): the prompt attends to
+  its exact keys and values; every later query calls the library's fused attention on the
+  compressed bytes, over the cache as it stood when that query's own token was appended
+  (several new tokens are appended and attended one at a time). So a token's output depends
+  only on the tokens before it, never on how they were grouped into forward passes: assisted
+  and prompt-lookup decoding give the tokens of plain greedy decoding, and, since a
+  truncate by at most ``rollback_tokens`` (32) is exact, rejected drafts leave no trace.
+  Left-padded batches work here: padding is never stored (each row is a sequence of its own
+  length), and each row decodes as it would alone.
+* Any attention implementation transformers ships (``sdpa``, ``eager``, ...): the prompt
+  attends to its exact keys and values, and every later step gets back the dense
+  reconstruction of the compressed cache (``qjlkv_cache_reconstruct``: keys whose dot
+  products with any query equal the scores the library uses, dequantized values). Padding is
+  stored there, masked by transformers.
 
-``QJLCache.stats()`` is the library's own memory count.
+The cache stores ``dtype`` (default: the model's); keys, values and queries are converted to
+it and outputs back. ``QJLCache.stats()`` is the library's own memory count.
 """
 
 from __future__ import annotations
@@ -42,6 +61,8 @@ __all__ = ["ATTENTION_NAME", "QJLCache", "qjlkv_attention_forward", "use_qjlkv_a
 #: The name under which the fused attention is registered in transformers' AttentionInterface.
 ATTENTION_NAME = "qjlkv"
 
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
 
 def _unsupported(message: str) -> qjlkv.Unsupported:
     err = qjlkv.Unsupported(message)
@@ -61,17 +82,26 @@ class _Handoff(threading.local):
 
     cache: "QJLCache | None" = None
     layer: int = -1
+    keys: torch.Tensor | None = None    # (batch, kv heads, tokens, d): appended by the attention
+    values: torch.Tensor | None = None
     prefill: bool = False
+    # Set by use_qjlkv_attention's hooks for the model forward in progress: its logits_to_keep
+    # minus one, the draft tokens transformers' assisted decoding puts behind the prompt.
+    draft: int = 0
+    # The last mask QJLCache._check_mask accepted: one tensor serves every layer of a forward.
+    checked_mask: torch.Tensor | None = None
 
 
 _HANDOFF = _Handoff()
 
 
 class QJLLayer(CacheLayerMixin):
-    """One decoder layer's view of the shared library cache."""
+    """One decoder layer's view of the shared library cache. Rows are sequences of the whole
+    cache, so crop, reorder_cache and the batch_* methods act on every layer at once: call
+    them on the ``QJLCache``."""
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True
     is_sliding = False
 
     def __init__(self, owner: "QJLCache", layer_idx: int) -> None:
@@ -85,7 +115,7 @@ class QJLLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        """Appends this step's keys and values (batch, kv_heads, tokens, head_dim) to the
+        """Takes this step's keys and values (batch, kv_heads, tokens, head_dim) into the
         library cache; returns what the attention should see (see QJLCache)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -96,7 +126,7 @@ class QJLLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        """Positions cached for this layer (of sequence 0)."""
+        """Positions of this layer, padding included (every row has the same)."""
         return self._owner._length(self.layer_idx)
 
     def get_max_length(self) -> int:
@@ -115,35 +145,41 @@ class QJLLayer(CacheLayerMixin):
         """Unsupported: the compressed cache lives in the library."""
         raise _unsupported("QJLCache does not offload: the compressed cache lives in the library")
 
+    def _whole_cache(self, name: str) -> qjlkv.Unsupported:
+        return _unsupported(f"QJLLayer.{name} would change one layer of sequences that span every layer: "
+                            f"call QJLCache.{name}")
+
     def crop(self, tokens_to_remove: int) -> None:
-        """Only a no-op crop (0 tokens) is supported: cached tokens cannot be dropped."""
-        if tokens_to_remove != 0:
-            raise _unsupported("QJLCache cannot drop cached tokens (assisted decoding / crop)")
+        """Refused: call ``QJLCache.crop`` (every layer at once)."""
+        raise self._whole_cache("crop")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Only the identity order is supported (no beam search)."""
-        if not torch.equal(beam_idx.cpu(), torch.arange(len(beam_idx))):
-            raise _unsupported("QJLCache cannot reorder sequences (beam search)")
+        """Refused: call ``QJLCache.reorder_cache`` (every layer at once)."""
+        raise self._whole_cache("reorder_cache")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Only repeats=1 is supported."""
-        if repeats != 1:
-            raise _unsupported("QJLCache cannot repeat sequences (num_return_sequences / beams > 1)")
+        """Refused: call ``QJLCache.batch_repeat_interleave`` (every layer at once)."""
+        raise self._whole_cache("batch_repeat_interleave")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Unsupported (contrastive search)."""
-        raise _unsupported("QJLCache cannot select sequences (contrastive search)")
+        """Refused: call ``QJLCache.batch_select_indices`` (every layer at once)."""
+        raise self._whole_cache("batch_select_indices")
 
 
 class QJLCache(Cache):
     """A transformers ``Cache`` whose keys and values live compressed in a ``qjlkv.Cache``.
 
-    ``QJLCache(model.config, preset="qjl", **fields)``: ``fields`` are ``qjlkv.Config`` fields
-    (e.g. ``seed=1``, ``value_bits=4``). The library cache is created on the first update,
-    with the dtype and device of the model's keys unless ``dtype``/``device`` are given.
+    ``QJLCache(model.config, preset="q3", **fields)``: ``fields`` are ``qjlkv.Config`` fields
+    (e.g. ``seed=1``, ``num_threads=2``, ``rollback_tokens=64``, ``memory_budget=...``;
+    ``dtype=torch.float16`` stores fp16 whatever the model computes in). The library cache is
+    created on the first update, with the dtype and device of the model's keys unless
+    ``dtype``/``device`` are given.
+
+    Batch row ``b`` is the library sequence ``rows[b]``; ``pads[b]`` leading positions of it
+    are padding that is not stored (fused attention only).
     """
 
-    def __init__(self, config: Any, preset: str = "qjl", **fields: Any) -> None:
+    def __init__(self, config: Any, preset: str = "q3", **fields: Any) -> None:
         text = config.get_text_config(decoder=True)
         self._text_config = text
         self._num_layers = text.num_hidden_layers
@@ -156,7 +192,14 @@ class QJLCache(Cache):
         qjlkv.Config(preset, num_layers=self._num_layers, num_q_heads=self._num_q_heads,
                      num_kv_heads=self._num_kv_heads, head_dim=self._head_dim, **self._fields).validate()
         self._lib: qjlkv.Cache | None = None
-        self._batch = 0
+        self._dtype: torch.dtype | None = None  # what the library stores
+        self._rows: list[int] = []              # library sequence of each batch row
+        self._pads: list[int] = []              # unstored leading positions of each row
+        self._next_id = 0
+        self._free: list[int] = []              # cleared sequence ids, reused first
+        # Prefill rows equal to an earlier row (same padding, keys and values in every layer so
+        # far): row -> the earlier row. Forked from it once every layer is in.
+        self._alias: dict[int, int] = {}
         super().__init__(layers=[QJLLayer(self, i) for i in range(self._num_layers)])
 
     # -- the library cache -------------------------------------------------------------------
@@ -165,6 +208,16 @@ class QJLCache(Cache):
         """The underlying ``qjlkv.Cache`` (None before the first update)."""
         return self._lib
 
+    @property
+    def rows(self) -> list[int]:
+        """The library sequence id of each batch row (a copy)."""
+        return list(self._rows)
+
+    @property
+    def pads(self) -> list[int]:
+        """Each batch row's leading padding positions, which the library does not store."""
+        return list(self._pads)
+
     def _create(self, key_states: torch.Tensor) -> None:
         fields = dict(self._fields)
         fields.setdefault("dtype", key_states.dtype)
@@ -172,11 +225,27 @@ class QJLCache(Cache):
         cfg = qjlkv.Config(self._preset, num_layers=self._num_layers, num_q_heads=self._num_q_heads,
                            num_kv_heads=self._num_kv_heads, head_dim=self._head_dim, **fields)
         self._lib = qjlkv.Cache(cfg)
+        self._dtype = _TORCH_DTYPES[cfg.dtype]
         if key_states.is_cuda:
             self._lib.set_stream(torch.cuda.current_stream(key_states.device))
 
+    def _new_id(self) -> int:
+        if self._free:
+            return self._free.pop()
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _drop(self, seq: int) -> None:
+        self._lib.clear(seq)
+        self._free.append(seq)
+
     def _length(self, layer: int) -> int:
-        return 0 if self._lib is None or self._batch == 0 else self._lib.length(layer, 0)
+        if self._lib is None or not self._rows or layer >= self._num_layers:
+            return 0
+        return self._lib.length(layer, self._rows[0]) + self._pads[0]
+
+    def _stored(self, layer: int) -> list[int]:
+        return [self._lib.length(layer, s) for s in self._rows]
 
     def _fused(self) -> bool:
         return getattr(self._text_config, "_attn_implementation", None) == ATTENTION_NAME
@@ -189,100 +258,277 @@ class QJLCache(Cache):
                 f"{self._head_dim}) from the model config")
         if self._lib is None:
             self._create(key_states)
-        past = self._length(layer)
-        if self._batch != batch:
+        if batch != len(self._rows):
             if any(self._length(l) for l in range(self._num_layers)):
-                raise _unsupported(f"QJLCache holds a batch of {self._batch} sequences; got {batch}")
-            self._batch = batch
-        # (batch, tokens, heads, head_dim) is the projections' own memory order: no copy.
-        keys = key_states.detach().transpose(1, 2).contiguous()
-        values = value_states.detach().transpose(1, 2).contiguous()
-        if tokens == 1 and batch > 1:
-            self._lib.append_batch(layer, range(batch), keys[:, 0], values[:, 0])
-        else:
-            for b in range(batch):
-                self._lib.append(layer, b, keys[b], values[b])
-
-        if self._fused():
-            _HANDOFF.cache, _HANDOFF.layer, _HANDOFF.prefill = self, layer, past == 0
+                raise _unsupported(f"QJLCache holds a batch of {len(self._rows)} sequences; got {batch}")
+            self._settle()
+            for s in self._rows:
+                self._drop(s)
+            self._rows, self._pads, self._alias = [self._new_id() for _ in range(batch)], [0] * batch, {}
+        prefill = not any(self._stored(layer))
+        if self._fused():  # the attention function appends: it knows the padding and the draft
+            _HANDOFF.cache, _HANDOFF.layer, _HANDOFF.prefill = self, layer, prefill
+            _HANDOFF.keys, _HANDOFF.values = key_states, value_states
             return key_states, value_states
-        if past == 0:  # the prompt attends to its exact keys and values
+        keys, values = self._library_layout(key_states), self._library_layout(value_states)
+        if prefill:  # the prompt attends to its exact keys and values
+            self._append_prefill(layer, keys, values, [0] * batch)
             return key_states, value_states
+        self._append(layer, keys, values)
         return self._reconstruction(layer, key_states.dtype, key_states.device)
 
+    def _library_layout(self, states: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, tokens, d) -> (batch, tokens, heads, d), contiguous, in the stored dtype
+        (the projections' own memory order: no copy when the dtype already matches)."""
+        return states.detach().transpose(1, 2).to(self._dtype).contiguous()
+
+    def _append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if keys.shape[1] == 1 and len(self._rows) > 1:
+            self._lib.append_batch(layer, self._rows, keys[:, 0], values[:, 0])
+        else:
+            for b, s in enumerate(self._rows):
+                self._lib.append(layer, s, keys[b], values[b])
+
+    def _append_prefill(self, layer: int, keys: torch.Tensor, values: torch.Tensor, pads: list[int]) -> None:
+        """The prompt of every row, without its padding. A row equal to an earlier one in every
+        layer so far is not stored: it is forked from that row after the last layer (or, if a
+        later layer differs, right then, sharing the layers that were equal)."""
+        if layer == 0:
+            self._pads, self._alias = list(pads), {}
+            for b in range(1, len(self._rows)):
+                for a in range(b):
+                    if a not in self._alias and pads[a] == pads[b] and torch.equal(keys[a], keys[b]) \
+                            and torch.equal(values[a], values[b]):
+                        self._alias[b] = a
+                        break
+        elif pads != self._pads:
+            raise _invalid(f"the padding of layer {layer} ({pads}) differs from layer 0's ({self._pads})")
+        for b, a in list(self._alias.items()):
+            if layer and not (torch.equal(keys[a], keys[b]) and torch.equal(values[a], values[b])):
+                del self._alias[b]  # equal up to this layer: share those, store the rest
+                self._lib.fork(self._rows[a], self._rows[b])
+        for b, s in enumerate(self._rows):
+            if b not in self._alias and pads[b] < keys.shape[1]:
+                self._lib.append(layer, s, keys[b, pads[b]:], values[b, pads[b]:])
+        if layer == self._num_layers - 1:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Forks the prompt rows that equal an earlier row (see _append_prefill)."""
+        for b, a in self._alias.items():
+            self._lib.fork(self._rows[a], self._rows[b])
+        self._alias = {}
+
     def _reconstruction(self, layer: int, dtype: torch.dtype, device: torch.device):
-        keys, values = zip(*(self._lib.reconstruct(layer, b) for b in range(self._batch)))
+        length = self._length(layer)
+        keys = torch.zeros(len(self._rows), length, self._num_kv_heads, self._head_dim)
+        values = torch.zeros_like(keys)
+        for b, s in enumerate(self._rows):
+            if length > self._pads[b]:
+                k, v = self._lib.reconstruct(layer, s)
+                keys[b, self._pads[b]:], values[b, self._pads[b]:] = torch.from_numpy(k), torch.from_numpy(v)
+        return (keys.transpose(1, 2).to(device=device, dtype=dtype),
+                values.transpose(1, 2).to(device=device, dtype=dtype))
 
-        def dense(parts):  # (batch, length, heads, d) float32 -> (batch, heads, length, d)
-            return torch.from_numpy(np.stack(parts)).transpose(1, 2).to(device=device, dtype=dtype)
+    # -- rows: fork, truncate, clear -----------------------------------------------------------
+    def _select(self, sources: list[int]) -> None:
+        """Row i becomes a copy of old row sources[i]: the first copy of a row keeps its
+        sequence, the others are forks of it (sharing its compressed blocks); rows no one
+        copies are cleared first, so their memory is free before the forks take any."""
+        self._settle()
+        if any(not 0 <= j < len(self._rows) for j in sources):
+            raise _invalid(f"row indices {sources} are outside the batch of {len(self._rows)}")
+        if self._lib is None:
+            self._rows, self._pads = [self._new_id() for _ in sources], [0] * len(sources)
+            return
+        old, kept = self._rows, set()
+        rows: list[int | None] = []
+        for j in sources:
+            rows.append(None if j in kept else old[j])
+            kept.add(j)
+        for j, s in enumerate(old):
+            if j not in kept:
+                self._drop(s)
+        for i, j in enumerate(sources):
+            if rows[i] is None:
+                rows[i] = self._new_id()
+                if any(self._lib.length(l, old[j]) for l in range(self._num_layers)):
+                    self._lib.fork(old[j], rows[i])
+        self._pads = [self._pads[j] for j in sources]
+        self._rows = rows
 
-        return dense(keys), dense(values)
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` continues old row ``beam_idx[i]`` (forks, no copies)."""
+        self._select([int(j) for j in beam_idx.tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row becomes ``repeats`` consecutive rows, forks of it."""
+        self._select([j for j in range(len(self._rows)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keeps the rows ``indices`` (in that order); the others are cleared."""
+        self._select([int(j) for j in torch.as_tensor(indices).reshape(-1).tolist()])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """``crop(-n)`` drops the last ``n`` positions of every row (transformers' assisted
+        decoding after rejected drafts); ``crop(n)`` with n > 0 keeps the first ``n`` (the
+        older spelling). Exact (``qjlkv.Cache.truncate``) when it goes back at most
+        ``rollback_tokens`` positions from the longest the rows have been since."""
+        self._settle()
+        length = self.get_seq_length()
+        keep = length + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
+        if keep >= length:
+            return
+        keep = max(keep, 0)
+        for b, s in enumerate(self._rows):
+            self._lib.truncate(s, max(keep - self._pads[b], 0))
+            self._pads[b] = min(self._pads[b], keep)
 
     # -- transformers Cache API ---------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Positions cached for ``layer_idx`` (of sequence 0)."""
-        return self._length(layer_idx) if layer_idx < self._num_layers else 0
+        """Positions cached for ``layer_idx``, padding included (every row has the same)."""
+        return self._length(layer_idx)
 
     def reset(self) -> None:
         """Clears every sequence; the library cache and its configuration stay."""
         if self._lib is not None:
-            for b in range(self._batch):
-                self._lib.clear(b)
-        self._batch = 0
+            for s in self._rows:
+                self._drop(s)
+        self._rows, self._pads, self._alias = [], [], {}
 
     def stats(self) -> dict:
         """The library's memory statistics (``qjlkv.Cache.stats()``); zeros before the first update."""
         if self._lib is None:
             return {"tokens": 0, "bytes_used": 0, "bytes_reserved": 0, "bytes_fp16_equivalent": 0,
                     "bits_per_number": 0.0, "bytes_keys_quantized": 0, "bytes_values_quantized": 0,
-                    "bytes_full_precision": 0, "bytes_metadata": 0, "compression_ratio": float("nan")}
+                    "bytes_full_precision": 0, "bytes_metadata": 0, "bytes_rollback": 0, "bytes_shared": 0,
+                    "compression_ratio": float("nan")}
         return self._lib.stats()
 
     def __repr__(self) -> str:
-        return f"QJLCache(preset={self._preset!r}, layers={self._num_layers}, batch={self._batch})"
+        return f"QJLCache(preset={self._preset!r}, layers={self._num_layers}, batch={len(self._rows)})"
+
+    # -- the fused attention (called by qjlkv_attention_forward) --------------------------------
+    def _attend(self, layer: int, query: torch.Tensor, keys_in: torch.Tensor, values_in: torch.Tensor,
+                mask: torch.Tensor | None, scaling: float | None, prefill: bool, exact: Any) -> torch.Tensor:
+        """Appends this layer's keys and values and returns the attention (batch, tokens, q heads, d)."""
+        batch, _, tokens, _ = query.shape
+        keys, values = self._library_layout(keys_in), self._library_layout(values_in)
+        if prefill:
+            pads = _left_padding(mask, batch, tokens)
+            draft = min(_HANDOFF.draft, tokens - 1)
+            out = exact()  # exact attention of the prompt (and what the draft tokens overwrite)
+            if draft and batch == 1:
+                self._append_prefill(layer, keys[:, :tokens - draft], values[:, :tokens - draft], pads)
+                queries = query.detach().transpose(1, 2).to(self._dtype).contiguous()
+                self._attend_each(layer, queries, keys, values, out, first=tokens - draft, scaling=scaling)
+            else:
+                self._append_prefill(layer, keys, values, pads)
+            return out
+        self._check_mask(layer, mask, tokens)
+        queries = query.detach().transpose(1, 2).to(self._dtype).contiguous()
+        if tokens == 1 and batch > 1:
+            self._lib.append_batch(layer, self._rows, keys[:, 0], values[:, 0])
+            out = self._lib.attend_batch(layer, self._rows, queries[:, 0], scaling).unsqueeze(1)
+            return out.to(query.dtype)
+        out = torch.empty(queries.shape, dtype=query.dtype, device=query.device)
+        self._attend_each(layer, queries, keys, values, out, first=0, scaling=scaling)
+        return out
+
+    def _attend_each(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     out: torch.Tensor, first: int, scaling: float | None = None) -> None:
+        """Appends tokens [first, T) of every row one at a time, each followed by its query's
+        attention: every query sees the cache as it stood when its own token came in."""
+        for b, s in enumerate(self._rows):
+            for t in range(first, queries.shape[1]):
+                self._lib.append(layer, s, keys[b, t], values[b, t])
+                out[b, t] = self._lib.attend(layer, s, queries[b, t], scaling).to(out.dtype)
+
+    def _check_mask(self, layer: int, mask: torch.Tensor | None, tokens: int) -> None:
+        """The library applies causality and the rows' padding itself: any other mask is refused."""
+        if mask is None or mask is _HANDOFF.checked_mask:
+            return
+        allowed = mask if mask.dtype == torch.bool else mask == 0
+        kv, past = allowed.shape[-1], self._length(layer)
+        if kv != past + tokens or allowed.shape[-2] != tokens:
+            raise _unsupported(f"the qjlkv attention got a mask over {kv} positions for {tokens} queries; "
+                               f"the cache holds {past}")
+        causal = torch.ones(tokens, kv, dtype=torch.bool, device=mask.device).tril(kv - tokens)
+        for b in range(allowed.shape[0]):
+            want = causal.clone()
+            want[:, :self._pads[b]] = False
+            if not bool((allowed[b] == want).all()):
+                raise _unsupported("the qjlkv attention applies causality and left padding only; this mask asks "
+                                   "for more (use sdpa for custom masks)")
+        _HANDOFF.checked_mask = mask
 
 
-def _mask_is_causal(mask: torch.Tensor, kv_length: int) -> bool:
-    """Whether a 4-D mask (bool: True attends; float: 0 attends) only says "causal", which the
-    library applies itself: query i of T sits at position kv_length - T + i."""
+def _left_padding(mask: torch.Tensor | None, batch: int, tokens: int) -> list[int]:
+    """Each row's leading padding, read from the prompt's 4-D mask: the last query attends to
+    every position that is not padding."""
+    if mask is None:
+        return [0] * batch
     allowed = mask if mask.dtype == torch.bool else mask == 0
-    tokens = allowed.shape[-2]
-    causal = torch.ones(tokens, kv_length, dtype=torch.bool, device=mask.device).tril(kv_length - tokens)
-    return allowed.shape[-1] == kv_length and bool((allowed == causal).all())
+    last = allowed[..., -1, :].reshape(allowed.shape[0], -1)[:, -tokens:]
+    pads = []
+    for b in range(batch):
+        row = last[b if last.shape[0] > 1 else 0]
+        pad = int(row.int().argmax()) if bool(row.any()) else tokens
+        if not bool(row[pad:].all()):
+            raise _unsupported("the qjlkv attention takes left padding only (the prompt's last token must see "
+                               "every token after the padding); use sdpa for other masks")
+        pads.append(pad)
+    return pads
 
 
 def qjlkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None,
                             dropout: float = 0.0, **kwargs: Any):
-    """transformers attention function ``"qjlkv"``: with a ``QJLCache``, decoding steps call
-    ``qjlkv_cache_attend`` (``_batch``) on the compressed cache (no padding: the library has no
-    attention masks); the prompt, and layers of any other cache, use exact SDPA attention."""
+    """transformers attention function ``"qjlkv"``: with a ``QJLCache``, appends the layer's
+    keys and values (without padding) and attends: the prompt with exact SDPA attention,
+    every later query with ``qjlkv_cache_attend`` on the compressed cache. Layers of any
+    other cache use exact SDPA attention."""
     handoff = _HANDOFF
     cache, layer = handoff.cache, getattr(module, "layer_idx", None)
-    handoff.cache = None
-    if cache is None or handoff.layer != layer or handoff.prefill:  # another cache, or the prompt
+    keys, values = handoff.keys, handoff.values
+    handoff.cache, handoff.keys, handoff.values = None, None, None
+
+    def exact():
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+                                      **kwargs)[0]
+
+    if cache is None:  # another cache, or none
+        return exact(), None
+    if handoff.layer != layer:
+        raise _unsupported(f"the qjlkv attention of layer {layer} follows the cache update of layer {handoff.layer}")
     if module.training and dropout > 0:
         raise _unsupported("the qjlkv attention is for inference: no dropout")
-    batch, _, tokens, _ = query.shape
-    if attention_mask is not None and not _mask_is_causal(attention_mask, cache.get_seq_length(layer)):
-        raise _unsupported("the qjlkv attention cannot apply padding or custom masks; use sdpa for padded batches")
-    lib = cache.library_cache
-    queries = query.detach().transpose(1, 2).contiguous()  # (batch, tokens, q heads, head_dim)
-    if tokens == 1 and batch > 1:
-        return lib.attend_batch(layer, range(batch), queries[:, 0], scaling).unsqueeze(1), None
-    out = torch.empty_like(queries)
-    for b in range(batch):
-        lib.attend(layer, b, queries[b], scaling, out=out[b])
-    return out, None
+    return cache._attend(layer, query, keys, values, attention_mask, scaling, handoff.prefill, exact), None
 
 
 AttentionInterface.register(ATTENTION_NAME, qjlkv_attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
+def _note_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    keep = kwargs.get("logits_to_keep", 0)
+    _HANDOFF.draft = keep - 1 if isinstance(keep, int) and keep > 1 else 0
+
+
+def _end_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    _HANDOFF.draft = 0
+
+
 def use_qjlkv_attention(model: Any) -> Any:
-    """Switches ``model`` to the fused ``"qjlkv"`` attention function and returns it."""
+    """Switches ``model`` to the fused ``"qjlkv"`` attention function and returns it.
+
+    It also notes each forward's ``logits_to_keep``: transformers' assisted decoding puts its
+    first draft behind the prompt and keeps ``drafts + 1`` logits, and those draft tokens are
+    then attended like decoding steps (on the compressed cache), as plain greedy decoding
+    would have, so that the two give the same tokens."""
     model.set_attn_implementation(ATTENTION_NAME)
+    if not getattr(model, "_qjlkv_hooked", False):
+        model.register_forward_pre_hook(_note_forward, with_kwargs=True)
+        model.register_forward_hook(_end_forward, with_kwargs=True, always_call=True)
+        model._qjlkv_hooked = True
     return model
