@@ -601,6 +601,11 @@ def candidate_sets() -> dict[str, list[ResearchConfig]]:
         C("Q2o K mix2.15 S4, V lm2", Format(mixed(2.15), lm(2), sinks=4), "2-bit tier"),
         C("Q2p K mix2.7, V ternary, V tail 16",
           Format(mixed(2.7), ternary(), sinks=16, value_residual=16), "2-bit tier, separate value tail"),
+        # byte-aligned token rows (round(average·d) a multiple of 8 at d = 64 and 128): the
+        # formats a kernel would store
+        C("Q2q K mix2.125, V lm2", Format(mixed(2.125), lm(2), sinks=16), "2-bit tier"),
+        C("Q2r K mix2.25, V lm2, V tail 16", Format(mixed(2.25), lm(2), sinks=16, value_residual=16),
+          "2-bit tier, separate value tail"),
     ]
     return sets
 
