@@ -8,6 +8,7 @@
 #include <cub/block/block_scan.cuh>
 #include <initializer_list>
 
+#include "methods/ott_tracing.hpp"
 #include "values.cuh"
 
 namespace qjlkv::cuda {
@@ -255,7 +256,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const KernelShape s,
   VALUES::template quantize<IO::stored_bf16>(s, src, block);
 }
 
-// ---- OTT: outlier-token tracing (CPU: CpuCache::trace_outliers), then KIVI ----------------------
+// ---- OTT: outlier-token tracing (the steps of src/methods/ott_tracing.hpp), then KIVI -------------
 // One CTA per (sequence, kv head) walks the sequence's new blocks in order, since each block's
 // tracing starts from the pool the previous one left. The state is updated in `to`, a copy of the
 // committed state, so a rejected append leaves the committed state as it was.
@@ -278,21 +279,14 @@ __device__ void trace_block(const KernelShape &s, const BlockSource<IO> &src, ui
   auto *mean_value = reinterpret_cast<float *>(smem + L.mean_value);
   const uint32_t pool = header[0], spilled = header[1], first_position = s.sinks + src.job.first_pos;
   if (tid == 0) *entering_count = 0;
-  // Key norms of the block's tokens, summed like the CPU's dot().
-  for (uint32_t t = tid; t < B; t += kThreads) {
-    float norm2 = 0.0f;
-    for (uint32_t j = 0; j < d; ++j) {
-      const float x = src.raw_key(t, j);
-      norm2 = __fadd_rn(norm2, __fmul_rn(x, x));
-    }
-    token_norm[t] = sqrtf(norm2);
-  }
+  for (uint32_t t = tid; t < B; t += kThreads)
+    token_norm[t] = ott::key_norm([&](uint32_t j) { return src.raw_key(t, j); }, d);
   __syncthreads();
-  // Candidates: the pool, then the block; the P smallest (norm, position) stay in the pool.
+  // Candidates: the pool, then the block; a candidate's rank is its place in candidate order.
   const uint32_t n = pool + B;
   for (uint32_t c = tid; c < n; c += kThreads)
-    candidate[c] = c < pool ? ott_candidate_key(norms[c], positions[c])
-                            : ott_candidate_key(token_norm[c - pool], first_position + (c - pool));
+    candidate[c] = c < pool ? ott::candidate_key(norms[c], positions[c])
+                            : ott::candidate_key(token_norm[c - pool], first_position + (c - pool));
   __syncthreads();
   for (uint32_t c = tid; c < n; c += kThreads) {
     const unsigned long long me = candidate[c];
@@ -302,41 +296,39 @@ __device__ void trace_block(const KernelShape &s, const BlockSource<IO> &src, ui
     if (c >= pool && r < P) atomicAdd(entering_count, 1u);
   }
   __syncthreads();
-  const uint32_t entering = *entering_count, kept = P - entering, evicted = pool - kept;
-  if (spilled + evicted > s.ott_spill) {  // the spill area is full: tracing stops, plain KIVI
+  const ott::PoolChange change = ott::pool_change(pool, P, *entering_count);
+  const uint32_t entering = change.entering, kept = change.kept;
+  if (!ott::spill_takes(spilled, change.evicted, s.ott_spill)) {
     __syncthreads();
     if (tid == 0) header[2] = 0;
     return;
   }
-  // Evicted pool tokens move to the spill area, kept ones to the front, in the CPU's order: one
-  // thread per channel (and thread 0 for positions and norms) copies slot after slot.
+  // The pool's slots move in slot order, as on the CPU: one thread per channel (and thread 0 for
+  // positions and norms) copies slot after slot.
   if (tid < d) {
-    uint32_t front = 0, spill = spilled;
+    ott::PoolCompaction compaction(P, spilled);
     for (uint32_t i = 0; i < pool; ++i) {
-      const uint32_t to = rank[i] < P ? front++ : P + spill++;
+      const uint32_t to = compaction.next(rank[i] < P);
       keys[size_t(to) * d + tid] = keys[size_t(i) * d + tid];
       values[size_t(to) * d + tid] = values[size_t(i) * d + tid];
     }
   }
   if (tid == 0) {
-    uint32_t front = 0, spill = spilled;
+    ott::PoolCompaction compaction(P, spilled);
     for (uint32_t i = 0; i < pool; ++i) {
-      if (rank[i] < P) {
-        norms[front] = norms[i];
-        positions[front++] = positions[i];
-      } else {
-        positions[P + spill++] = positions[i];
-      }
+      const uint32_t to = compaction.next(rank[i] < P);
+      if (rank[i] < P) norms[to] = norms[i];
+      positions[to] = positions[i];
     }
   }
   __syncthreads();
-  // Entering block tokens join the pool in (norm, position) order, with their exact key and value.
+  // Entering block tokens join the pool with their exact key and value.
   for (uint32_t c = pool + tid; c < n; c += kThreads) {
     if (rank[c] >= P) continue;
     const uint32_t t = c - pool;
-    uint32_t kept_before = 0;
-    for (uint32_t i = 0; i < pool; ++i) kept_before += rank[i] < rank[c];
-    const uint32_t slot = kept + (rank[c] - kept_before);
+    uint32_t kept_below = 0;
+    for (uint32_t i = 0; i < pool; ++i) kept_below += rank[i] < rank[c];
+    const uint32_t slot = ott::entering_slot(kept, rank[c], kept_below);
     positions[slot] = first_position + t;
     norms[slot] = token_norm[t];
     const T *key_row = src.row(src.job.ring_k, src.job.in_k, t);
@@ -350,26 +342,17 @@ __device__ void trace_block(const KernelShape &s, const BlockSource<IO> &src, ui
   __syncthreads();
   if (tid == 0) {
     header[0] = kept + entering;
-    header[1] = spilled + evicted;
+    header[1] = spilled + change.evicted;
   }
   if (entering == 0) return;
-  // Their slots are masked out and quantized as the per-channel mean of the block's other tokens.
+  // Their slots are masked out and quantized as the mean of the block's other tokens.
   if (tid < d) {
-    float sum_key = 0.0f, sum_value = 0.0f;
-    for (uint32_t t = 0; t < B; ++t) {
-      if (moved[t]) continue;
-      sum_key = __fadd_rn(sum_key, src.raw_key(t, tid));
-      sum_value = __fadd_rn(sum_value, src.raw_value(t, tid));
-    }
-    const float inverse = 1.0f / float(B - entering);
-    mean_key[tid] = __fmul_rn(sum_key, inverse);
-    mean_value[tid] = __fmul_rn(sum_value, inverse);
+    const auto is_moved = [&](uint32_t t) { return moved[t] != 0; };
+    mean_key[tid] = ott::mean_of_others([&](uint32_t t) { return src.raw_key(t, tid); }, is_moved, B, entering);
+    mean_value[tid] = ott::mean_of_others([&](uint32_t t) { return src.raw_value(t, tid); }, is_moved, B, entering);
   }
-  for (uint32_t byte = tid; byte < B / 8; byte += kThreads) {
-    uint32_t bits = 0;
-    for (uint32_t k = 0; k < 8; ++k) bits |= uint32_t(moved[8 * byte + k]) << k;
-    block[s.key_mask + byte] = uint8_t(bits);
-  }
+  for (uint32_t byte = tid; byte < B / 8; byte += kThreads)
+    block[s.key_mask + byte] = ott::mask_byte(moved + 8 * byte);
 }
 
 // The pool of one head's outlier state (header, and P slots of positions, norms, keys and

@@ -12,6 +12,7 @@
 //                           the summed parts (-inf for OTT's moved slots)
 #pragma once
 #include "device.cuh"
+#include "methods/ott_tracing.hpp"
 
 namespace qjlkv::cuda {
 
@@ -271,7 +272,7 @@ struct KiviKeys {
     }
     __device__ float token_score(const uint8_t *, const uint8_t *block, uint32_t r, uint32_t t0, uint32_t t,
                                  float sum, float) const {
-      const bool moved = s.has_mask && (block[s.key_mask + (t0 + t) / 8] >> ((t0 + t) % 8) & 1u);
+      const bool moved = s.has_mask && ott::is_moved(block + s.key_mask, t0 + t);
       return moved ? kNegInf : fmaf(sum, key_step[r], key_offset[r]);
     }
   };

@@ -258,10 +258,6 @@ QJLKV_HD CopyLayout copy_layout(uint32_t block_tokens, uint32_t kv_heads, uint32
 QJLKV_HD uint32_t ott_slot(uint32_t o, uint32_t pool, uint32_t pool_tokens) {
   return o < pool ? o : pool_tokens + (o - pool);
 }
-// Candidates of the pool are ordered by key norm, then position (older first): positions are unique.
-QJLKV_HD uint64_t ott_candidate_key(float norm, uint32_t position) {
-  return (uint64_t(float_bits(norm)) << 32) | position;
-}
 
 // Dynamic shared memory of the OTT quantizer for blocks of B tokens, pool P, head_dim d: token key
 // norms [B], candidate keys [P + B] (uint64), their ranks [P + B], the moved-token flags [B], and

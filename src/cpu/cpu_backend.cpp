@@ -12,6 +12,7 @@
 #include "../cache.hpp"
 #include "../error.hpp"
 #include "../methods/methods.hpp"
+#include "../methods/ott_tracing.hpp"
 #include "../positions.hpp"
 #include "../threads.hpp"
 #include "codec.hpp"
@@ -21,10 +22,10 @@
 namespace qjlkv::cpu {
 namespace {
 
-// OTT tracing: a token that may enter the pool (a pool slot, or pool + block token).
+// OTT tracing: a token that may enter the pool (a pool slot, or pool + block token), ordered by
+// ott::candidate_key.
 struct TraceCandidate {
-  uint64_t position;
-  float norm;
+  uint64_t key;
   uint32_t index;
 };
 static_assert(sizeof(TraceCandidate) % sizeof(float) == 0 && alignof(TraceCandidate) <= 16);
@@ -365,18 +366,22 @@ void CpuCache::trace_outliers(OutlierTokens &ott, uint64_t first_position, float
                               uint8_t *mask, float *scratch) const {
   const qjlkv_config &cfg = spec().cfg;
   const uint32_t B = cfg.block_tokens, d = cfg.head_dim, P = cfg.outlier_tokens;
-  // Candidates: the pool (c < pool) then the block's tokens; keep the P smallest key norms,
-  // ties going to the older position. They and two flag arrays live in the call's scratch.
+  // Candidates: the pool (index < pool) then the block's tokens, the P first in candidate order
+  // found by a partial sort. They and two flag arrays live in the call's scratch.
   auto *candidates = reinterpret_cast<TraceCandidate *>(scratch);
+  float *block_norms = reinterpret_cast<float *>(candidates + ott.pool + B);  // [B]
   uint32_t n = 0;
-  for (uint32_t i = 0; i < ott.pool; ++i) new (candidates + n++) TraceCandidate{ott.positions[i], ott.norms[i], i};
-  for (uint32_t t = 0; t < B; ++t)
-    new (candidates + n++) TraceCandidate{first_position + t,
-                                          std::sqrt(dot(keys + size_t(t) * d, keys + size_t(t) * d, d)), ott.pool + t};
-  std::partial_sort(candidates, candidates + P, candidates + n, [](const TraceCandidate &a, const TraceCandidate &b) {
-    return a.norm < b.norm || (a.norm == b.norm && a.position < b.position);
-  });
-  uint8_t *kept = reinterpret_cast<uint8_t *>(candidates + n);  // [pool]: the slot stays in the pool
+  for (uint32_t i = 0; i < ott.pool; ++i)
+    new (candidates + n++) TraceCandidate{ott::candidate_key(ott.norms[i], ott.positions[i]), i};
+  for (uint32_t t = 0; t < B; ++t) {
+    const float *key = keys + size_t(t) * d;
+    block_norms[t] = ott::key_norm([&](uint32_t j) { return key[j]; }, d);
+    const uint64_t order = ott::candidate_key(block_norms[t], uint32_t(first_position + t));
+    new (candidates + n++) TraceCandidate{order, ott.pool + t};
+  }
+  std::partial_sort(candidates, candidates + P, candidates + n,
+                    [](const TraceCandidate &a, const TraceCandidate &b) { return a.key < b.key; });
+  uint8_t *kept = reinterpret_cast<uint8_t *>(block_norms + B);  // [pool]: the slot stays in the pool
   uint8_t *enters = kept + ott.pool;                             // [B]: the block token enters it
   std::memset(kept, 0, size_t(ott.pool) + B);
   uint32_t entering = 0;
@@ -384,58 +389,50 @@ void CpuCache::trace_outliers(OutlierTokens &ott, uint64_t first_position, float
     if (candidates[i].index < ott.pool) kept[candidates[i].index] = 1;
     else ++entering;
   }
-  const uint32_t evicted = ott.pool - (P - entering);
-  if (ott.spilled + evicted > cfg.outlier_spill_tokens) {
-    ott.tracing = false;  // the spill area is full: this block and later ones are plain KIVI
+  const ott::PoolChange change = ott::pool_change(ott.pool, P, entering);
+  if (!ott::spill_takes(ott.spilled, change.evicted, cfg.outlier_spill_tokens)) {
+    ott.tracing = false;
     return;
   }
   const size_t row_bytes = size_t(d) * spec().io_elem;
-  const auto copy_slot = [&](uint32_t from, uint32_t to) {
-    std::memcpy(ott.keys.data() + to * row_bytes, ott.keys.data() + from * row_bytes, row_bytes);
-    std::memcpy(ott.values.data() + to * row_bytes, ott.values.data() + from * row_bytes, row_bytes);
-    ott.positions[to] = ott.positions[from];
-  };
-  // Evicted pool tokens move to the spill area; kept ones are compacted to the front.
-  uint32_t kept_count = 0;
+  ott::PoolCompaction compaction(P, ott.spilled);
   for (uint32_t i = 0; i < ott.pool; ++i) {
-    if (!kept[i]) {
-      copy_slot(i, P + ott.spilled++);
+    const uint32_t to = compaction.next(kept[i]);
+    if (kept[i]) ott.norms[to] = ott.norms[i];
+    std::memcpy(ott.keys.data() + to * row_bytes, ott.keys.data() + i * row_bytes, row_bytes);
+    std::memcpy(ott.values.data() + to * row_bytes, ott.values.data() + i * row_bytes, row_bytes);
+    ott.positions[to] = ott.positions[i];
+  }
+  ott.spilled += change.evicted;
+  // Entering block tokens join the pool with their original keys and values, in candidate order.
+  for (uint32_t rank = 0, kept_below = 0; rank < P; ++rank) {
+    if (candidates[rank].index < ott.pool) {
+      ++kept_below;
       continue;
     }
-    ott.norms[kept_count] = ott.norms[i];
-    copy_slot(i, kept_count++);
-  }
-  // Entering block tokens join the pool with their original keys and values.
-  for (uint32_t i = 0; i < P; ++i) {
-    if (candidates[i].index < ott.pool) continue;
-    const uint32_t t = candidates[i].index - ott.pool;
+    const uint32_t t = candidates[rank].index - ott.pool;
+    const uint32_t slot = ott::entering_slot(change.kept, rank, kept_below);
     enters[t] = 1;
-    store_row(keys + size_t(t) * d, d, dtype_of(cfg), ott.keys.data(), size_t(kept_count) * d);
-    store_row(values + size_t(t) * d, d, dtype_of(cfg), ott.values.data(), size_t(kept_count) * d);
-    ott.positions[kept_count] = uint32_t(first_position + t);
-    ott.norms[kept_count] = candidates[i].norm;
-    ++kept_count;
+    store_row(keys + size_t(t) * d, d, dtype_of(cfg), ott.keys.data(), size_t(slot) * d);
+    store_row(values + size_t(t) * d, d, dtype_of(cfg), ott.values.data(), size_t(slot) * d);
+    ott.positions[slot] = uint32_t(first_position + t);
+    ott.norms[slot] = block_norms[t];
   }
-  ott.pool = kept_count;
+  ott.pool = P;
   if (entering == 0) return;
-  // Their slots get the per-channel mean of the block's other tokens and are masked out.
-  float mean_key[256] = {}, mean_value[256] = {};
-  for (uint32_t t = 0; t < B; ++t) {
-    if (enters[t]) continue;
-    for (uint32_t j = 0; j < d; ++j) {
-      mean_key[j] += keys[size_t(t) * d + j];
-      mean_value[j] += values[size_t(t) * d + j];
-    }
+  const auto moved = [&](uint32_t t) { return enters[t] != 0; };
+  for (uint32_t j = 0; j < d; ++j) {
+    const auto key = [&](uint32_t t) { return keys[size_t(t) * d + j]; };
+    const auto value = [&](uint32_t t) { return values[size_t(t) * d + j]; };
+    const float mean_key = ott::mean_of_others(key, moved, B, entering);
+    const float mean_value = ott::mean_of_others(value, moved, B, entering);
+    for (uint32_t t = 0; t < B; ++t)
+      if (enters[t]) {
+        keys[size_t(t) * d + j] = mean_key;
+        values[size_t(t) * d + j] = mean_value;
+      }
   }
-  const float inverse = 1.0f / float(B - entering);
-  for (uint32_t t = 0; t < B; ++t) {
-    if (!enters[t]) continue;
-    for (uint32_t j = 0; j < d; ++j) {
-      keys[size_t(t) * d + j] = mean_key[j] * inverse;
-      values[size_t(t) * d + j] = mean_value[j] * inverse;
-    }
-    mask[t / 8] = uint8_t(mask[t / 8] | (1u << (t % 8)));
-  }
+  for (uint32_t byte = 0; byte < B / 8; ++byte) mask[byte] = ott::mask_byte(enters + 8 * byte);
 }
 
 void CpuCache::claim_slots(uint32_t layer, const Sequence &seq, uint32_t n, std::vector<BlockRef> &refs) const {
@@ -527,7 +524,9 @@ void CpuCache::make_layer_kernels() {
 
 size_t CpuCache::trace_scratch_floats() const {
   const size_t n = size_t(spec().cfg.outlier_tokens) + spec().cfg.block_tokens;  // pool <= P
-  return n * (sizeof(TraceCandidate) / sizeof(float)) + (n + sizeof(float) - 1) / sizeof(float);
+  // candidates, the block's key norms, then the two flag arrays
+  return n * (sizeof(TraceCandidate) / sizeof(float)) + spec().cfg.block_tokens +
+         (n + sizeof(float) - 1) / sizeof(float);
 }
 
 size_t CpuCache::quantize_scratch_floats() const {

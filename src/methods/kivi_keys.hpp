@@ -1,9 +1,11 @@
 // Per-channel keys (SPEC §5): KIVI (QJLKV_KEYS_KIVI) and OTT (QJLKV_KEYS_OTT), which is KIVI plus
 // outlier tracing: a traced block's slots whose tokens moved to the outlier pool are marked in a
-// mask and hold the mean of the block's other tokens (the backends own the pool and its tracing).
+// mask and hold the mean of the block's other tokens (the backends own the pool; the tracing's
+// steps are ott_tracing.hpp's).
 // Block: scale fp16[d], min fp16[d], codes [B][d·key_bits/8], then (OTT) the mask [B/8].
 #pragma once
 #include "method.hpp"
+#include "ott_tracing.hpp"
 
 namespace qjlkv {
 
@@ -56,7 +58,7 @@ struct PerChannelKeys : KeyMethodDefaults {
     check.halves(layer.layout.key_min, spec.cfg.head_dim, false, QJLKV_DTYPE_F16, "the key minimum");
   }
   static bool moved(const BlockLayout &l, const uint8_t *block, uint32_t t) {
-    return OTT && (block[l.key_mask + t / 8] >> (t % 8) & 1u);
+    return OTT && ott::is_moved(block + l.key_mask, t);
   }
   static void dequantize_token(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block, uint32_t t,
                                float *out) {
