@@ -43,8 +43,8 @@ import numpy as np
 from .evaluate import DATA_DIR, BITS_LENGTH, bits_at_length, decode_through, headline_configurations
 from .model import LlamaModel, load_model, single_threaded_blas
 from .models import MODELS
-from .passkey import (ANSWER_TOKENS, INSTRUCTION, SYSTEM_TURN, answer_key, answer_through,
-                      haystack_paragraphs, make_prompts, spread_order)
+from .passkey import (SYSTEM_TURN, answer_key, answer_through, haystack_paragraphs,
+                      make_prompts, prompt_kv, spread_order)
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "long-context")
@@ -141,12 +141,14 @@ class Store:
         return found
 
 
-def cached_kv(path: str, compute):
-    """Per-layer (keys, values) float32 of a prefill, kept in `path` (.npz) for resumed runs."""
+def cached_prefill(path: str, model: LlamaModel, tokens: list[int], progress: bool):
+    """Per-layer (keys, values) float32 of the exact prefill of `tokens`, kept in `path`
+    (.npz) for resumed runs."""
     if os.path.exists(path):
         with np.load(path) as z:
             return [(z["k"][i], z["v"][i]) for i in range(len(z["k"]))]
-    kv = compute()
+    with single_threaded_blas():
+        kv = model.forward(tokens, all_logits=False, progress=progress)[1]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     np.savez(path + ".tmp.npz", k=np.stack([k for k, _ in kv]), v=np.stack([v for _, v in kv]))
     os.replace(path + ".tmp.npz", path)
@@ -165,12 +167,8 @@ def run_kl(model: LlamaModel, model_name: str, length: int, positions: int, conf
     tokens = tokens[:length + 1]
     prefix = length - positions
     started = time.time()
-
-    def prefill():
-        with single_threaded_blas():
-            return model.forward(tokens[:prefix], all_logits=False, progress=progress)[1]
-
-    kv = cached_kv(os.path.join(work, f"{model_name}-kl-{prefix}.npz"), prefill)
+    kv = cached_prefill(os.path.join(work, f"{model_name}-kl-{prefix}.npz"), model,
+                        tokens[:prefix], progress)
     prefill_seconds = time.time() - started
     if store.get("kl", "reference") is None:
         store.put("kl", "reference", {"name": EXACT_ROW, "prefix": prefix, "positions": positions,
@@ -208,6 +206,22 @@ def pending_rows(item: dict | None, configs: list) -> tuple[bool, list]:
     return EXACT_ROW not in answers, [c for c in configs if c.name not in answers]
 
 
+def answer(model: LlamaModel, kv, question: list[int], configs: list, item: dict, key: int,
+           other_keys, started: float, store: Store, task: str, name: str,
+           label: str | None) -> None:
+    """The rows of `item` still missing answer `question` after the prompt's K/V `kv`; the
+    item is written with their answers (and the time since `started`), and printed under
+    `label` when one is given."""
+    exact, missing = pending_rows(item, configs)
+    answers, _ = answer_through(model, kv, question, missing, exact=exact)
+    rows = ([EXACT_ROW] if exact else []) + [c.name for c in missing]
+    record(item, rows, answers, key, other_keys, seconds=time.time() - started)
+    store.put(task, name, item)
+    if label:
+        print(f"{label}: key {key}, " + ", ".join(f"{n}: {a!r}" for n, a in zip(rows, answers)),
+              flush=True)
+
+
 def record(item: dict, names: list[str], answers: list[str], key: int, other_keys=(), seconds=0.0):
     for name, answer in zip(names, answers):
         found = answer_key(answer)
@@ -226,13 +240,9 @@ def run_passkey(model: LlamaModel, model_name: str, length: int, depths: int, co
     if not todo:
         return 0
     head, prompts = make_prompts(model, haystack, levels, text=long_text())
-
-    def head_prefill():
-        with single_threaded_blas():
-            return model.forward(head, all_logits=False, progress=progress)[1]
-
     started = time.time()
-    head_kv = cached_kv(os.path.join(work, f"{model_name}-passkey-{haystack}.npz"), head_prefill)
+    head_kv = cached_prefill(os.path.join(work, f"{model_name}-passkey-{haystack}.npz"), model,
+                             head, progress)
     head_seconds = time.time() - started
     done = 0
     for prompt in spread_order([p for p in prompts if p.depth in todo]):
@@ -242,21 +252,10 @@ def run_passkey(model: LlamaModel, model_name: str, length: int, depths: int, co
             "length": haystack, "depth": prompt.depth, "key": prompt.key,
             "prompt_tokens": prompt.prefix_tokens + len(prompt.rest) + len(prompt.question),
             "head_prefill_seconds": head_seconds, "answers": {}, "correct": {}}
-        exact, missing = pending_rows(item, configs)
-        past = [(k[:prompt.prefix_tokens], v[:prompt.prefix_tokens]) for k, v in head_kv]
-        with single_threaded_blas():
-            _, rest_kv = model.forward(prompt.rest, start_pos=prompt.prefix_tokens, past=past,
-                                       all_logits=False)
-        kv = [(np.concatenate([p[0], r[0]]), np.concatenate([p[1], r[1]]))
-              for p, r in zip(past, rest_kv)]
-        answers, _ = answer_through(model, kv, prompt.question, missing, exact=exact)
-        names = ([EXACT_ROW] if exact else []) + [c.name for c in missing]
-        record(item, names, answers, prompt.key, seconds=time.time() - started)
-        store.put("passkey", name, item)
+        answer(model, prompt_kv(model, head_kv, prompt), prompt.question, configs, item,
+               prompt.key, (), started, store, "passkey", name,
+               f"pass key depth {prompt.depth:.0%}" if progress else None)
         done += 1
-        if progress:
-            print(f"pass key depth {prompt.depth:.0%}: key {prompt.key}, "
-                  + ", ".join(f"{n}: {a!r}" for n, a in zip(names, answers)), flush=True)
     return done
 
 
@@ -308,14 +307,9 @@ def run_multikey(model: LlamaModel, model_name: str, length: int, trials: int, k
         if not any(needs(store.get("multikey", n), configs) for n in names):
             continue
         prompt, questions = multikey_prompt(model, haystack, keys, trial)
-
-        def prefill():
-            with single_threaded_blas():
-                return model.forward(prompt, all_logits=False, progress=progress)[1]
-
         started = time.time()
-        kv = cached_kv(os.path.join(work, f"{model_name}-multikey-{haystack}-{keys}-{trial}.npz"),
-                       prefill)
+        kv = cached_prefill(os.path.join(work, f"{model_name}-multikey-{haystack}-{keys}-{trial}.npz"),
+                            model, prompt, progress)
         prefill_seconds = time.time() - started
         all_keys = [q[1] for q in questions]
         for name, (door, number, depth, question) in zip(names, questions):
@@ -325,17 +319,10 @@ def run_multikey(model: LlamaModel, model_name: str, length: int, trials: int, k
                 "prefill_seconds": prefill_seconds, "answers": {}, "correct": {}}
             if not needs(item, configs):
                 continue
-            exact, missing = pending_rows(item, configs)
-            started = time.time()
-            answers, _ = answer_through(model, kv, question, missing, exact=exact)
-            rows = ([EXACT_ROW] if exact else []) + [c.name for c in missing]
-            record(item, rows, answers, number, [k for k in all_keys if k != number],
-                   seconds=time.time() - started)
-            store.put("multikey", name, item)
+            answer(model, kv, question, configs, item, number,
+                   [k for k in all_keys if k != number], time.time(), store, "multikey", name,
+                   f"multi-key trial {trial}, {door} door ({depth:.0%})" if progress else None)
             done += 1
-            if progress:
-                print(f"multi-key trial {trial}, {door} door ({depth:.0%}): key {number}, "
-                      + ", ".join(f"{n}: {a!r}" for n, a in zip(rows, answers)), flush=True)
     return done
 
 

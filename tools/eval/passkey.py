@@ -129,13 +129,19 @@ def answer_key(text: str) -> int | None:
 def run_prompt(model: LlamaModel, head_kv, prompt: Prompt, configs: list[CacheConfig],
                num_threads: int = 1) -> tuple[list[str], list]:
     """The answers of the exact cache and of each config's cache, and the caches."""
+    return answer_through(model, prompt_kv(model, head_kv, prompt), prompt.question, configs,
+                          num_threads)
+
+
+def prompt_kv(model: LlamaModel, head_kv, prompt: Prompt) -> list:
+    """Per-layer (keys, values) of the prompt up to its question: the shared head's K/V
+    before the needle, then the needle and the haystack after it prefilled exactly."""
     past = [(k[:prompt.prefix_tokens], v[:prompt.prefix_tokens]) for k, v in head_kv]
     with single_threaded_blas():  # on the shared machine one thread beats two (model.py)
         _, rest_kv = model.forward(prompt.rest, start_pos=prompt.prefix_tokens, past=past,
                                    all_logits=False)
-    kv = [(np.concatenate([p[0], r[0]]), np.concatenate([p[1], r[1]]))
-          for p, r in zip(past, rest_kv)]
-    return answer_through(model, kv, prompt.question, configs, num_threads)
+    return [(np.concatenate([p[0], r[0]]), np.concatenate([p[1], r[1]]))
+            for p, r in zip(past, rest_kv)]
 
 
 def answer_through(model: LlamaModel, kv, question: list[int], configs: list[CacheConfig],
