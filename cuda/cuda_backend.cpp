@@ -38,7 +38,7 @@
 #include <vector>
 
 #include "cache.hpp"
-#include "cpu/kernels.hpp"
+#include "elements.hpp"
 #include "device_memory.hpp"
 #include "error.hpp"
 #include "kernels.hpp"
@@ -489,7 +489,7 @@ float CudaCache::read_element(const void *tensor, size_t index) const {
   const size_t elem = spec().io_elem;
   uint32_t bits = 0;
   download(&bits, static_cast<const uint8_t *>(tensor) + index * elem, elem);
-  return cpu::load_element(&bits, 0, dtype_of(spec().cfg));
+  return load_element(&bits, 0, dtype_of(spec().cfg));
 }
 
 void CudaCache::fail_data(const char *name, const void *tensor, unsigned long long index, float limit) const {

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "config.hpp"
-#include "cpu/kernels.hpp"
+#include "elements.hpp"
 #include "methods/methods.hpp"
 
 namespace qjlkv {
@@ -137,8 +137,8 @@ void reconstruct_positions(const CacheSpec &spec, uint32_t layer, uint64_t sinks
         float *k = keys_out ? keys_out + ((p - first) * Hkv + h) * d : nullptr;
         float *v = values_out ? values_out + ((p - first) * Hkv + h) * d : nullptr;
         const auto exact = [&](const auto &row_of) {
-          if (k) cpu::load_row(row_of(false), size_t(h) * d, d, dtype, k);
-          if (v) cpu::load_row(row_of(true), size_t(h) * d, d, dtype, v);
+          if (k) load_row(row_of(false), size_t(h) * d, d, dtype, k);
+          if (v) load_row(row_of(true), size_t(h) * d, d, dtype, v);
         };
         if (p < sinks) {
           exact([&](bool value_rows) { return rows.sink(p, value_rows); });
@@ -155,8 +155,8 @@ void reconstruct_positions(const CacheSpec &spec, uint32_t layer, uint64_t sinks
           for (uint32_t i = 0; i < o.pool + o.spilled; ++i) {
             const uint32_t slot = i < o.pool ? i : o.pool_tokens + (i - o.pool);
             if (o.positions[slot] != p) continue;
-            if (k) cpu::load_row(o.keys, size_t(slot) * d, d, dtype, k);
-            if (v) cpu::load_row(o.values, size_t(slot) * d, d, dtype, v);
+            if (k) load_row(o.keys, size_t(slot) * d, d, dtype, k);
+            if (v) load_row(o.values, size_t(slot) * d, d, dtype, v);
           }
           continue;
         }
@@ -181,7 +181,7 @@ void store_reconstruction(const CacheSpec &spec, uint32_t layer, uint64_t sinks,
   for (auto [x, limit, out] : {std::tuple{&k, std::min(spec.key_limit, dtype_max), keys},
                                std::tuple{&v, std::min(spec.value_limit, dtype_max), values}}) {
     for (float &e : *x) e = std::clamp(e, -limit, limit);
-    cpu::store_row(x->data(), x->size(), dtype, out, 0);
+    store_row(x->data(), x->size(), dtype, out, 0);
   }
 }
 

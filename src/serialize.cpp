@@ -471,10 +471,10 @@ struct StoredBlockCheck {
   // n 16-bit numbers at `offset`: finite, and >= 0 (or -0) when non_negative.
   void halves(size_t offset, size_t n, bool non_negative, qjlkv_dtype stored, const char *what) const {
     for (size_t i = 0; i < n; ++i) {
-      const uint16_t x = cpu::at<uint16_t>(block, offset)[i];
+      const uint16_t x = at<uint16_t>(block, offset)[i];
       if (!half_finite(x, stored) || (non_negative && (x & 0x8000u) && x != 0x8000u))
         corrupt("layer %u, block %u, kv head %u: %s[%zu] is %g", layer, b, h, what, i,
-                double(cpu::from_16bit(x, stored)));
+                double(from_16bit(x, stored)));
     }
   }
   [[noreturn, gnu::format(printf, 2, 3)]] void fail(const char *format, ...) const {
@@ -536,7 +536,7 @@ void check_rows(const CacheSpec &spec, const uint8_t *data, size_t rows, bool va
   for (size_t r = 0; r < rows; ++r) {
     double norm2 = 0.0;
     for (uint32_t j = 0; j < d; ++j) {
-      const float x = cpu::load_element(data, r * d + j, dtype_of(spec.cfg));
+      const float x = load_element(data, r * d + j, dtype_of(spec.cfg));
       if (!std::isfinite(x) || std::fabs(x) > limit)
         corrupt("layer %u: %s %s row %zu holds %g", layer, where, what, r, double(x));
       norm2 += double(x) * x;

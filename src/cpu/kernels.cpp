@@ -1,5 +1,7 @@
 #include "kernels.hpp"
 
+#include "../methods/methods.hpp"
+
 namespace qjlkv::cpu {
 
 void select_outlier_channels(const float *keys, uint32_t tokens, uint32_t d, uint32_t c, float *channel_energy,
@@ -107,27 +109,6 @@ void qjl_score_block(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_
   }
 }
 
-void qjl_reconstruct_key(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, const uint8_t *block,
-                         uint32_t t, float *out) {
-  const uint32_t d = cfg.head_dim, B = cfg.block_tokens, c = layer.m_out ? cfg.outlier_channels : 0;
-  const BlockLayout &l = layer.layout;
-  const float *S = layer.sketch->matrix.data.data();
-  const uint8_t *outlier_idx = block + l.key_outlier_idx;
-  const uint8_t *bits_in = block + l.key_bits_in + t * l.key_bytes_per_token_bits_in;
-  const float n_in = half_to_float(at<uint16_t>(block, l.key_norm_in)[t]);
-  const float in_factor = qjl_constant / float(layer.m) * n_in;
-  std::fill(out, out + d, 0.0f);
-  for (uint32_t i = 0; i < layer.m; ++i) {
-    const float sign = sign_bit(bits_in, i) ? in_factor : -in_factor;
-    for (uint32_t j = 0; j < d; ++j) out[j] += sign * S[size_t(i) * d + j];
-  }
-  if (!c) return;
-  // Outlier channels: the correction moves the inlier estimate to the outlier sketch's.
-  const float scale = n_in + half_to_float(at<uint16_t>(block, l.key_norm_out)[t]);
-  const uint16_t *corrections = at<uint16_t>(block, l.key_corrections);
-  for (uint32_t j = 0; j < c; ++j) out[outlier_idx[j]] += half_to_float(corrections[size_t(j) * B + t]) * scale;
-}
-
 void exact_keys_store_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
                             const float *keys, uint8_t *block) {
   uint16_t *dst = at<uint16_t>(block, layout.key_codes);
@@ -186,15 +167,6 @@ void kivi_score_block(const qjlkv_config &cfg, const BlockLayout &layout, const 
   }
 }
 
-void kivi_dequantize_token(const qjlkv_config &cfg, const BlockLayout &layout, const uint8_t *block, uint32_t t,
-                           float *out) {
-  const uint16_t *scales = at<uint16_t>(block, layout.key_scale);
-  const uint16_t *mins = at<uint16_t>(block, layout.key_min);
-  const uint8_t *codes = block + layout.key_codes + t * layout.key_bytes_per_token_codes;
-  for (uint32_t j = 0; j < cfg.head_dim; ++j)
-    out[j] = dequant(unpack_code(codes, j, cfg.key_bits), half_to_float(scales[j]), half_to_float(mins[j]));
-}
-
 void values_quantize_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
                            const float *value_signs, const float *values, uint8_t *block) {
   const uint32_t B = cfg.block_tokens, d = cfg.head_dim, bits = cfg.value_bits;
@@ -238,42 +210,28 @@ void values_dequantize_token(const qjlkv_config &cfg, qjlkv_dtype stored, const 
 
 void values_decode_token(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
                          const uint8_t *block, uint32_t t, float *out) {
-  const uint32_t d = cfg.head_dim, bits = cfg.value_bits;
-  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) {
-    const float scale = half_to_float(at<uint16_t>(block, layout.value_scale)[t]);
-    const uint8_t *codes = block + layout.value_codes + t * layout.value_bytes_per_token_codes;
-    for (uint32_t j = 0; j < d; ++j) out[j] = lloyd_max_level(bits, unpack_code(codes, j, bits)) * scale;
-    return;
-  }
-  if (bits == 16) {
-    const uint16_t *v = at<uint16_t>(block, layout.value_codes) + size_t(t) * d;
-    for (uint32_t j = 0; j < d; ++j) out[j] = from_16bit(v[j], stored);
-    return;
-  }
-  const uint32_t g = cfg.value_group_size, groups = d / g;
-  const uint16_t *scales = at<uint16_t>(block, layout.value_scale) + size_t(t) * groups;
-  const uint16_t *mins = at<uint16_t>(block, layout.value_min) + size_t(t) * groups;
-  const uint8_t *codes = block + layout.value_codes + t * layout.value_bytes_per_token_codes;
-  for (uint32_t j = 0; j < d; ++j)
-    out[j] = dequant(unpack_code(codes, j, bits), half_to_float(scales[j / g]), half_to_float(mins[j / g]));
+  with_value_method(cfg.value_method,
+                    [&](auto value_method) { value_method.decode_token(cfg, stored, layout, block, t, out); });
 }
 
 void values_accumulate_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
                              const uint8_t *block, const float *weights, uint32_t rows, float *acc) {
   const uint32_t B = cfg.block_tokens, d = cfg.head_dim;
-  float v[256];
-  for (uint32_t t = 0; t < B; ++t) {
-    bool any = false;
-    for (uint32_t r = 0; r < rows; ++r) any |= weights[size_t(r) * B + t] != 0.0f;
-    if (!any) continue;
-    values_decode_token(cfg, stored, layout, block, t, v);
-    for (uint32_t r = 0; r < rows; ++r) {
-      const float w = weights[size_t(r) * B + t];
-      if (w == 0.0f) continue;
-      float *a = acc + size_t(r) * d;
-      for (uint32_t j = 0; j < d; ++j) a[j] += w * v[j];
+  with_value_method(cfg.value_method, [&](auto value_method) {
+    float v[256];
+    for (uint32_t t = 0; t < B; ++t) {
+      bool any = false;
+      for (uint32_t r = 0; r < rows; ++r) any |= weights[size_t(r) * B + t] != 0.0f;
+      if (!any) continue;
+      value_method.decode_token(cfg, stored, layout, block, t, v);
+      for (uint32_t r = 0; r < rows; ++r) {
+        const float w = weights[size_t(r) * B + t];
+        if (w == 0.0f) continue;
+        float *a = acc + size_t(r) * d;
+        for (uint32_t j = 0; j < d; ++j) a[j] += w * v[j];
+      }
     }
-  }
+  });
 }
 
 bool softmax_fold(SoftmaxRow &row, float *scores, uint32_t n, float *acc, uint32_t d) {

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "../config.hpp"
+#include "../elements.hpp"
 #include "../error.hpp"
 #include "../half.hpp"
 #include "../lloyd_max.hpp"
@@ -18,47 +19,10 @@ namespace qjlkv::cpu {
 
 inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// ---- element conversion -------------------------------------------------------------------
-inline float load_element(const void *base, size_t index, qjlkv_dtype dtype) {
-  switch (dtype) {
-    case QJLKV_DTYPE_F32: return static_cast<const float *>(base)[index];
-    case QJLKV_DTYPE_F16: return half_to_float(static_cast<const uint16_t *>(base)[index]);
-    case QJLKV_DTYPE_BF16: return bf16_to_float(static_cast<const uint16_t *>(base)[index]);
-  }
-  unreachable();
-}
-inline void load_row(const void *base, size_t first, size_t n, qjlkv_dtype dtype, float *out) {
-  for (size_t i = 0; i < n; ++i) out[i] = load_element(base, first + i, dtype);
-}
-inline void store_row(const float *in, size_t n, qjlkv_dtype dtype, void *base, size_t first) {
-  for (size_t i = 0; i < n; ++i) {
-    switch (dtype) {
-      case QJLKV_DTYPE_F32: static_cast<float *>(base)[first + i] = in[i]; break;
-      case QJLKV_DTYPE_F16: static_cast<uint16_t *>(base)[first + i] = float_to_half(in[i]); break;
-      case QJLKV_DTYPE_BF16: static_cast<uint16_t *>(base)[first + i] = float_to_bf16(in[i]); break;
-    }
-  }
-}
-inline uint16_t to_16bit(float x, qjlkv_dtype stored) {
-  return stored == QJLKV_DTYPE_BF16 ? float_to_bf16(x) : float_to_half(x);
-}
-inline float from_16bit(uint16_t x, qjlkv_dtype stored) {
-  return stored == QJLKV_DTYPE_BF16 ? bf16_to_float(x) : half_to_float(x);
-}
-
 inline float dot(const float *a, const float *b, size_t n) {
   float sum = 0.0f;
   for (size_t i = 0; i < n; ++i) sum += a[i] * b[i];
   return sum;
-}
-
-template <class T>
-inline T *at(uint8_t *block, size_t offset) {
-  return reinterpret_cast<T *>(block + offset);
-}
-template <class T>
-inline const T *at(const uint8_t *block, size_t offset) {
-  return reinterpret_cast<const T *>(block + offset);
 }
 
 // ---- QJL keys (SPEC §3) ----------------------------------------------------------------------
@@ -89,9 +53,6 @@ void qjl_score_block(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_
                      const float *queries /*[rows][d]*/, const float *projected /*[rows][sketch_rows]*/,
                      uint32_t rows, float *out);
 
-// The dense k̂ of token t whose dot product with any query equals the block's estimate.
-void qjl_reconstruct_key(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, const uint8_t *block,
-                         uint32_t t, float *out);
 
 // ---- 16-bit exact keys -----------------------------------------------------------------------
 void exact_keys_store_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
@@ -106,8 +67,6 @@ void kivi_quantize_block(const qjlkv_config &cfg, const BlockLayout &layout, con
 // Scores on the codes: Σ_c (q_c·scale_c)·code_c + Σ_c q_c·min_c. Scratch: d floats.
 void kivi_score_block(const qjlkv_config &cfg, const BlockLayout &layout, const uint8_t *block,
                       const float *queries, uint32_t rows, float *out, float *scratch);
-void kivi_dequantize_token(const qjlkv_config &cfg, const BlockLayout &layout, const uint8_t *block, uint32_t t,
-                           float *out);
 
 // ---- per-token values (SPEC §4) ---------------------------------------------------------------
 // value_signs: the layer's rotation signs for rotated Lloyd-Max values (LayerSpec::value_signs),

@@ -27,15 +27,15 @@ struct ExactKeys : KeyMethodDefaults {
   static void dequantize_token(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block, uint32_t t,
                                float *out) {
     const uint32_t d = spec.cfg.head_dim;
-    const uint16_t *keys = cpu::at<uint16_t>(block, layer.layout.key_codes) + size_t(t) * d;
-    for (uint32_t j = 0; j < d; ++j) out[j] = cpu::from_16bit(keys[j], spec.stored_dtype);
+    const uint16_t *keys = at<uint16_t>(block, layer.layout.key_codes) + size_t(t) * d;
+    for (uint32_t j = 0; j < d; ++j) out[j] = from_16bit(keys[j], spec.stored_dtype);
   }
 
   // CPU
   static void quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block, float *) {
     const qjlkv_config &cfg = c.spec.cfg;
     c.kernels.store_16bit(keys, size_t(cfg.block_tokens) * cfg.head_dim, c.spec.stored_dtype,
-                          cpu::at<uint16_t>(block, c.layer.layout.key_codes));
+                          at<uint16_t>(block, c.layer.layout.key_codes));
   }
   static void score(const cpu::CpuLayer &c, const uint8_t *block, const float *q, const float *, uint32_t rows,
                     float *out, size_t out_stride, float *) {

@@ -62,7 +62,12 @@ struct PerChannelKeys : KeyMethodDefaults {
   }
   static void dequantize_token(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block, uint32_t t,
                                float *out) {
-    cpu::kivi_dequantize_token(spec.cfg, layer.layout, block, t, out);
+    const BlockLayout &l = layer.layout;
+    const uint16_t *scales = at<uint16_t>(block, l.key_scale);
+    const uint16_t *mins = at<uint16_t>(block, l.key_min);
+    const uint8_t *codes = block + l.key_codes + t * l.key_bytes_per_token_codes;
+    for (uint32_t j = 0; j < spec.cfg.head_dim; ++j)
+      out[j] = dequant(unpack_code(codes, j, spec.cfg.key_bits), half_to_float(scales[j]), half_to_float(mins[j]));
   }
 
   // CPU

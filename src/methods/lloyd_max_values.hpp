@@ -50,10 +50,18 @@ struct LloydMaxValues : ValueMethodDefaults {
   static void check_stored(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *, const Check &check) {
     check.halves(layer.layout.value_scale, spec.cfg.block_tokens, true, QJLKV_DTYPE_F16, "the rotated value scale");
   }
+  // Token t's value as stored: still rotated.
+  static void decode_token(const qjlkv_config &cfg, qjlkv_dtype, const BlockLayout &l, const uint8_t *block,
+                           uint32_t t, float *out) {
+    const uint32_t bits = cfg.value_bits;
+    const float scale = half_to_float(at<uint16_t>(block, l.value_scale)[t]);
+    const uint8_t *codes = block + l.value_codes + t * l.value_bytes_per_token_codes;
+    for (uint32_t j = 0; j < cfg.head_dim; ++j) out[j] = lloyd_max_level(bits, unpack_code(codes, j, bits)) * scale;
+  }
   // Decoded and rotated back.
   static void dequantize_token(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block, uint32_t t,
                                float *out) {
-    cpu::values_decode_token(spec.cfg, spec.stored_dtype, layer.layout, block, t, out);
+    decode_token(spec.cfg, spec.stored_dtype, layer.layout, block, t, out);
     rotate_inverse(layer.value_signs.data(), spec.cfg.head_dim, out, out);
   }
 };

@@ -27,7 +27,9 @@
 #include "../config.hpp"
 #include "../cpu/codec.hpp"
 #include "../cpu/kernels.hpp"
+#include "../elements.hpp"
 #include "../error.hpp"
+#include "../quant_math.hpp"
 
 namespace qjlkv {
 

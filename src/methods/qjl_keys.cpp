@@ -116,6 +116,30 @@ void QjlKeys::init_layers(const qjlkv_config &cfg, std::vector<LayerSpec> &layer
   }
 }
 
+// The dense k̂ of token t: the inlier estimate c_d/m·n_in·Sᵀ(±bits_in), moved on the outlier
+// channels by the corrections, so that its dot product with any query equals the block's estimate.
+void QjlKeys::dequantize_token(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block, uint32_t t,
+                               float *out) {
+  const qjlkv_config &cfg = spec.cfg;
+  const uint32_t d = cfg.head_dim, B = cfg.block_tokens, c = layer.m_out ? cfg.outlier_channels : 0;
+  const BlockLayout &l = layer.layout;
+  const float *S = layer.sketch->matrix.data.data();
+  const uint8_t *outlier_idx = block + l.key_outlier_idx;
+  const uint8_t *bits_in = block + l.key_bits_in + t * l.key_bytes_per_token_bits_in;
+  const float n_in = half_to_float(at<uint16_t>(block, l.key_norm_in)[t]);
+  const float in_factor = spec.qjl_constant / float(layer.m) * n_in;
+  std::fill(out, out + d, 0.0f);
+  for (uint32_t i = 0; i < layer.m; ++i) {
+    const float sign = sign_bit(bits_in, i) ? in_factor : -in_factor;
+    for (uint32_t j = 0; j < d; ++j) out[j] += sign * S[size_t(i) * d + j];
+  }
+  if (!c) return;
+  // Outlier channels: the correction moves the inlier estimate to the outlier sketch's.
+  const float scale = n_in + half_to_float(at<uint16_t>(block, l.key_norm_out)[t]);
+  const uint16_t *corrections = at<uint16_t>(block, l.key_corrections);
+  for (uint32_t j = 0; j < c; ++j) out[outlier_idx[j]] += half_to_float(corrections[size_t(j) * B + t]) * scale;
+}
+
 void QjlKeys::prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &,
                       cpu::LayerKernels &args) {
   args.qjl = cpu::make_qjl_args(spec, layer, args.qjl_tables);

@@ -61,9 +61,7 @@ struct QjlKeys : KeyMethodDefaults {
   }
   // The dense k̂ whose dot product with any query equals the block's estimate.
   static void dequantize_token(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block, uint32_t t,
-                               float *out) {
-    cpu::qjl_reconstruct_key(layer, spec.cfg, spec.qjl_constant, block, t, out);
-  }
+                               float *out);
 
   // CPU: the transposed sketch and the fast kernels' arguments.
   static void prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &kernels,

@@ -47,7 +47,7 @@ struct UniformValues : ValueMethodDefaults {
       check.halves(l.value_codes, B * d, false, spec.stored_dtype, "the exact value");
       if (spec.stored_dtype == QJLKV_DTYPE_BF16)
         for (size_t i = 0; i < B * d; ++i)
-          if (std::fabs(bf16_to_float(cpu::at<uint16_t>(block, l.value_codes)[i])) > spec.value_limit)
+          if (std::fabs(bf16_to_float(at<uint16_t>(block, l.value_codes)[i])) > spec.value_limit)
             check.fail("an exact value exceeds 2^95");
       return;
     }
@@ -55,9 +55,25 @@ struct UniformValues : ValueMethodDefaults {
     check.halves(l.value_scale, groups, true, QJLKV_DTYPE_F16, "the value scale");
     check.halves(l.value_min, groups, false, QJLKV_DTYPE_F16, "the value minimum");
   }
+  // Token t's value as stored (stored: the 16-bit form).
+  static void decode_token(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &l, const uint8_t *block,
+                           uint32_t t, float *out) {
+    const uint32_t d = cfg.head_dim, bits = cfg.value_bits;
+    if (bits == 16) {
+      const uint16_t *v = at<uint16_t>(block, l.value_codes) + size_t(t) * d;
+      for (uint32_t j = 0; j < d; ++j) out[j] = from_16bit(v[j], stored);
+      return;
+    }
+    const uint32_t g = cfg.value_group_size, groups = d / g;
+    const uint16_t *scales = at<uint16_t>(block, l.value_scale) + size_t(t) * groups;
+    const uint16_t *mins = at<uint16_t>(block, l.value_min) + size_t(t) * groups;
+    const uint8_t *codes = block + l.value_codes + t * l.value_bytes_per_token_codes;
+    for (uint32_t j = 0; j < d; ++j)
+      out[j] = dequant(unpack_code(codes, j, bits), half_to_float(scales[j / g]), half_to_float(mins[j / g]));
+  }
   static void dequantize_token(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block, uint32_t t,
                                float *out) {
-    cpu::values_decode_token(spec.cfg, spec.stored_dtype, layer.layout, block, t, out);
+    decode_token(spec.cfg, spec.stored_dtype, layer.layout, block, t, out);
   }
 };
 

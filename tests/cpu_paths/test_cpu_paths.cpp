@@ -23,7 +23,7 @@
 #include "cpu/kernels.hpp"
 #include "cpu/simd.hpp"
 #include "error.hpp"
-#include "methods/qjl_keys.hpp"
+#include "methods/methods.hpp"
 
 namespace {
 
@@ -337,12 +337,12 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     std::vector<float> k_hat(d);
     for (uint32_t t = 0; t < B; ++t) {
       switch (cfg_.key_method) {
-        case QJLKV_KEYS_QJL: qjl_reconstruct_key(ls, cfg_, spec_.qjl_constant, block_.data(), t, k_hat.data()); break;
+        case QJLKV_KEYS_QJL: QjlKeys::dequantize_token(spec_, ls, block_.data(), t, k_hat.data()); break;
         case QJLKV_KEYS_EXACT:
           for (uint32_t j = 0; j < d; ++j)
             k_hat[j] = load_element(block_.data() + ls.layout.key_codes, size_t(t) * d + j, spec_.stored_dtype);
           break;
-        default: kivi_dequantize_token(cfg_, ls.layout, block_.data(), t, k_hat.data()); break;
+        default: KiviKeys::dequantize_token(spec_, ls, block_.data(), t, k_hat.data()); break;
       }
       double norm = 0.0;
       for (uint32_t j = 0; j < d; ++j) norm += double(keys_[size_t(t) * d + j]) * keys_[size_t(t) * d + j];
