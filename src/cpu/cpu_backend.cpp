@@ -17,6 +17,7 @@
 #include "../threads.hpp"
 #include "codec.hpp"
 #include "kernels.hpp"
+#include "method_kernels.hpp"
 #include "simd.hpp"
 
 namespace qjlkv::cpu {
@@ -518,7 +519,7 @@ void CpuCache::make_layer_kernels() {
     LayerKernels &lk = layer_kernels_[l];
     lk.values = CodesArgs{&ls.layout,          cfg.block_tokens,     d, cfg.value_bits, cfg.value_group_size,
                           spec().stored_dtype, cfg.value_method, ls.value_signs.data()};
-    with_key_method(cfg.key_method, [&](auto key_method) { key_method.prepare(spec(), ls, *kernels_, lk); });
+    with_key_method(cfg.key_method, [&](auto key_method) { kernels_of(key_method).prepare(spec(), ls, *kernels_, lk); });
   }
 }
 
@@ -534,8 +535,9 @@ size_t CpuCache::quantize_scratch_floats() const {
   const size_t B = cfg.block_tokens, d = cfg.head_dim;
   // block keys and values, then the key method's quantizer or OTT's tracing; a multiple of 16
   // floats keeps every worker's part 64-byte aligned.
-  const size_t keys =
-      with_key_method(cfg.key_method, [&](auto key_method) { return key_method.quantize_scratch_floats(cfg); });
+  const size_t keys = with_key_method(cfg.key_method, [&](auto key_method) {
+    return kernels_of(key_method).quantize_scratch_floats(cfg);
+  });
   const size_t kernel = std::max(keys, trace_scratch_floats());
   return (2 * B * d + kernel + 15) / 16 * 16;
 }
@@ -573,8 +575,8 @@ void CpuCache::quantize_head(uint32_t layer, AppendPlan &plan, uint32_t head, co
                        block + layout.key_mask, kernel_scratch);
     }
     with_methods(cfg, [&](auto key_method, auto value_method) {
-      key_method.quantize(context, block_keys, block, kernel_scratch);
-      value_method.quantize(context, block_values, block);
+      kernels_of(key_method).quantize(context, block_keys, block, kernel_scratch);
+      kernels_of(value_method).quantize(context, block_values, block);
     });
   }
 }
@@ -916,7 +918,7 @@ void CpuCache::fork(uint32_t src_id, uint32_t dst_id, uint64_t length) {
 
 size_t CpuCache::head_query_floats(uint32_t layer, uint32_t rows) const {
   const size_t sq = with_key_method(spec().cfg.key_method, [&](auto key_method) {
-    return key_method.projected_query_floats(layer_kernels_[layer]);
+    return kernels_of(key_method).projected_query_floats(layer_kernels_[layer]);
   });
   return size_t(rows) * (padded_dim(spec().cfg.head_dim) + sq);
 }
@@ -933,7 +935,7 @@ void CpuCache::load_queries(uint32_t layer, const uint8_t *queries, uint32_t que
       std::fill(row + d, row + dp, 0.0f);
     }
   with_key_method(cfg.key_method, [&](auto key_method) {
-    key_method.project_queries(layer_context(layer), q, queries_per_seq * G, sq);
+    kernels_of(key_method).project_queries(layer_context(layer), q, queries_per_seq * G, sq);
   });
 }
 
@@ -976,11 +978,11 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
     with_methods(cfg, [&](auto key_method, auto value_method) {
       for (uint32_t b = task.first_block; b < end; ++b) {
         const uint8_t *block = seq.blocks[b].head(head, stride);  // the kernels prefetch the next one (simd.hpp)
-        key_method.score(context, block, q, sq, rows, weights, Bp, kernel_scratch);
+        kernels_of(key_method).score(context, block, q, sq, rows, weights, Bp, kernel_scratch);
         const uint64_t first = seq.sink_tokens + uint64_t(b) * B;
         if (first + B - 1 > first_query_position) mask_causal(B, [first](uint32_t t) { return first + t; });
         if (K.softmax_fold(state, weights, Bp, rows, B, call.scale, acc, d))
-          value_method.accumulate(context, block, weights, Bp, rows, acc, kernel_scratch);
+          kernels_of(value_method).accumulate(context, block, weights, Bp, rows, acc, kernel_scratch);
       }
     });
     K.values_in_channel_order(lk.values, rows, acc);
@@ -1145,7 +1147,7 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
       const size_t stride = spec().layers[layer].layout.stride;
       const CpuLayer context = layer_context(layer);
       for (uint32_t b = 0; b < seq.block_count(); ++b) {
-        key_method.score(context, seq.blocks[b].head(head, stride), q, q + size_t(G) * dp, G, weights, Bp,
+        kernels_of(key_method).score(context, seq.blocks[b].head(head, stride), q, q + size_t(G) * dp, G, weights, Bp,
                          kernel_scratch);
         for (uint32_t g = 0; g < G; ++g) std::copy_n(weights + size_t(g) * Bp, B, blocks_out + g * L + size_t(b) * B);
       }

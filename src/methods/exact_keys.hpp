@@ -30,29 +30,6 @@ struct ExactKeys : KeyMethodDefaults {
     const uint16_t *keys = at<uint16_t>(block, layer.layout.key_codes) + size_t(t) * d;
     for (uint32_t j = 0; j < d; ++j) out[j] = from_16bit(keys[j], spec.stored_dtype);
   }
-
-  // CPU
-  static void quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block, float *) {
-    const qjlkv_config &cfg = c.spec.cfg;
-    c.kernels.store_16bit(keys, size_t(cfg.block_tokens) * cfg.head_dim, c.spec.stored_dtype,
-                          at<uint16_t>(block, c.layer.layout.key_codes));
-  }
-  static void score(const cpu::CpuLayer &c, const uint8_t *block, const float *q, const float *, uint32_t rows,
-                    float *out, size_t out_stride, float *) {
-    const qjlkv_config &cfg = c.spec.cfg;
-    cpu::prefetch_next_block(c.layer.layout, block, c.layer.layout.key_bytes);  // dense_scores has no layout
-    c.kernels.dense_scores(block + c.layer.layout.key_codes, c.spec.stored_dtype, cfg.head_dim, cfg.block_tokens,
-                           cfg.head_dim, q, rows, out, out_stride);
-  }
-  static void quantize_reference(const CacheSpec &spec, const LayerSpec &layer, const float *keys, uint8_t *block,
-                                 float *) {
-    cpu::exact_keys_store_block(spec.cfg, spec.stored_dtype, layer.layout, keys, block);
-  }
-  // queries [rows][d]; out[r * B + t]. Scratch: d floats.
-  static void score_reference(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block,
-                              const float *queries, const float *, uint32_t rows, float *out, float *scratch) {
-    cpu::exact_keys_score_block(spec.cfg, spec.stored_dtype, layer.layout, block, queries, rows, out, scratch);
-  }
 };
 
 }  // namespace qjlkv

@@ -69,40 +69,6 @@ struct PerChannelKeys : KeyMethodDefaults {
     for (uint32_t j = 0; j < spec.cfg.head_dim; ++j)
       out[j] = dequant(unpack_code(codes, j, spec.cfg.key_bits), half_to_float(scales[j]), half_to_float(mins[j]));
   }
-
-  // CPU
-  static void prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &,
-                      cpu::LayerKernels &args) {
-    args.keys = cpu::CodesArgs{&layer.layout, spec.cfg.block_tokens, spec.cfg.head_dim, spec.cfg.key_bits, 0,
-                               spec.stored_dtype};
-  }
-  static void quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block, float *) {
-    c.kernels.kivi_quantize(c.args.keys, keys, block);
-  }
-  // OTT's moved slots score -inf: their tokens are counted once, from the pool.
-  static void score(const cpu::CpuLayer &c, const uint8_t *block, const float *q, const float *, uint32_t rows,
-                    float *out, size_t out_stride, float *scratch) {
-    c.kernels.kivi_scores(c.args.keys, block, q, rows, out, out_stride, scratch);
-    if constexpr (OTT) mask_moved(c.spec.cfg, c.layer.layout, block, rows, out, out_stride);
-  }
-  static void quantize_reference(const CacheSpec &spec, const LayerSpec &layer, const float *keys, uint8_t *block,
-                                 float *) {
-    cpu::kivi_quantize_block(spec.cfg, layer.layout, keys, block);
-  }
-  // Scratch: d floats.
-  static void score_reference(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block,
-                              const float *queries, const float *, uint32_t rows, float *out, float *scratch) {
-    cpu::kivi_score_block(spec.cfg, layer.layout, block, queries, rows, out, scratch);
-    if constexpr (OTT) mask_moved(spec.cfg, layer.layout, block, rows, out, spec.cfg.block_tokens);
-  }
-
- private:
-  static void mask_moved(const qjlkv_config &cfg, const BlockLayout &l, const uint8_t *block, uint32_t rows,
-                         float *out, size_t out_stride) {
-    for (uint32_t t = 0; t < cfg.block_tokens; ++t)
-      if (moved(l, block, t))
-        for (uint32_t r = 0; r < rows; ++r) out[size_t(r) * out_stride + t] = cpu::kNegInf;
-  }
 };
 
 using KiviKeys = PerChannelKeys<false>;

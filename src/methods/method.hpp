@@ -16,17 +16,16 @@
 // Reading stored blocks (both backends' reconstruct, the reference kernels):
 //   moved(layout, block, t)        keys: token t left the block (OTT's pool holds it)
 //   dequantize_token(..)           the dense fp32 key (value) of token t of a block
-// CPU (src/cpu/): the reference kernels of kernels.hpp and the fast ones of simd.hpp that they
-// name: quantize / quantize_reference, score / score_reference (keys), accumulate (values).
-// CUDA (cuda/): the policy types of cuda/keys.cuh and cuda/values.cuh implement the same formats.
+// Nothing here includes a backend's header. The backends' entries of each method live with the
+// backend: CPU (src/cpu/method_kernels.hpp: per-layer kernel arguments, scratch sizes, the fast
+// kernels of simd.hpp it names, checked against the reference kernels of kernels.hpp); CUDA (the
+// policy types of cuda/keys.cuh and cuda/values.cuh).
 #pragma once
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "../config.hpp"
-#include "../cpu/codec.hpp"
-#include "../cpu/kernels.hpp"
 #include "../elements.hpp"
 #include "../error.hpp"
 #include "../quant_math.hpp"
@@ -52,12 +51,6 @@ struct KeyMethodDefaults {
   static double norm_limit(const qjlkv_config &) { return 0.0; }
   [[noreturn]] static void fail_norm(const qjlkv_config &, size_t, double) { unreachable(); }
   static bool moved(const BlockLayout &, const uint8_t *, uint32_t) { return false; }
-  // CPU: per-layer kernel arguments, the floats of quantize()'s scratch beyond the block's keys
-  // and values, and the projected queries that score() reads after the padded queries.
-  static void prepare(const CacheSpec &, const LayerSpec &, const cpu::KernelTable &, cpu::LayerKernels &) {}
-  static size_t quantize_scratch_floats(const qjlkv_config &) { return 0; }
-  static size_t projected_query_floats(const cpu::LayerKernels &) { return 0; }
-  static void project_queries(const cpu::CpuLayer &, const float *, uint32_t, float *) {}
 };
 
 struct ValueMethodDefaults {
@@ -67,17 +60,6 @@ struct ValueMethodDefaults {
   static float element_limit(const qjlkv_config &, qjlkv_dtype) { return kHalfMax; }
   static double norm_limit(const qjlkv_config &) { return 0.0; }
   [[noreturn]] static void fail_norm(const qjlkv_config &, size_t, double) { unreachable(); }
-  // CPU fast paths: the kernel table's entries (they dispatch on CodesArgs::method inside).
-  static void quantize(const cpu::CpuLayer &c, const float *values, uint8_t *block) {
-    c.kernels.values_quantize(c.args.values, values, block);
-  }
-  static void accumulate(const cpu::CpuLayer &c, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
-                         float *acc, float *scratch) {
-    c.kernels.values_accumulate(c.args.values, block, w, w_stride, rows, acc, scratch);
-  }
-  static void quantize_reference(const CacheSpec &spec, const LayerSpec &layer, const float *values, uint8_t *block) {
-    cpu::values_quantize_block(spec.cfg, spec.stored_dtype, layer.layout, layer.value_signs.data(), values, block);
-  }
 };
 
 }  // namespace qjlkv

@@ -1,5 +1,7 @@
 #include "qjl_keys.hpp"
 
+#include "../cpu/method_kernels.hpp"
+
 #include <algorithm>
 #include <cstring>
 
@@ -140,12 +142,13 @@ void QjlKeys::dequantize_token(const CacheSpec &spec, const LayerSpec &layer, co
   for (uint32_t j = 0; j < c; ++j) out[outlier_idx[j]] += half_to_float(corrections[size_t(j) * B + t]) * scale;
 }
 
-void QjlKeys::prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &,
-                      cpu::LayerKernels &args) {
+void cpu::MethodKernels<QjlKeys>::prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &,
+                                          cpu::LayerKernels &args) {
   args.qjl = cpu::make_qjl_args(spec, layer, args.qjl_tables);
 }
 
-void QjlKeys::quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block, float *scratch) {
+void cpu::MethodKernels<QjlKeys>::quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block,
+                                           float *scratch) {
   const qjlkv_config &cfg = c.spec.cfg;
   const LayerSpec &ls = c.layer;
   const cpu::LayerKernels &lk = c.args;

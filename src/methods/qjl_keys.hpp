@@ -62,40 +62,6 @@ struct QjlKeys : KeyMethodDefaults {
   // The dense k̂ whose dot product with any query equals the block's estimate.
   static void dequantize_token(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block, uint32_t t,
                                float *out);
-
-  // CPU: the transposed sketch and the fast kernels' arguments.
-  static void prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &kernels,
-                      cpu::LayerKernels &args);
-  // Inlier keys [B][d], outlier keys [B][c], channel energies [d] and order [d], outlier bits
-  // [B][m_out/8], nibble tables [sketch_rows/4][16] of 4 int64 and their alignment (the largest
-  // m, m_out of any layer).
-  static size_t quantize_scratch_floats(const qjlkv_config &cfg) {
-    const size_t B = cfg.block_tokens, d = cfg.head_dim;
-    const size_t m_out = std::max(cfg.outlier_sketch_dim, cfg.initial_layers ? cfg.initial_outlier_sketch_dim : 0u);
-    const size_t m = std::max(cfg.key_sketch_dim, cfg.initial_layers ? cfg.initial_key_sketch_dim : 0u);
-    const size_t table_floats = cfg.outlier_channels ? 32 * std::max(m, m_out) + 1 : 0;
-    return B * d + B * cfg.outlier_channels + 2 * d + B * m_out / 32 + table_floats;
-  }
-  // qjl_quantize_block with the projections by the fast kernels (the same bits).
-  static void quantize(const cpu::CpuLayer &c, const float *keys, uint8_t *block, float *scratch);
-  static size_t projected_query_floats(const cpu::LayerKernels &args) { return args.qjl.projected_stride; }
-  static void project_queries(const cpu::CpuLayer &c, const float *q, uint32_t rows, float *sq) {
-    c.kernels.qjl_project(c.args.qjl, q, rows, sq);
-  }
-  static void score(const cpu::CpuLayer &c, const uint8_t *block, const float *q, const float *sq, uint32_t rows,
-                    float *out, size_t out_stride, float *scratch) {
-    c.kernels.qjl_scores(c.args.qjl, block, q, sq, rows, out, out_stride, scratch);
-  }
-  // Scratch: cpu::qjl_quantize_scratch_floats.
-  static void quantize_reference(const CacheSpec &spec, const LayerSpec &layer, const float *keys, uint8_t *block,
-                                 float *scratch) {
-    cpu::qjl_quantize_block(layer, spec.cfg, spec.qjl_constant, keys, block, scratch);
-  }
-  // projected: [rows][sketch_rows] from qjl_project_query.
-  static void score_reference(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block,
-                              const float *queries, const float *projected, uint32_t rows, float *out, float *) {
-    cpu::qjl_score_block(layer, spec.cfg, spec.qjl_constant, block, queries, projected, rows, out);
-  }
 };
 
 }  // namespace qjlkv

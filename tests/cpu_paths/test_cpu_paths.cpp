@@ -21,6 +21,7 @@
 #include "config.hpp"
 #include "cpu/isa.hpp"
 #include "cpu/kernels.hpp"
+#include "cpu/method_kernels.hpp"
 #include "cpu/simd.hpp"
 #include "error.hpp"
 #include "methods/methods.hpp"
@@ -598,10 +599,10 @@ TEST_P(Kernels, QuantizersMatchReferenceByteForByte) {
         // The backend's whole quantizer (its sign bits by K, the corrections' column sums by
         // nibble tables) against the reference's block: norms, corrections, bits and channels.
         LayerKernels args;
-        QjlKeys::prepare(spec_, ls, K, args);
-        std::vector<float> scratch(QjlKeys::quantize_scratch_floats(cfg_));
+        MethodKernels<QjlKeys>::prepare(spec_, ls, K, args);
+        std::vector<float> scratch(MethodKernels<QjlKeys>::quantize_scratch_floats(cfg_));
         std::vector<uint8_t> fast(ls.layout.stride, 0);
-        QjlKeys::quantize(CpuLayer{K, spec_, ls, args}, keys_.data(), fast.data(), scratch.data());
+        MethodKernels<QjlKeys>::quantize(CpuLayer{K, spec_, ls, args}, keys_.data(), fast.data(), scratch.data());
         EXPECT_EQ(0, std::memcmp(fast.data(), block_.data(), ls.layout.key_bytes))
             << isa_name(isa) << ": the QJL quantizer's key bytes differ from the reference"
             << (c && std::memcmp(fast.data() + ls.layout.key_corrections, block_.data() + ls.layout.key_corrections,
