@@ -313,12 +313,13 @@ void fill_all_layers(BenchCache &bc, uint64_t context) {
   for (uint32_t l = 0; l < bc.shape.layers; ++l) bc.fill(l, 0, context);
 }
 
-uint64_t used_bytes(const qjlkv_cache *cache) {
+qjlkv_stats stats_of(const qjlkv_cache *cache) {
   qjlkv_stats st{};
   st.struct_size = sizeof st;
   check(qjlkv_cache_stats(cache, &st), "stats");
-  return st.bytes_used;
+  return st;
 }
+uint64_t used_bytes(const qjlkv_cache *cache) { return stats_of(cache).bytes_used; }
 
 void bm_fork(benchmark::State &state, const Shape &shape, const char *preset) {
   BenchCache &bc = bench_cache(shape, preset);
@@ -358,12 +359,7 @@ void bm_truncate(benchmark::State &state, const Shape &shape, const char *preset
   state.counters["ms_per_truncate"] = truncate_s / double(state.iterations()) * 1e3;
 }
 
-double bits_per_number(const qjlkv_cache *cache) {
-  qjlkv_stats st{};
-  st.struct_size = sizeof st;
-  check(qjlkv_cache_stats(cache, &st), "stats");
-  return st.bits_per_number;
-}
+double bits_per_number(const qjlkv_cache *cache) { return stats_of(cache).bits_per_number; }
 
 void bm_rollback_bits(benchmark::State &state, const Shape &shape, const char *preset) {
   constexpr uint32_t kContext = 8192, kSteps = 256;
