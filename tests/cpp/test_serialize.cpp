@@ -454,7 +454,7 @@ const Variant kVariants[] = {
     {"exact_f32", "exact", QJLKV_DTYPE_F32, no_tweak},
     {"exact_f16", "exact", QJLKV_DTYPE_F16, no_tweak},
     {"exact_bf16", "exact", QJLKV_DTYPE_BF16, no_tweak},
-    // The tiers of issue 19: 3- or 4-bit KIVI keys, 4 sink tokens, rotated 2- or 3-bit values.
+    // The tiers: 3- or 4-bit KIVI keys, 16 or 4 sink tokens, rotated 2- or 3-bit values.
     {"q3_f32", "q3", QJLKV_DTYPE_F32, no_tweak},
     {"q3_f16", "q3", QJLKV_DTYPE_F16, no_tweak},
     {"q3_bf16", "q3", QJLKV_DTYPE_BF16, no_tweak},

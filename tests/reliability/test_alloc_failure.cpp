@@ -378,7 +378,7 @@ TEST_P(AllocationFailure, ClearStatsLengthConfigNeverAllocate) { walk_non_alloca
 
 // The decode path allocates nothing once a cache has made a call of the same shape: its task
 // list, per-head buffers and sequence list are kept, and the worker pool takes the tasks by
-// reference (issue 15).
+// reference.
 TEST_P(AllocationFailure, AttendAllocatesNothingOnceWarm) {
   const uint32_t B = cfg_.block_tokens, R = cfg_.residual_tokens;
   Cache cache = fresh_cache(cfg_, fill(cfg_, {{{0, 7}, R + 3 * B + 5}, {{0, 8}, R + B + 1}}));
