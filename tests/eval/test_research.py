@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tools.eval.research import (EXACT, Format, ResearchCache, candidate_sets, channel, hadamard,
+from tools.eval.research import (EXACT, Codec, Format, ResearchCache, candidate_sets, channel, hadamard,
                                  lloyd_max_gaussian, lm, randomized_hadamard, token)
 
 D = 64
@@ -132,3 +132,57 @@ def test_every_q3_parameter_candidate_builds():
     assert len(library) == len(candidate_sets()["q3-params"])
     for config in library:
         config.make(SHAPE, 1).cache.config.validate()
+
+
+def test_mixed_bits_follow_the_ranges_and_sum_to_the_budget():
+    from tools.eval.research import allocate_bits
+    ranges = np.array([[1.0, 2.0, 4.0, 8.0, 0.5, 100.0, 0.0, 1.0]])
+    bits = allocate_bits(ranges, 2.5, 0, 4, midrise=True)
+    assert bits.sum() == 20
+    # each bit quarters a channel's squared error: the widest channels get the most bits;
+    # equal ranges (channels 0 and 7) get equal bits, a zero range none
+    assert bits.tolist() == [[2, 3, 4, 4, 1, 4, 0, 2]]
+    # greedy order = the 20 largest gains r²·4^-b: no channel could trade a bit for less error
+    err = ranges ** 2 * 4.0 ** -bits
+    gained = np.where(bits > 0, ranges ** 2 * 4.0 ** -(bits - 1) - err, np.inf)
+    wanted = np.where(bits < 4, err - ranges ** 2 * 4.0 ** -(bits + 1), -np.inf)
+    assert wanted.max() <= gained.min()
+
+
+def test_mixed_codes_midrise_reconstruction_and_bits():
+    from tools.eval.prototype import fp16_toward
+    from tools.eval.research import allocate_bits, mixed
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((128, 1, D)) * np.exp(rng.standard_normal(D)) + 300 * (np.arange(D) == 5)
+    codec = mixed(2.125)
+    y = codec.apply(x, None)
+    lo = x.min(0).astype(np.float16).astype(np.float64)
+    assert (y >= lo - 1e-9).all()
+    # every channel's error is at most half its cell (range / 2^b)
+    r = fp16_toward(x.max(0), np.inf) - fp16_toward(x.min(0), -np.inf)
+    bits = allocate_bits(r, 2.125, 0, 4, True)
+    assert bits.sum() == 136
+    assert (np.abs(y - x) <= r / 2 ** bits / 2 + 1e-9).all()
+    # a midrise 2-bit code beats min/max endpoints on Gaussian data
+    g = rng.standard_normal((128, 1, D))
+    midrise, endpoints = Codec("channel", 2, midrise=True).apply(g, None), channel(2).apply(g, None)
+    assert np.mean((midrise - g) ** 2) < np.mean((endpoints - g) ** 2)
+    # Q2q at d = 128, 8,192 tokens, 16 sinks, tail 32: 63 blocks of keys 128·272/8 + fp16
+    # min and max 128·4 + widths 128·3/8, values 128·128·2/8 + 128·2; 128 exact tokens
+    shape = SimpleNamespace(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=128)
+    fmt = Format(mixed(2.125), lm(2), sinks=16)
+    per_block = 128 * 272 / 8 + 128 * 4 + 128 * 3 / 8 + 128 * 128 * 2 / 8 + 128 * 2
+    expected = 8 * (63 * per_block + 128 * 128 * 2 * 2) / (8192 * 128 * 2)
+    assert fmt.bits_at(shape, 8192) == pytest.approx(expected) and expected < 2.5
+
+
+def test_separate_value_tail_codes_values_before_their_block():
+    fmt = Format(channel(3), lm(2), block=64, residual=32, sinks=4, value_residual=8)
+    cache = ResearchCache("c", SHAPE, fmt)
+    rng = np.random.default_rng(10)
+    kv = rng.standard_normal((60, 1, D)).astype(np.float32)
+    cache.append(0, kv, kv)
+    assert cache.quantized[0] == 4 and cache.values_coded[0] == 52
+    np.testing.assert_array_equal(cache.keys[0][:60], kv.astype(np.float16))   # no key block yet
+    assert not np.array_equal(cache.values[0][4:52], kv[4:52].astype(np.float16))
+    np.testing.assert_array_equal(cache.values[0][52:60], kv[52:60].astype(np.float16))
