@@ -667,7 +667,9 @@ QJLKV_API qjlkv_status qjlkv_cache_fork(qjlkv_cache *c, uint32_t src_seq, uint32
 
 /* Admission control: *out = the bytes by which stats.bytes_used grows when
  * n_tokens more tokens are appended to seq in every layer (each layer from its
- * own length, in one append or several). Exact for the cache as it is now;
+ * own length, in one append or several); 0 when it does not grow (an append
+ * can shrink it: quantizing exact tail tokens and letting rollback copies go
+ * frees more than it adds). Exact for the cache as it is now;
  * another sequence's later operations do not change it, except a truncate or
  * clear that leaves seq the only holder of a rollback copy it could free.
  * With config.memory_budget = M > 0, an append, append_batch, fork or import
