@@ -185,7 +185,7 @@ __device__ void quantize_qjl_keys(const KernelShape &s, const BlockSource<IO> &s
     if (c > 0) {
       pack_signs(s.m_out, c, [&](uint32_t k) { return outliers[k]; }, raw_keys, outlier_bits, outlier_bytes);
       __syncthreads();  // the chunk's norms and bits are written
-      // The corrections (CPU: qjl_store_corrections), one thread per (outlier, token). Column o of
+      // The corrections (QjlKeys::store_corrections), one thread per (outlier, token). Column o of
       // the sketch is row o of sketch_t: column_signed_sum reads it as a [rows][1] matrix.
       for (uint32_t pair = tid; pair < c * kQuantizeChunk; pair += kThreads) {
         const uint32_t j = pair / kQuantizeChunk, tt = pair % kQuantizeChunk, t = t0 + tt;

@@ -17,7 +17,6 @@
 
 #include "cache.hpp"
 #include "config.hpp"
-#include "cpu/kernels.hpp"
 #include "crc32c.hpp"
 #include "error.hpp"
 #include "half.hpp"
@@ -521,7 +520,7 @@ void convert_sign_bits_record(const CacheSpec &spec, uint32_t layer, const uint8
   std::memset(block + l.key_corrections, 0, 2 * B * cfg.outlier_channels);  // finite until computed
   QjlKeys::check_stored(spec, ls, block, StoredBlockCheck{block, layer, b, h});
   for (uint32_t t = 0; t < B; ++t)
-    cpu::qjl_store_corrections(ls, cfg, spec.qjl_constant, block, t,
+    QjlKeys::store_corrections(ls, cfg, spec.qjl_constant, block, t,
                                old_keys + old.bits_out + t * old.bytes_per_token_bits_out);
 }
 

@@ -31,24 +31,6 @@ void qjl_split_key(const BlockLayout &l, const float *k, uint32_t d, const uint8
   if (c) at<uint16_t>(block, l.key_norm_out)[t] = float_to_half(std::sqrt(outlier_norm2));
 }
 
-void qjl_store_corrections(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, uint8_t *block,
-                           uint32_t t, const uint8_t *bits_out) {
-  const uint32_t d = cfg.head_dim, B = cfg.block_tokens;
-  const BlockLayout &l = layer.layout;
-  const float *S = layer.sketch->matrix.data.data();
-  const uint8_t *outlier_idx = block + l.key_outlier_idx;
-  const uint8_t *bits_in = block + l.key_bits_in + t * l.key_bytes_per_token_bits_in;
-  const float n_in = half_to_float(at<uint16_t>(block, l.key_norm_in)[t]);
-  const float n_out = half_to_float(at<uint16_t>(block, l.key_norm_out)[t]);
-  uint16_t *corrections = at<uint16_t>(block, l.key_corrections);
-  for (uint32_t j = 0; j < cfg.outlier_channels; ++j) {
-    const uint32_t o = outlier_idx[j];
-    corrections[size_t(j) * B + t] =
-        qjl_correction(qjl_constant, n_in, n_out, column_signed_sum(S, d, o, bits_in, layer.m),
-                       column_signed_sum(S, d, o, bits_out, layer.m_out), layer.m, layer.m_out);
-  }
-}
-
 void qjl_quantize_block(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, const float *keys,
                         uint8_t *block, float *scratch) {
   const uint32_t B = cfg.block_tokens, d = cfg.head_dim, c = layer.m_out ? cfg.outlier_channels : 0;
@@ -73,7 +55,7 @@ void qjl_quantize_block(const LayerSpec &layer, const qjlkv_config &cfg, float q
         for (uint32_t j = 0; j < c; ++j) p += S[size_t(i) * d + outlier_idx[j]] * k[outlier_idx[j]];
         set_sign_bit(bits_out, i, p);
       }
-      qjl_store_corrections(layer, cfg, qjl_constant, block, t, bits_out);
+      QjlKeys::store_corrections(layer, cfg, qjl_constant, block, t, bits_out);
     }
   }
 }

@@ -35,10 +35,6 @@ void select_outlier_channels(const float *keys, uint32_t tokens, uint32_t d, uin
 void qjl_split_key(const BlockLayout &l, const float *k, uint32_t d, const uint8_t *outlier_idx, uint32_t c,
                    uint32_t t, float *inlier, float *outliers, uint8_t *block);
 
-// Token t's outlier corrections (quant_math.hpp's qjl_correction) into the block, from its
-// stored inlier bits, norms and outlier channels and its outlier bits sign(S_out·k_out).
-void qjl_store_corrections(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, uint8_t *block,
-                           uint32_t t, const uint8_t *bits_out /*[m_out/8]*/);
 
 // Scratch: qjl_quantize_scratch_floats (masked key, channel energies, channel order, outlier bits).
 inline size_t qjl_quantize_scratch_floats(uint32_t d, uint32_t m_out) { return 3 * size_t(d) + m_out / 32 + 1; }

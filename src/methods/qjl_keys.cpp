@@ -142,6 +142,24 @@ void QjlKeys::dequantize_token(const CacheSpec &spec, const LayerSpec &layer, co
   for (uint32_t j = 0; j < c; ++j) out[outlier_idx[j]] += half_to_float(corrections[size_t(j) * B + t]) * scale;
 }
 
+void QjlKeys::store_corrections(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, uint8_t *block,
+                                uint32_t t, const uint8_t *bits_out) {
+  const uint32_t d = cfg.head_dim, B = cfg.block_tokens;
+  const BlockLayout &l = layer.layout;
+  const float *S = layer.sketch->matrix.data.data();
+  const uint8_t *outlier_idx = block + l.key_outlier_idx;
+  const uint8_t *bits_in = block + l.key_bits_in + t * l.key_bytes_per_token_bits_in;
+  const float n_in = half_to_float(at<uint16_t>(block, l.key_norm_in)[t]);
+  const float n_out = half_to_float(at<uint16_t>(block, l.key_norm_out)[t]);
+  uint16_t *corrections = at<uint16_t>(block, l.key_corrections);
+  for (uint32_t j = 0; j < cfg.outlier_channels; ++j) {
+    const uint32_t o = outlier_idx[j];
+    corrections[size_t(j) * B + t] =
+        qjl_correction(qjl_constant, n_in, n_out, column_signed_sum(S, d, o, bits_in, layer.m),
+                       column_signed_sum(S, d, o, bits_out, layer.m_out), layer.m, layer.m_out);
+  }
+}
+
 void cpu::MethodKernels<QjlKeys>::prepare(const CacheSpec &spec, const LayerSpec &layer, const cpu::KernelTable &,
                                           cpu::LayerKernels &args) {
   args.qjl = cpu::make_qjl_args(spec, layer, args.qjl_tables);

@@ -59,6 +59,11 @@ struct QjlKeys : KeyMethodDefaults {
         check.fail("the outlier channels are not increasing channels < head_dim (%u): entry %u is %u", cfg.head_dim,
                    i, idx[i]);
   }
+  // Token t's outlier corrections (quant_math.hpp's qjl_correction) into the block, from its
+  // stored inlier bits, norms and outlier channels and its outlier bits sign(S_out·k_out)
+  // (the reference quantizer, and the import of streams that stored the outlier bits).
+  static void store_corrections(const LayerSpec &layer, const qjlkv_config &cfg, float qjl_constant, uint8_t *block,
+                                uint32_t t, const uint8_t *bits_out /*[m_out/8]*/);
   // The dense k̂ whose dot product with any query equals the block's estimate.
   static void dequantize_token(const CacheSpec &spec, const LayerSpec &layer, const uint8_t *block, uint32_t t,
                                float *out);
