@@ -687,18 +687,13 @@ uint64_t CpuCache::own_bytes(uint32_t layer, const Sequence &seq) const {
 }
 
 int64_t CpuCache::append_growth(uint32_t layer, const Sequence *seq, uint32_t n) const {
-  const Sequence empty;
-  const Sequence &s = seq ? *seq : empty;
-  const AppendSplit split = split_append(spec().cfg, s.sink_tokens, s.tail_tokens, n);
-  int64_t growth = seq ? 0 : int64_t(own_bytes(layer, s));
-  growth += int64_t(2 * token_bytes_) * (int64_t(split.new_sinks) + int64_t(split.tail_tokens) - int64_t(s.tail_tokens));
-  growth += int64_t(split.new_blocks * slot_bytes(layer));
-  const uint32_t old_blocks = s.block_count(), end = old_blocks + uint32_t(split.new_blocks);
-  const uint32_t keep_from = blocks_at(rollback_floor_after(s, s.length + n));
-  growth += int64_t(end - std::min(end, std::max(keep_from, old_blocks))) * int64_t(history_bytes(layer));
-  for (uint32_t b = s.first_history; b < std::min(keep_from, old_blocks); ++b)
-    if (s.history[b - s.first_history].use_count() == 1) growth -= int64_t(history_bytes(layer));
-  return growth;
+  RecordCounts counts;
+  if (seq)
+    counts = {seq->length, seq->rollback_floor, seq->sink_tokens, seq->tail_tokens, seq->block_count(),
+              seq->first_history};
+  return qjlkv::append_growth(spec(), layer, sizeof(Sequence), seq ? &counts : nullptr, n, [&](uint32_t b) {
+    return seq->history[b - seq->first_history].use_count() == 1;
+  });
 }
 
 void CpuCache::release_block(uint32_t layer, BlockRef &ref) {
@@ -750,17 +745,8 @@ void CpuCache::sequence_bytes(uint32_t seq_id, uint64_t &bytes, uint64_t &shared
 
 void CpuCache::store_reconstruction(uint32_t layer, const Sequence &seq, uint64_t first, uint32_t count,
                                     uint8_t *keys, uint8_t *values) const {
-  const qjlkv_dtype dtype = dtype_of(spec().cfg);
-  const float dtype_max = dtype == QJLKV_DTYPE_F16 ? 65504.0f : std::numeric_limits<float>::max();
-  std::vector<float> k(size_t(count) * token_elems_), v(k.size());
   SequenceRows rows{seq, spec().layers[layer].layout.stride, token_bytes_, spec().cfg.outlier_tokens};
-  reconstruct_positions(spec(), layer, seq.sink_tokens, seq.block_count(), first, count, rows, k.data(), v.data());
-  // A QJL key's reconstruction can lie beyond the range of the keys appended: clamp it there.
-  for (auto [x, limit, out] : {std::tuple{&k, std::min(spec().key_limit, dtype_max), keys},
-                               std::tuple{&v, std::min(spec().value_limit, dtype_max), values}}) {
-    for (float &e : *x) e = std::clamp(e, -limit, limit);
-    store_row(x->data(), x->size(), dtype, out, 0);
-  }
+  qjlkv::store_reconstruction(spec(), layer, seq.sink_tokens, seq.block_count(), first, count, rows, keys, values);
 }
 
 void CpuCache::plan_cut(uint32_t layer, const Sequence &seq, uint64_t length, Cut &cut) const {
@@ -816,21 +802,8 @@ void CpuCache::apply_cut(uint32_t layer, Sequence &seq, Cut &cut, bool held) noe
         continue;
       }
       // No copy of the pool from then: the reopened blocks' tokens leave it (their rows are in the tail).
-      const size_t row = size_t(cfg.head_dim) * spec().io_elem;
-      const auto keep = [&](uint32_t first, uint32_t count, bool pool) {
-        uint32_t kept = first;
-        for (uint32_t i = first; i < first + count; ++i) {
-          if (ott.positions[i] >= reopened_from) continue;
-          std::memmove(ott.keys.data() + kept * row, ott.keys.data() + i * row, row);
-          std::memmove(ott.values.data() + kept * row, ott.values.data() + i * row, row);
-          ott.positions[kept] = ott.positions[i];
-          if (pool) ott.norms[kept] = ott.norms[i];
-          ++kept;
-        }
-        return kept - first;
-      };
-      ott.pool = keep(0, ott.pool, true);
-      ott.spilled = keep(cfg.outlier_tokens, ott.spilled, false);
+      drop_outliers_from(reopened_from, cfg.outlier_tokens, ott.pool, ott.spilled, ott.positions.data(),
+                         ott.norms.data(), ott.keys.data(), ott.values.data(), size_t(cfg.head_dim) * spec().io_elem);
     }
   }
   for (uint32_t b = cut.blocks; b < old_blocks; ++b)
