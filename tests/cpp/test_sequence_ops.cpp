@@ -71,13 +71,7 @@ void feed(qjlkv_cache *c, uint32_t seq, const Tokens &t, size_t token_bytes, std
   }
 }
 
-std::vector<uint8_t> exported(const qjlkv_cache *c, uint32_t seq) {
-  uint64_t size = 0;
-  EXPECT_EQ(qjlkv_cache_export_size(c, seq, 0, kLayers, &size), QJLKV_OK) << qjlkv_last_error_message();
-  std::vector<uint8_t> bytes(size);
-  EXPECT_EQ(qjlkv_cache_export(c, seq, 0, kLayers, bytes.data(), size), QJLKV_OK) << qjlkv_last_error_message();
-  return bytes;
-}
+std::vector<uint8_t> exported(const qjlkv_cache *c, uint32_t seq) { return qt::exported(c, seq, kLayers); }
 
 std::vector<uint8_t> attended(qjlkv_cache *c, uint32_t layer, uint32_t seq, const std::vector<uint8_t> &query) {
   std::vector<uint8_t> out(query.size());

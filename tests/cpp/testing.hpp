@@ -231,6 +231,15 @@ inline qjlkv_stats stats_of(const qjlkv_cache *c) {
   return st;
 }
 
+// The exported stream of seq's layers [0, num_layers): the stored bytes, for comparing caches.
+inline std::vector<uint8_t> exported(const qjlkv_cache *c, uint32_t seq, uint32_t num_layers) {
+  uint64_t size = 0;
+  EXPECT_EQ(qjlkv_cache_export_size(c, seq, 0, num_layers, &size), QJLKV_OK) << qjlkv_last_error_message();
+  std::vector<uint8_t> bytes(size);
+  EXPECT_EQ(qjlkv_cache_export(c, seq, 0, num_layers, bytes.data(), size), QJLKV_OK) << qjlkv_last_error_message();
+  return bytes;
+}
+
 // Positions of a sequence of `length` tokens held in quantized blocks (DESIGN.md "Cache
 // semantics": the tail is quantized B at a time while it holds >= R + B tokens).
 inline uint64_t quantized_positions(uint64_t length, uint32_t block, uint32_t residual) {

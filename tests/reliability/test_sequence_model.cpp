@@ -204,13 +204,7 @@ class Harness {
       for (uint32_t l = 0; l < kLayers; ++l) ASSERT_EQ(qt::length_of(cache_.get(), l, s), length(s)) << "seq " << s;
   }
 
-  static std::vector<uint8_t> exported(const qjlkv_cache *c, uint32_t seq) {
-    uint64_t size = 0;
-    EXPECT_EQ(qjlkv_cache_export_size(c, seq, 0, kLayers, &size), QJLKV_OK) << qjlkv_last_error_message();
-    std::vector<uint8_t> bytes(size);
-    EXPECT_EQ(qjlkv_cache_export(c, seq, 0, kLayers, bytes.data(), size), QJLKV_OK) << qjlkv_last_error_message();
-    return bytes;
-  }
+  static std::vector<uint8_t> exported(const qjlkv_cache *c, uint32_t seq) { return qt::exported(c, seq, kLayers); }
 
   qjlkv_config cfg_;
   size_t token_bytes_ = 0;
