@@ -43,6 +43,16 @@ bool asks_for_cuda(const qjlkv_config &c) {
   return c.struct_size == QJLKV_CONFIG_SIZE_0_1 ? legacy_device(c) >= 0 : c.backend == QJLKV_BACKEND_CUDA;
 }
 
+// The sizes a caller may pass: this header's, 0.1's, 0.2's and 0.3's.
+bool shipped_size(uint32_t size) {
+  return size == sizeof(qjlkv_config) || size == QJLKV_CONFIG_SIZE_0_1 || size == QJLKV_CONFIG_SIZE_0_3;
+}
+
+uint32_t fuzz_struct_size(Input &in) {
+  static constexpr uint32_t kSizes[] = {uint32_t(sizeof(qjlkv_config)), QJLKV_CONFIG_SIZE_0_1, QJLKV_CONFIG_SIZE_0_3};
+  return in.pick(kSizes);
+}
+
 bool is_bits(uint32_t b) { return b == 2 || b == 3 || b == 4 || b == 8; }
 bool sketch_dim_ok(uint32_t v, bool allow_zero) { return v % 8 == 0 && v <= 65536 && (allow_zero || v > 0); }
 
@@ -54,12 +64,13 @@ std::vector<std::string> wrong_fields(const qjlkv_config &caller) {
   const auto rule = [&](bool ok, const char *field) {
     if (!ok) wrong.push_back(field);
   };
-  const bool size_ok = caller.struct_size == sizeof(qjlkv_config) || caller.struct_size == QJLKV_CONFIG_SIZE_0_1;
+  const bool size_ok = shipped_size(caller.struct_size);
   rule(size_ok, "struct_size");
   if (!size_ok) return wrong;
-  // A 0.1-sized struct: the fields added in 0.2 are never read and take their defaults (0).
+  // An older struct: the fields added after its release are never read and take their defaults (0).
   qjlkv_config c = caller;
   if (c.struct_size == QJLKV_CONFIG_SIZE_0_1) c.value_method = c.sink_tokens = 0;
+  if (c.struct_size < sizeof(qjlkv_config)) c.memory_budget = c.rollback_tokens = 0;
   rule(c.num_layers >= 1 && c.num_layers <= 65536, "num_layers");
   rule(c.num_kv_heads >= 1 && c.num_kv_heads <= 4096, "num_kv_heads");
   rule(c.num_q_heads >= 1 && c.num_q_heads <= 4096 && c.num_kv_heads != 0 && c.num_q_heads % c.num_kv_heads == 0,
@@ -111,6 +122,7 @@ std::vector<std::string> wrong_fields(const qjlkv_config &caller) {
   } else {
     wrong.push_back("value_method");
   }
+  rule(c.rollback_tokens <= 65536, "rollback_tokens");
   rule(c.sink_tokens <= 65536, "sink_tokens");
   rule(c.num_threads <= 1024, "num_threads");
   return wrong;
@@ -128,9 +140,9 @@ void fuzz_config_init(Input &in, qjlkv_config &cfg) {
   const char *preset = in.pick(kPresets);
   const uint32_t layers = fuzz_u32(in), hq = fuzz_u32(in), hkv = fuzz_u32(in), d = fuzz_u32(in);
   std::memset(&cfg, 0xA5, sizeof cfg);
-  // The caller sets struct_size first: this header's size, 0.1's, or a wrong one.
-  cfg.struct_size = in.flag() ? uint32_t(sizeof cfg) : in.flag() ? QJLKV_CONFIG_SIZE_0_1 : fuzz_u32(in);
-  const bool size_ok = cfg.struct_size == sizeof cfg || cfg.struct_size == QJLKV_CONFIG_SIZE_0_1;
+  // The caller sets struct_size first: a shipped size or a wrong one.
+  cfg.struct_size = in.flag() ? fuzz_struct_size(in) : fuzz_u32(in);
+  const bool size_ok = shipped_size(cfg.struct_size);
   const qjlkv_config before = cfg;
   const qjlkv_status s = qjlkv_config_init(&cfg, preset, layers, hq, hkv, d);
   const std::string p = preset ? preset : "";
@@ -154,6 +166,9 @@ void fuzz_config_init(Input &in, qjlkv_config &cfg) {
   if (cfg.struct_size == QJLKV_CONFIG_SIZE_0_1)
     FUZZ_CHECK(cfg.value_method == 0xA5A5A5A5u && cfg.sink_tokens == 0xA5A5A5A5u,
                "config_init must write nothing past a 0.1-sized struct");
+  if (cfg.struct_size < sizeof cfg)
+    FUZZ_CHECK(cfg.rollback_tokens == 0xA5A5A5A5u && cfg.memory_budget == 0xA5A5A5A5A5A5A5A5ull,
+               "config_init must write nothing past an older struct");
   const qjlkv_status v = qjlkv_config_validate(&cfg);
   FUZZ_CHECK(v == QJLKV_OK, "config_init(\"%s\", %u, %u, %u, %u) filled a config that does not validate",
              p.c_str(), layers, hq, hkv, d);
@@ -168,10 +183,10 @@ void mutate(Input &in, qjlkv_config &cfg) {
                               &cfg.initial_key_sketch_dim, &cfg.initial_outlier_sketch_dim, &cfg.key_bits,
                               &cfg.outlier_tokens,    &cfg.outlier_spill_tokens, &cfg.outlier_skip_layers,
                               &cfg.value_bits,        &cfg.value_group_size,    &cfg.num_threads,
-                              &cfg.value_method,      &cfg.sink_tokens};
+                              &cfg.value_method,      &cfg.sink_tokens,         &cfg.rollback_tokens};
   constexpr size_t kFields = sizeof fields / sizeof fields[0];
   for (uint32_t n = in.byte() % 6; n > 0; --n) {
-    const uint32_t which = in.byte() % (kFields + 6);
+    const uint32_t which = in.byte() % (kFields + 7);
     if (which < kFields) {
       *fields[which] = fuzz_u32(in);
     } else if (which == kFields) {
@@ -183,7 +198,11 @@ void mutate(Input &in, qjlkv_config &cfg) {
     } else if (which == kFields + 3) {
       cfg.backend = in.flag() ? in.u32() : in.byte() % 3;
     } else if (which == kFields + 4) {
-      cfg.struct_size = in.flag() ? uint32_t(sizeof cfg) : QJLKV_CONFIG_SIZE_0_1;
+      cfg.struct_size = fuzz_struct_size(in);
+    } else if (which == kFields + 5) {
+      // 0 (no budget), a budget too small for one block, or room for a few.
+      static constexpr uint64_t kBudgets[] = {0, 1, 4096, 1ull << 20, ~0ull};
+      cfg.memory_budget = in.flag() ? in.u64() : in.pick(kBudgets);
     } else {
       cfg.seed = in.u64();
     }
@@ -211,8 +230,16 @@ void exercise_cache(Input &in, qjlkv_cache *c, const qjlkv_config &cfg) {
     }
   }
   qjlkv_status s = qjlkv_cache_append(c, layer, 3, n, keys.data(), values.data());
-  FUZZ_CHECK(s == QJLKV_OK, "append of %u tokens: %s", n, qjlkv_status_string(s));
   uint64_t length = 0;
+  if (s == QJLKV_ERROR_MEMORY_BUDGET) {
+    // Only a config with a budget refuses, and the refusal changes nothing.
+    FUZZ_CHECK(cfg.struct_size == sizeof cfg && cfg.memory_budget != 0, "append refused with no memory_budget");
+    FUZZ_CHECK(names(qjlkv_last_error_message(), "memory_budget"), "the refusal does not name memory_budget");
+    FUZZ_CHECK(qjlkv_cache_length(c, layer, 3, &length) == QJLKV_OK && length == 0, "a refused append stored %llu",
+               (unsigned long long)length);
+    return;
+  }
+  FUZZ_CHECK(s == QJLKV_OK, "append of %u tokens: %s", n, qjlkv_status_string(s));
   FUZZ_CHECK(qjlkv_cache_length(c, layer, 3, &length) == QJLKV_OK && length == n, "length %llu, appended %u",
              (unsigned long long)length, n);
   std::vector<uint8_t> query(size_t(cfg.num_q_heads) * cfg.head_dim * io, 0);
@@ -222,7 +249,7 @@ void exercise_cache(Input &in, qjlkv_cache *c, const qjlkv_config &cfg) {
   // A zero query weighs every position equally: the output is the mean of the values, which lie
   // in [1/4, 1] (1 - 6/8 up to 1; quantization stays within the group's range up to rounding).
   // Rotated Lloyd-Max values keep only each token's norm (<= sqrt(d)), not the channel ranges.
-  const bool rotated = cfg.struct_size == sizeof(qjlkv_config) && cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX;
+  const bool rotated = cfg.struct_size != QJLKV_CONFIG_SIZE_0_1 && cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX;
   const float lo = rotated ? -1.01f * std::sqrt(float(cfg.head_dim)) : 0.2f;
   const float hi = rotated ? 1.01f * std::sqrt(float(cfg.head_dim)) : 1.05f;
   for (size_t i = 0; i < size_t(cfg.num_q_heads) * cfg.head_dim; ++i) {
