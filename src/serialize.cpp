@@ -546,9 +546,18 @@ void check_rows(const CacheSpec &spec, const uint8_t *data, size_t rows, bool va
   }
 }
 
-void read_layer(Reader &in, const qjlkv_cache *c, uint32_t version, uint32_t expected_layer,
-                PortableImport &staging, uint64_t &payload_left) {
-  const CacheSpec &spec = c->spec();
+// A layer section's header and counts, checked against the config and the payload left.
+struct LayerSection {
+  uint32_t layer = 0;
+  LayerShape shape;
+  uint32_t outlier_heads = 0;
+  bool traced = false;         // an OTT-traced layer holding tokens
+  uint64_t body = 0;           // bytes after the section header
+  uint64_t section_start = 0;  // stream offset where the body began
+};
+
+LayerSection read_section_header(Reader &in, const CacheSpec &spec, uint32_t version, uint32_t expected_layer,
+                                 uint64_t &payload_left) {
   const qjlkv_config &cfg = spec.cfg;
   uint8_t f[kSectionHeaderBytes + kLayerFieldBytes];
   in.bytes(f, sizeof f, "a layer section's header");
@@ -556,91 +565,106 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t version, uint32_t exp
   if (tag != kLayerTag)
     corrupt("section tag %u at stream offset %llu is not the layer tag (%u)", tag,
             (unsigned long long)(in.offset() - sizeof f), kLayerTag);
-  const uint64_t body = get64(f + 8);
+  LayerSection s;
+  s.body = get64(f + 8);
   const uint8_t *lf = f + kSectionHeaderBytes;
-  const uint32_t layer = get32(lf);
+  const uint32_t layer = s.layer = get32(lf);
   if (get32(f + 4) != 0) corrupt("layer %u: the reserved field is not 0", layer);
   if (layer != expected_layer) corrupt("the layer section for layer %u holds layer %u", expected_layer, layer);
-  LayerShape shape;
   // Version 1's reserved field at lf + 28 is 0, the sink count of the caches it is read into.
-  shape.counts = {get64(lf + 8), get32(lf + 16), get32(lf + 20), get32(lf + 28)};
-  const uint32_t outlier_heads = get32(lf + 4);
-  const BlockLayout &layout = spec.layers[layer].layout;
-  const uint64_t length = shape.counts.length, R = cfg.residual_tokens, B = cfg.block_tokens;
+  s.shape.counts = {get64(lf + 8), get32(lf + 16), get32(lf + 20), get32(lf + 28)};
+  const PortableCounts &counts = s.shape.counts;
+  s.outlier_heads = get32(lf + 4);
+  const uint64_t length = counts.length, R = cfg.residual_tokens, B = cfg.block_tokens;
   if (length > UINT32_MAX) corrupt("layer %u: length %llu exceeds 2^32 - 1", layer, (unsigned long long)length);
   const uint64_t sinks = std::min<uint64_t>(length, cfg.sink_tokens), rest = length - sinks;
-  if (shape.counts.sink_tokens != sinks)
+  if (counts.sink_tokens != sinks)
     corrupt("layer %u: %u sink tokens, a sequence of %llu tokens holds %llu (config.sink_tokens %u)", layer,
-            shape.counts.sink_tokens, (unsigned long long)length, (unsigned long long)sinks, cfg.sink_tokens);
+            counts.sink_tokens, (unsigned long long)length, (unsigned long long)sinks, cfg.sink_tokens);
   const uint64_t blocks = rest >= R + B ? (rest - R) / B : 0;
-  if (shape.counts.blocks != blocks || shape.counts.tail_tokens != rest - blocks * B)
+  if (counts.blocks != blocks || counts.tail_tokens != rest - blocks * B)
     corrupt("layer %u: %u blocks and %u tail tokens are not how a sequence of %llu tokens is stored (%llu blocks)",
-            layer, shape.counts.blocks, shape.counts.tail_tokens, (unsigned long long)length,
-            (unsigned long long)blocks);
+            layer, counts.blocks, counts.tail_tokens, (unsigned long long)length, (unsigned long long)blocks);
   const size_t record = stream_record_bytes(spec, layer, version);
   if (get32(lf + 24) != record)
     corrupt("layer %u: block records of %u bytes, this config's are %zu in format version %u", layer, get32(lf + 24),
             record, version);
-  const bool traced = spec.layers[layer].traced && length > 0;
-  if (outlier_heads != (traced ? cfg.num_kv_heads : 0))
-    corrupt("layer %u: outlier state for %u kv heads, expected %u", layer, outlier_heads,
-            traced ? cfg.num_kv_heads : 0);
+  s.traced = spec.layers[layer].traced && length > 0;
+  if (s.outlier_heads != (s.traced ? cfg.num_kv_heads : 0))
+    corrupt("layer %u: outlier state for %u kv heads, expected %u", layer, s.outlier_heads,
+            s.traced ? cfg.num_kv_heads : 0);
   // The section size without the outlier tokens, which are only known as they are read.
-  const uint64_t fixed_body = layer_body_bytes(spec, shape, record) + uint64_t(outlier_heads) * kOutlierFieldBytes;
-  if (body > payload_left - std::min(payload_left, uint64_t(kSectionHeaderBytes)) || body < fixed_body ||
-      (!traced && body != fixed_body))
+  const uint64_t fixed_body =
+      layer_body_bytes(spec, s.shape, record) + uint64_t(s.outlier_heads) * kOutlierFieldBytes;
+  const uint64_t available = payload_left - std::min(payload_left, uint64_t(kSectionHeaderBytes));
+  if (s.body > available || s.body < fixed_body || (!s.traced && s.body != fixed_body))
     corrupt("layer %u: the section claims %llu bytes; its counts need %s%llu, the payload has %llu left", layer,
-            (unsigned long long)body, traced ? "at least " : "", (unsigned long long)fixed_body,
-            (unsigned long long)(payload_left - std::min(payload_left, uint64_t(kSectionHeaderBytes))));
-  if (!in.can_hold(body - kLayerFieldBytes))
+            (unsigned long long)s.body, s.traced ? "at least " : "", (unsigned long long)fixed_body,
+            (unsigned long long)available);
+  if (!in.can_hold(s.body - kLayerFieldBytes))
     corrupt("the stream is truncated: layer %u's section claims %llu bytes, the stream ends before", layer,
-            (unsigned long long)body);
-  payload_left -= kSectionHeaderBytes + body;
-  const uint64_t section_start = in.offset() - kLayerFieldBytes;  // where the body began
-  if (length == 0) return;
-  staging.add_layer(layer, shape.counts);
+            (unsigned long long)s.body);
+  payload_left -= kSectionHeaderBytes + s.body;
+  s.section_start = in.offset() - kLayerFieldBytes;
+  return s;
+}
 
+// All keys, then all values of the sinks (or the tail), through the bounded buffer `rows`.
+void read_exact_rows(Reader &in, const CacheSpec &spec, uint32_t layer, ExactRows which, uint32_t tokens,
+                     std::vector<uint8_t> &rows, PortableImport &staging) {
+  const qjlkv_config &cfg = spec.cfg;
   const size_t token = size_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
-  const uint32_t chunk = uint32_t(std::max<size_t>(1, Writer::kPiece / token));
-  std::vector<uint8_t> rows(size_t(std::min(chunk, std::max(shape.counts.sink_tokens, shape.counts.tail_tokens))) *
-                            token);
-  // All keys, then all values of the sinks (or the tail), through a bounded buffer.
-  const auto read_exact = [&](ExactRows which, uint32_t tokens) {
-    const bool sink = which == ExactRows::sinks;
-    for (const bool values : {false, true}) {
-      for (uint32_t t = 0; t < tokens; t += chunk) {
-        const uint32_t n = std::min(chunk, tokens - t);
-        in.bytes(rows.data(), size_t(n) * token,
-                 sink ? (values ? "the sink values" : "the sink keys") : (values ? "the tail values" : "the tail keys"));
-        check_rows(spec, rows.data(), size_t(n) * cfg.num_kv_heads, values, layer, sink ? "sink" : "tail");
-        staging.write_exact(which, t, n, values, rows.data());
-      }
+  const uint32_t chunk = uint32_t(rows.size() / token);
+  const bool sink = which == ExactRows::sinks;
+  for (const bool values : {false, true}) {
+    for (uint32_t t = 0; t < tokens; t += chunk) {
+      const uint32_t n = std::min(chunk, tokens - t);
+      in.bytes(rows.data(), size_t(n) * token,
+               sink ? (values ? "the sink values" : "the sink keys") : (values ? "the tail values" : "the tail keys"));
+      check_rows(spec, rows.data(), size_t(n) * cfg.num_kv_heads, values, layer, sink ? "sink" : "tail");
+      staging.write_exact(which, t, n, values, rows.data());
     }
-  };
-  read_exact(ExactRows::sinks, shape.counts.sink_tokens);
+  }
+}
+
+// The block records of a layer, each checked and staged; returns, per kv head, the positions the
+// blocks mark as moved to OTT's pool, in order.
+std::vector<std::vector<uint64_t>> read_blocks(Reader &in, const CacheSpec &spec, uint32_t version,
+                                               const LayerSection &s, PortableImport &staging) {
+  const qjlkv_config &cfg = spec.cfg;
+  const LayerSpec &ls = spec.layers[s.layer];
+  const BlockLayout &layout = ls.layout;
   std::vector<uint8_t> block(layout.stride, 0);
-  const bool sign_bits = stores_sign_bits(spec, spec.layers[layer], version);
-  std::vector<uint8_t> old_keys(sign_bits ? sign_bits_layout(cfg, spec.layers[layer]).key_bytes : 0);
+  const bool sign_bits = stores_sign_bits(spec, ls, version);
+  std::vector<uint8_t> old_keys(sign_bits ? sign_bits_layout(cfg, ls).key_bytes : 0);
   std::vector<std::vector<uint64_t>> moved(cfg.num_kv_heads);
-  const uint64_t pool_limit = uint64_t(cfg.outlier_tokens) + cfg.outlier_spill_tokens;
-  for (uint32_t b = 0; b < shape.counts.blocks; ++b) {
+  const uint64_t pool_limit = s.traced ? uint64_t(cfg.outlier_tokens) + cfg.outlier_spill_tokens : 0;
+  for (uint32_t b = 0; b < s.shape.counts.blocks; ++b) {
     for (uint32_t h = 0; h < cfg.num_kv_heads; ++h) {
       // Keys of the sign-bit layout are read aside and converted into the block.
       in.bytes(sign_bits ? old_keys.data() : block.data(), sign_bits ? old_keys.size() : layout.key_bytes,
                "a block record");
       in.bytes(block.data() + layout.values_offset, layout.value_bytes, "a block record");
-      if (sign_bits) convert_sign_bits_record(spec, layer, old_keys.data(), block.data(), b, h);
-      check_block(spec, layer, block.data(), sinks + uint64_t(b) * B, moved[h], b, h);
-      if (moved[h].size() > (traced ? pool_limit : 0))
+      if (sign_bits) convert_sign_bits_record(spec, s.layer, old_keys.data(), block.data(), b, h);
+      check_block(spec, s.layer, block.data(), s.shape.counts.sink_tokens + uint64_t(b) * cfg.block_tokens,
+                  moved[h], b, h);
+      if (moved[h].size() > pool_limit)
         corrupt("layer %u, kv head %u: more tokens marked as moved than this layer's pool and spill area hold "
-                "(%llu)", layer, h, (unsigned long long)(traced ? pool_limit : 0));
+                "(%llu)", s.layer, h, (unsigned long long)pool_limit);
       staging.write_block(b, h, block.data());
     }
   }
-  read_exact(ExactRows::tail, shape.counts.tail_tokens);
+  return moved;
+}
+
+// OTT's outlier state of each kv head: its tokens must be exactly those the blocks mark as moved.
+void read_outlier_states(Reader &in, const CacheSpec &spec, const LayerSection &s,
+                         const std::vector<std::vector<uint64_t>> &moved, PortableImport &staging) {
+  const qjlkv_config &cfg = spec.cfg;
+  const uint32_t layer = s.layer;
   PortableOutliers ott;
   const size_t row = size_t(cfg.head_dim) * spec.io_elem;
-  for (uint32_t h = 0; h < outlier_heads; ++h) {
+  for (uint32_t h = 0; h < s.outlier_heads; ++h) {
     uint8_t of[kOutlierFieldBytes];
     in.bytes(of, sizeof of, "an outlier state");
     ott.pool = get32(of);
@@ -651,7 +675,7 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t version, uint32_t exp
               h, ott.pool, ott.spilled, tracing, cfg.outlier_tokens, cfg.outlier_spill_tokens);
     ott.tracing = tracing == 1;
     const size_t n = size_t(ott.pool) + ott.spilled;
-    if (in.offset() - section_start + n * (4 + 2 * row) + 4 * ott.pool > body)
+    if (in.offset() - s.section_start + n * (4 + 2 * row) + 4 * ott.pool > s.body)
       corrupt("layer %u, kv head %u: the outlier tokens overrun the section", layer, h);
     ott.positions.resize(n);
     ott.norms.resize(ott.pool);
@@ -661,7 +685,6 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t version, uint32_t exp
     in.bytes(ott.norms.data(), 4 * size_t(ott.pool), "the outlier norms");
     in.bytes(ott.keys.data(), ott.keys.size(), "the outlier keys");
     in.bytes(ott.values.data(), ott.values.size(), "the outlier values");
-    // Exactly the positions the blocks marked as moved, each once.
     std::vector<uint64_t> listed(ott.positions.begin(), ott.positions.end());
     std::sort(listed.begin(), listed.end());
     if (listed != moved[h])
@@ -673,9 +696,29 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t version, uint32_t exp
     check_rows(spec, ott.values.data(), n, true, layer, "outlier");
     staging.write_outliers(h, ott);
   }
-  if (in.offset() - section_start != body)
-    corrupt("layer %u: the section claims %llu bytes, its contents take %llu", layer, (unsigned long long)body,
-            (unsigned long long)(in.offset() - section_start));
+}
+
+// One layer section: its header, then sinks, blocks, tail and outlier states, in stream order.
+void read_layer(Reader &in, const qjlkv_cache *c, uint32_t version, uint32_t expected_layer,
+                PortableImport &staging, uint64_t &payload_left) {
+  const CacheSpec &spec = c->spec();
+  const qjlkv_config &cfg = spec.cfg;
+  const LayerSection s = read_section_header(in, spec, version, expected_layer, payload_left);
+  const PortableCounts &counts = s.shape.counts;
+  if (counts.length == 0) return;
+  staging.add_layer(s.layer, counts);
+
+  const size_t token = size_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
+  const uint32_t chunk = uint32_t(std::max<size_t>(1, Writer::kPiece / token));
+  std::vector<uint8_t> rows(size_t(std::max(1u, std::min(chunk, std::max(counts.sink_tokens, counts.tail_tokens)))) *
+                            token);
+  read_exact_rows(in, spec, s.layer, ExactRows::sinks, counts.sink_tokens, rows, staging);
+  const std::vector<std::vector<uint64_t>> moved = read_blocks(in, spec, version, s, staging);
+  read_exact_rows(in, spec, s.layer, ExactRows::tail, counts.tail_tokens, rows, staging);
+  read_outlier_states(in, spec, s, moved, staging);
+  if (in.offset() - s.section_start != s.body)
+    corrupt("layer %u: the section claims %llu bytes, its contents take %llu", s.layer, (unsigned long long)s.body,
+            (unsigned long long)(in.offset() - s.section_start));
 }
 
 void import_stream(qjlkv_cache *c, uint32_t seq, Reader &in) {
