@@ -507,6 +507,89 @@ class Sketch {
 };
 
 // ---------------------------------------------------------------------------
+// Python files as the C library's stream callbacks (qjlkv_write_fn, qjlkv_read_fn)
+// ---------------------------------------------------------------------------
+// Calls write(bytes) for each piece; an exception it raises is kept, the piece counts as
+// unwritten (which stops the export), and rethrow() raises it after the call.
+class PythonWriter {
+ public:
+  explicit PythonWriter(py::object write) : write_(std::move(write)) {}
+  static size_t callback(void *user, const void *data, size_t size) {
+    auto *self = static_cast<PythonWriter *>(user);
+    py::gil_scoped_acquire gil;
+    try {
+      const py::object taken = self->write_(py::bytes(static_cast<const char *>(data), size));
+      // file.write returns the count (or None for some streams, meaning all of it).
+      const size_t count = taken.is_none() ? size : taken.cast<size_t>();
+      self->written_ += count;
+      return count;
+    } catch (py::error_already_set &e) {
+      self->error_ = std::make_unique<py::error_already_set>(std::move(e));
+      return 0;
+    }
+  }
+  void rethrow() {
+    if (error_) throw std::move(*error_);
+  }
+  uint64_t written() const { return written_; }
+
+ private:
+  py::object write_;
+  uint64_t written_ = 0;
+  std::unique_ptr<py::error_already_set> error_;
+};
+
+// Fills each request through reader.readinto(memoryview), or reader.read(n), until it is full or
+// the file ends; an exception is kept like PythonWriter's.
+class PythonReader {
+ public:
+  explicit PythonReader(const py::object &reader) {
+    if (py::hasattr(reader, "readinto")) readinto_ = reader.attr("readinto");
+    else if (py::hasattr(reader, "read")) read_ = reader.attr("read");
+    else fail_type("file is a " + type_name(reader) + "; expected an object with readinto() or read()");
+  }
+  static size_t callback(void *user, void *data, size_t size) {
+    auto *self = static_cast<PythonReader *>(user);
+    py::gil_scoped_acquire gil;
+    size_t done = 0;
+    try {
+      while (done < size) {
+        const size_t got = self->read_some(static_cast<char *>(data) + done, size - done);
+        if (got == 0) break;  // end of file
+        done += got;
+      }
+    } catch (py::error_already_set &e) {
+      self->error_ = std::make_unique<py::error_already_set>(std::move(e));
+      return 0;
+    }
+    return done;
+  }
+  void rethrow() {
+    if (error_) throw std::move(*error_);
+  }
+
+ private:
+  size_t read_some(char *data, size_t size) {
+    if (readinto_) {
+      py::object view =
+          py::reinterpret_steal<py::object>(PyMemoryView_FromMemory(data, Py_ssize_t(size), PyBUF_WRITE));
+      if (!view) throw py::error_already_set();
+      const py::object n = readinto_(view);
+      view.attr("release")();
+      return n.is_none() ? 0 : n.cast<size_t>();
+    }
+    const py::bytes chunk = read_(size);
+    const std::string_view bytes = chunk;
+    const size_t got = std::min(bytes.size(), size);
+    std::memcpy(data, bytes.data(), got);
+    return got;
+  }
+
+  py::object readinto_, read_;
+  std::unique_ptr<py::error_already_set> error_;
+};
+
+// ---------------------------------------------------------------------------
 // Cache
 // ---------------------------------------------------------------------------
 class Cache {
@@ -747,35 +830,17 @@ class Cache {
   // by write() stops the export and propagates.
   uint64_t export_to(py::handle seq, py::handle first_layer, py::handle num_layers, py::object write) const {
     const uint32_t s = to_u32(seq, "seq"), f = to_u32(first_layer, "first_layer"), n = to_u32(num_layers, "num_layers");
-    struct Sink {
-      py::object write;
-      uint64_t written = 0;
-      std::unique_ptr<py::error_already_set> error;
-    } sink{std::move(write)};
-    const auto callback = [](void *user, const void *data, size_t size) -> size_t {
-      auto *k = static_cast<Sink *>(user);
-      py::gil_scoped_acquire gil;
-      try {
-        const py::object taken = k->write(py::bytes(static_cast<const char *>(data), size));
-        // file.write returns the count (or None for some streams, meaning all of it).
-        const size_t count = taken.is_none() ? size : taken.cast<size_t>();
-        k->written += count;
-        return count;
-      } catch (py::error_already_set &e) {
-        k->error = std::make_unique<py::error_already_set>(std::move(e));
-        return 0;
-      }
-    };
+    PythonWriter sink(std::move(write));
     const Session session(*handle_);
     const qjlkv_cache *c = session.cache();
     qjlkv_status status;
     {
       py::gil_scoped_release release;
-      status = qjlkv_cache_export_stream(c, s, f, n, callback, &sink);
+      status = qjlkv_cache_export_stream(c, s, f, n, PythonWriter::callback, &sink);
     }
-    if (sink.error) throw std::move(*sink.error);
+    sink.rethrow();
     check(status);
-    return sink.written;
+    return sink.written();
   }
 
   // Any C-contiguous buffer (bytes, bytearray, memoryview, numpy uint8, mmap): read in place.
@@ -800,50 +865,15 @@ class Cache {
   // stream's bytes, so several streams can follow each other in one file.
   void import_from(py::handle seq, py::object reader) {
     const uint32_t s = to_u32(seq, "seq");
-    struct Source {
-      py::object readinto, read;
-      std::unique_ptr<py::error_already_set> error;
-    } source;
-    if (py::hasattr(reader, "readinto")) source.readinto = reader.attr("readinto");
-    else if (py::hasattr(reader, "read")) source.read = reader.attr("read");
-    else fail_type("file is a " + type_name(reader) + "; expected an object with readinto() or read()");
-    const auto callback = [](void *user, void *data, size_t size) -> size_t {
-      auto *src = static_cast<Source *>(user);
-      py::gil_scoped_acquire gil;
-      size_t done = 0;
-      try {
-        while (done < size) {
-          size_t got = 0;
-          if (src->readinto) {
-            py::object view = py::reinterpret_steal<py::object>(PyMemoryView_FromMemory(
-                static_cast<char *>(data) + done, Py_ssize_t(size - done), PyBUF_WRITE));
-            if (!view) throw py::error_already_set();
-            const py::object n = src->readinto(view);
-            view.attr("release")();
-            got = n.is_none() ? 0 : n.cast<size_t>();
-          } else {
-            const py::bytes chunk = src->read(size - done);
-            const std::string_view bytes = chunk;
-            got = std::min(bytes.size(), size - done);
-            std::memcpy(static_cast<char *>(data) + done, bytes.data(), got);
-          }
-          if (got == 0) break;  // end of file
-          done += got;
-        }
-      } catch (py::error_already_set &e) {
-        src->error = std::make_unique<py::error_already_set>(std::move(e));
-        return 0;
-      }
-      return done;
-    };
+    PythonReader source(reader);
     const Session session(*handle_);
     qjlkv_cache *c = session.cache();
     qjlkv_status status;
     {
       py::gil_scoped_release release;
-      status = qjlkv_cache_import_stream(c, s, callback, &source);
+      status = qjlkv_cache_import_stream(c, s, PythonReader::callback, &source);
     }
-    if (source.error) throw std::move(*source.error);
+    source.rethrow();
     check(status);
   }
 
