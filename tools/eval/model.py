@@ -136,7 +136,8 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """GeLU, tanh approximation (PyTorch's approximate="tanh", Gemma's hidden_activation)."""
-    return 0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)))
+    inner = np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)
+    return 0.5 * x * (1.0 + np.tanh(inner))
 
 
 def causal_mask(query_positions: np.ndarray, first_key: int, last_key: int,
@@ -306,7 +307,8 @@ class LlamaModel:
         return tuple(None if (i + 1) % int(pattern) == 0 else window for i in range(layers))
 
     # ---- pieces shared by both paths -------------------------------------------------
-    def rope(self, x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray | None = None) -> np.ndarray:
+    def rope(self, x: np.ndarray, positions: np.ndarray,
+             inv_freq: np.ndarray | None = None) -> np.ndarray:
         """x: [n, heads, d] at positions [n]; rotates the architecture's pairs: adjacent
         (x[2i], x[2i+1]) for llama's permuted GGUF rows, (x[i], x[i + d/2]) for qwen2 and
         gemma3. inv_freq: a layer's own frequencies (Gemma 3's local layers)."""

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .caches import ExactCache
-from .evaluate import DEFAULT_TEXT, BITS_LENGTH, CacheConfig, bits_at_length, headline_configurations
+from .evaluate import (DEFAULT_TEXT, BITS_LENGTH, CacheConfig, bits_at_length,
+                       headline_configurations, runnable_configurations)
 from .model import LlamaModel, load_model, single_threaded_blas
 from .models import DEFAULT_MODEL, MODELS
 
@@ -188,6 +189,7 @@ def run(model_name: str, lengths: list[int], num_depths: int, configs: list[Cach
 
     started = time.time()
     model = load_model(model_name, progress=progress)
+    configs = runnable_configurations(model, configs)  # windowed models: what can run them
     depths = [round(float(d), 4) for d in np.linspace(0.05, 0.95, num_depths)]
     names = ["exact (numpy fp32)"] + [c.name for c in configs]
     records, bits, earlier_seconds = resumed(out_dir, MODELS[model_name].title, depths, names, lengths)

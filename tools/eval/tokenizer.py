@@ -175,7 +175,8 @@ class SentencePieceTokenizer:
             raise ValueError(f"the vocabulary has {len(self.byte_ids)} byte tokens, 256 expected")
 
         def splitter(names):
-            return regex.compile("(" + "|".join(regex.escape(s) for s in sorted(names, key=len, reverse=True)) + ")")
+            longest_first = sorted(names, key=len, reverse=True)
+            return regex.compile("(" + "|".join(regex.escape(s) for s in longest_first) + ")")
 
         self._user_split = splitter(self.user_defined)
         self._special_split = splitter(self.special)
@@ -191,7 +192,8 @@ class SentencePieceTokenizer:
             raise ValueError("tokenizer.ggml.add_space_prefix is set: not supported")
         return cls(value("tokenizer.ggml.tokens"), value("tokenizer.ggml.token_type"),
                    value("tokenizer.ggml.scores"), int(value("tokenizer.ggml.eos_token_id")),
-                   value("tokenizer.ggml.bos_token_id"), bool(value("tokenizer.ggml.add_bos_token", False)))
+                   value("tokenizer.ggml.bos_token_id"),
+                   bool(value("tokenizer.ggml.add_bos_token", False)))
 
     def _merge(self, text: str) -> list[int]:
         import heapq
