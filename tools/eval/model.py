@@ -263,6 +263,7 @@ class LlamaModel:
             biases = [n + ".bias" for n in qkv if n + ".bias" in tensors]
             if biases and len(biases) != 3:
                 raise ValueError(f"layer {i} has biases on only some of q, k, v: {biases}")
+
             def optional(name):
                 return weight(p + name) if p + name in tensors else None
 
