@@ -1,6 +1,6 @@
 """Logits and token ids of a prompt from Hugging Face transformers loading a GGUF file:
-the oracle of the numpy model (tests/eval/test_qwen.py runs it in a subprocess, so that its
-memory is freed before the numpy weights load).
+the oracle of the numpy model (tests/eval/test_qwen.py and test_gemma.py run it in a
+subprocess, so that its memory is freed before the numpy weights load).
 
 python3 tests/eval/hf_reference.py GGUF PROMPT_FILE OUT.npz
 """

@@ -49,3 +49,40 @@ def test_special_tokens_only_when_allowed(model):
     assert tok.decode(ids) == chat
     plain = tok.encode(chat)
     assert 1 not in plain and tok.decode(plain) == chat
+
+
+def tiny_sentencepiece():
+    """A vocabulary in Gemma's layout: control tokens, user-defined runs, 256 byte tokens,
+    then pieces whose scores decide the merge order."""
+    from tools.eval.tokenizer import SentencePieceTokenizer
+
+    tokens = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "\n\n", "  "]
+    types = [3, 3, 3, 3, 4, 4]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    pieces = {"a": -1.0, "b": -1.0, "c": -1.0, "▁": -1.0, "ab": -5.0, "bc": -2.0, "abc": -3.0,
+              "▁a": -4.0, "é": -1.0}
+    tokens += list(pieces)
+    types += [1] * len(pieces)
+    scores = [0.0] * (len(tokens) - len(pieces)) + list(pieces.values())
+    return SentencePieceTokenizer(tokens, types, scores, eos_id=1, bos_id=2, add_bos=True)
+
+
+def test_sentencepiece_merges_the_best_scored_pair_first():
+    tok = tiny_sentencepiece()
+    names = lambda ids: [tok.tokens[i] for i in ids]  # noqa: E731
+    # "bc" (-2) beats "ab" (-5), then a + bc = "abc" (-3) is a token: merged in two steps
+    assert names(tok.encode("abc")) == ["abc"]
+    assert names(tok.encode("abab")) == ["ab", "ab"]
+    assert names(tok.encode("ab")) == ["ab"]
+    assert names(tok.encode("a b")) == ["a", "▁", "b"]  # no "▁b" piece
+    assert names(tok.encode(" a")) == ["▁a"]
+    # user-defined runs always; control tokens only when allowed; bytes for unknown characters
+    assert names(tok.encode("a\n\nb  c")) == ["a", "\n\n", "b", "  ", "c"]
+    assert names(tok.encode("<bos>", allow_special=True)) == ["<bos>"]
+    assert "<bos>" not in names(tok.encode("<bos>"))
+    assert names(tok.encode("z")) == ["<0x7A>"]
+    assert names(tok.encode("日")) == ["<0xE6>", "<0x97>", "<0xA5>"]
+    assert tok.bos_prefix == [2]
+    text = "a b\n\nabc  日 é"
+    assert tok.decode(tok.encode(text)) == text

@@ -1,5 +1,7 @@
 """The KV formats users would otherwise pick: llama.cpp's q8_0 and q4_0 cache types, and
-q4_0 after a normalized Hadamard rotation, as numpy caches with the interface of caches.py.
+q4_0 after a normalized Hadamard rotation, as numpy caches with the interface of caches.py;
+also its default f16 (every number rounded to float16, 16 bits), the exact-storage row
+where the library's own exact preset cannot run (a model with sliding windows).
 
 Block formats, bit-exact to ggml's reference quantizers (ggml-quants.c; the `gguf`
 package's quants module implements the same, and tests/eval/test_anchors.py compares):
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .caches import ExactCache
+from .caches import ExactCache, shape_windows
 
 BLOCK = 32
 BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}
@@ -92,11 +94,12 @@ class BlockQuantCache(ExactCache):
     attention in float32 on the dequantized numbers."""
 
     def __init__(self, name: str, fmt: str, shape, rotate: bool = False):
-        if fmt not in QUANTIZE:
-            raise ValueError(f"format {fmt!r}: expected one of {sorted(QUANTIZE)}")
+        if fmt not in QUANTIZE and fmt != "f16":
+            raise ValueError(f"format {fmt!r}: expected f16 or one of {sorted(QUANTIZE)}")
         if shape.head_dim % BLOCK:
             raise ValueError(f"head_dim {shape.head_dim} is not a multiple of {BLOCK}")
-        super().__init__(shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+        super().__init__(shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
+                         windows=shape_windows(shape))
         self.name, self.fmt = name, fmt
         self.rotation = hadamard(shape.head_dim) if rotate else None
 
@@ -105,6 +108,8 @@ class BlockQuantCache(ExactCache):
         x = np.asarray(x, np.float32)
         if self.rotation is not None:
             x = x @ self.rotation
+        if self.fmt == "f16":
+            return x.astype(np.float16).astype(np.float32)
         return dequantize(self.fmt, *QUANTIZE[self.fmt](x))
 
     def attend(self, layer: int, queries: np.ndarray) -> np.ndarray:
@@ -116,6 +121,6 @@ class BlockQuantCache(ExactCache):
 
     def stats(self) -> dict:
         numbers = sum(self.lengths) * self.num_kv_heads * self.head_dim * 2
-        used = numbers // BLOCK * BLOCK_BYTES[self.fmt]
+        used = numbers * 2 if self.fmt == "f16" else numbers // BLOCK * BLOCK_BYTES[self.fmt]
         return {"bits_per_number": 8 * used / numbers if numbers else 0.0, "bytes_used": used,
                 "bytes_fp16_equivalent": numbers * 2, "bytes_full_precision": 0}

@@ -34,7 +34,7 @@ def generate(model: LlamaModel, prompt_ids: list[int], preset: str, max_tokens: 
              fields: dict | None = None, num_threads: int = 1) -> dict:
     s = model.shape
     fields = fields or {}
-    exact = ExactCache(s.num_layers, s.num_q_heads, s.num_kv_heads, s.head_dim)
+    exact = ExactCache.of(s)
     compressed = QjlkvCache(preset, preset, s, num_threads=num_threads, **fields)
     follower = QjlkvCache(preset, preset, s, num_threads=num_threads, **fields)
     caches = [exact, compressed, follower]

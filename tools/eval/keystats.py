@@ -25,19 +25,21 @@ import sys
 import numpy as np
 
 from .evaluate import DEFAULT_TEXT, load_text_tokens
-from .model import LlamaModel, grouped_attention
+from .model import LlamaModel, causal_mask, grouped_attention, load_model
+from .models import DEFAULT_MODEL, MODELS
 
 
 def layer_qkv(model: LlamaModel, tokens: list[int]):
     """Yields each layer's (q, k, v) of an exact forward pass over `tokens` (post-RoPE)."""
     n = len(tokens)
-    x = model.embedding[np.asarray(tokens)]
+    x = model.embed(np.asarray(tokens))
     positions = np.arange(n)
-    causal = np.triu(np.full((n, n), -np.inf, np.float32), k=1)
     for layer in model.layers:
         q, k, v = model._qkv(layer, x, positions)
         yield q, k, v
-        x = model._finish_layer(layer, x, grouped_attention(q, k, v, causal))
+        # each layer's own mask: Gemma 3's local layers see their window only
+        mask = causal_mask(positions, 0, n, layer.window)
+        x = model._finish_layer(layer, x, grouped_attention(q, k, v, mask))
 
 
 def layer_statistics(model: LlamaModel, tokens: list[int], last: int = 64) -> list[dict]:
@@ -105,11 +107,13 @@ def kernel_error(model: LlamaModel, tokens: list[int], preset: str, isa: str | N
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m tools.eval.keystats", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=list(MODELS),
+                   help=f"the model (default {DEFAULT_MODEL})")
     p.add_argument("--tokens", type=int, default=1024, help="text tokens (default 1024)")
     p.add_argument("--kernel-error", metavar="PRESET", help="the fast path's logit error for PRESET instead")
     p.add_argument("--isa", help="with --kernel-error: the instruction set (default: the library's choice)")
     a = p.parse_args(argv)
-    model = LlamaModel()
+    model = load_model(a.model)
     if a.kernel_error:
         rows = kernel_error(model, load_text_tokens(model, DEFAULT_TEXT, a.tokens), a.kernel_error, a.isa)
         print(f"| layer | {a.isa or 'default'} − scalar, rms | scalar − q·k, rms | ratio |")

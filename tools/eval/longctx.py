@@ -43,8 +43,8 @@ import numpy as np
 from .evaluate import DATA_DIR, BITS_LENGTH, bits_at_length, decode_through, headline_configurations
 from .model import LlamaModel, load_model, single_threaded_blas
 from .models import MODELS
-from .passkey import (SYSTEM_TURN, answer_key, answer_through, haystack_paragraphs,
-                      make_prompts, prompt_kv, spread_order)
+from .passkey import (CHATML_TURNS, SYSTEM_TURN, TURNS, answer_key, answer_through,
+                      haystack_paragraphs, make_prompts, prompt_kv, spread_order)
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "long-context")
@@ -264,7 +264,8 @@ def multikey_prompt(model: LlamaModel, length: int, keys: int, trial: int):
     tok = model.tokenizer
     rng = np.random.default_rng(1000 * trial + length)
     system = SYSTEM_TURN.get(model.shape.architecture, "")
-    header = tok.encode(system + "<|im_start|>user\n" + MULTI_INSTRUCTION, allow_special=True)
+    user, answer = TURNS.get(model.shape.architecture, CHATML_TURNS)
+    header = tok.encode(system + user + MULTI_INSTRUCTION, allow_special=True)
     paragraphs = haystack_paragraphs(model, length, text=long_text())
     starts = np.cumsum([0] + [len(p) for p in paragraphs])
     doors = [str(d) for d in rng.permutation(DOORS)[:keys]]
@@ -292,8 +293,8 @@ def multikey_prompt(model: LlamaModel, length: int, keys: int, trial: int):
     questions = []
     for door, number, boundary in zip(doors, numbers, boundaries):
         question = tok.encode(f"\n\nWhat is the pass key of the {door} door? Answer with the "
-                              "number only.<|im_end|>\n<|im_start|>assistant\nThe pass key of "
-                              f"the {door} door is", allow_special=True)
+                              f"number only.{answer}The pass key of the {door} door is",
+                              allow_special=True)
         questions.append((door, number, round(float(starts[boundary]) / length, 4), question))
     return header + body, questions
 

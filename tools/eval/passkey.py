@@ -1,7 +1,8 @@
 """Pass-key retrieval: can the model find a 5-digit number hidden in a long text when its
 KV cache is compressed?
 
-A prompt (ChatML, the chat template of both instruct models) asks for the pass key hidden
+A prompt (ChatML, the chat template of both instruct models; Gemma's turns for Gemma 3,
+whose base model knows them) asks for the pass key hidden
 in a haystack: the GPL v3 text (tools/eval/data) cut to `length` tokens, with the sentence
 "The pass key is NNNNN. Remember it. NNNNN is the pass key." inserted at a paragraph
 boundary at each depth (5 % ... 95 % of the haystack). The system turn, instruction and
@@ -32,7 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .caches import ExactCache
-from .evaluate import DEFAULT_TEXT, BITS_LENGTH, CacheConfig, bits_at_length, headline_configurations
+from .evaluate import (DEFAULT_TEXT, BITS_LENGTH, CacheConfig, bits_at_length,
+                       headline_configurations, runnable_configurations)
 from .model import LlamaModel, load_model, single_threaded_blas
 from .models import DEFAULT_MODEL, MODELS
 
@@ -40,6 +42,9 @@ from .models import DEFAULT_MODEL, MODELS
 # template adds none.
 SYSTEM_TURN = {"qwen2": "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. "
                         "You are a helpful assistant.<|im_end|>\n"}
+# (start of the user turn, end of it and start of the answer turn) by architecture
+TURNS = {"gemma3": ("<bos><start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n")}
+CHATML_TURNS = ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
 INSTRUCTION = ("There is a pass key hidden inside a lot of irrelevant text. Find it and "
                "memorize it. I will quiz you about the pass key.\n\n")
 QUESTION = "\n\nWhat is the pass key? Answer with the number only."
@@ -89,12 +94,12 @@ def make_prompts(model: LlamaModel, length: int, depths: list[float], seed: int 
     tok = model.tokenizer
     rng = np.random.default_rng(seed + length)
     system = SYSTEM_TURN.get(model.shape.architecture, "")
-    header = tok.encode(system + "<|im_start|>user\n" + INSTRUCTION, allow_special=True)
+    user, answer = TURNS.get(model.shape.architecture, CHATML_TURNS)
+    header = tok.encode(system + user + INSTRUCTION, allow_special=True)
     paragraphs = haystack_paragraphs(model, length, text=text)
     starts = np.cumsum([0] + [len(p) for p in paragraphs])  # token offset of each boundary
     head = header + [t for p in paragraphs for t in p]
-    question = tok.encode(QUESTION + "<|im_end|>\n<|im_start|>assistant\n" + ANSWER_START,
-                          allow_special=True)
+    question = tok.encode(QUESTION + answer + ANSWER_START, allow_special=True)
     prompts = []
     for depth in depths:
         boundary = int(np.abs(starts - depth * length).argmin())
@@ -151,7 +156,7 @@ def answer_through(model: LlamaModel, kv, question: list[int], configs: list[Cac
     with the prompt's per-layer K/V `kv`; the question decoded through each (teacher-forced),
     then `answer_tokens` greedy tokens. Returns the decoded answers and the caches."""
     s = model.shape
-    caches = [ExactCache(s.num_layers, s.num_q_heads, s.num_kv_heads, s.head_dim)] if exact else []
+    caches = [ExactCache.of(s)] if exact else []
     caches += [c.make(s, num_threads) for c in configs]
     position = len(kv[0][0])
     for cache in caches:
@@ -184,6 +189,7 @@ def run(model_name: str, lengths: list[int], num_depths: int, configs: list[Cach
 
     started = time.time()
     model = load_model(model_name, progress=progress)
+    configs = runnable_configurations(model, configs)  # windowed models: what can run them
     depths = [round(float(d), 4) for d in np.linspace(0.05, 0.95, num_depths)]
     names = ["exact (numpy fp32)"] + [c.name for c in configs]
     records, bits, earlier_seconds = resumed(out_dir, MODELS[model_name].title, depths, names, lengths)

@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from .caches import ExactCache
+from .caches import ExactCache, shape_windows
 
 
 def orthogonal_sketch(rows: int, d: int, rng: np.random.Generator) -> np.ndarray:
@@ -69,7 +69,8 @@ class PrototypeQjlCache(ExactCache):
     def __init__(self, name: str, shape, m: int, m_out: int, channels: int, *, block: int = 32,
                  residual: int = 32, value_bits: int = 2, value_group: int = 32,
                  center: bool = False, outlier_bits: int = 0, seed: int = 0):
-        super().__init__(shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+        super().__init__(shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
+                         windows=shape_windows(shape))
         self.name, self.s = name, shape
         self.m, self.m_out, self.c = m, m_out, channels
         self.block, self.residual = block, residual

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .caches import ExactCache
+from .caches import ExactCache, shape_windows
 from .prototype import dequantized, fp16
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "format-candidates")
@@ -305,7 +305,8 @@ class ResearchCache(ExactCache):
 
     def __init__(self, name: str, shape, fmt: Format, fp16_io: bool = True, seed: int = 0,
                  reserve_tokens: int = 0):
-        super().__init__(shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+        super().__init__(shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
+                         windows=shape_windows(shape))
         if reserve_tokens:   # the run's length known: no geometric growth (Qwen's memory)
             for store in (self.keys, self.values):
                 for layer in range(shape.num_layers):

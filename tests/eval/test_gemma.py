@@ -1,0 +1,114 @@
+"""The numpy forward of Gemma 3 270M (gemma3 architecture: QK-norm, post-norms, GeLU,
+scaled embeddings, 5 local layers with a 512-position window for each global one, two RoPE
+bases, SentencePiece vocabulary) against Hugging Face transformers reading the same GGUF.
+
+The prompt is longer than the window, so that the local layers' windows change the logits
+of its last positions. transformers runs first, in a subprocess (tests/eval/hf_reference.py).
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tools.eval.anchors import BlockQuantCache
+from tools.eval.caches import ExactCache, QjlkvCache, WindowsUnsupported, library_has_windows
+from tools.eval.evaluate import DEFAULT_TEXT
+from tools.eval.model import single_threaded_blas
+from tools.eval.models import fetch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WINDOW = 512
+# The BOS Gemma reads a document after, then the GPL text: 580 tokens
+PROMPT_CHARS = 2600
+# Measured 4.0e-4 apart on logits up to 49.7 (8e-6 of their scale): the bound of the
+# other models (1e-4 of the scale) leaves a 12x margin. Without the windows the logits
+# past position 512 are 8.7 apart.
+LOGIT_TOLERANCE = 1e-4
+
+
+def prompt() -> str:
+    with open(DEFAULT_TEXT, encoding="utf-8") as f:
+        return "<bos>" + f.read()[:PROMPT_CHARS]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = fetch("gemma3-270m", progress=False)
+    folder = tmp_path_factory.mktemp("hf")
+    (folder / "prompt.txt").write_text(prompt(), encoding="utf-8")
+    out = folder / "reference.npz"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "hf_reference.py"), path,
+                           str(folder / "prompt.txt"), str(out)],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return np.load(out)
+
+
+@pytest.fixture(scope="module")
+def gemma(reference):
+    from tools.eval.model import load_model
+
+    return load_model("gemma3-270m")
+
+
+def test_shape_windows_and_norms_from_metadata(gemma):
+    s = gemma.shape
+    assert (s.num_layers, s.dim, s.num_q_heads, s.num_kv_heads, s.head_dim, s.vocab_size) == \
+        (18, 640, 4, 1, 256, 262144)
+    assert (s.architecture, s.rope_type, s.rope_base, s.rope_base_local) == \
+        ("gemma3", "neox", 1e6, 1e4)
+    # every 6th layer is global
+    assert s.windows == tuple(None if i % 6 == 5 else WINDOW for i in range(18))
+    layer = gemma.layers[0]
+    assert layer.q_norm.shape == layer.k_norm.shape == (256,)
+    # the converter stores Gemma's norm weights as 1 + w: mostly positive scales
+    assert np.median(layer.post_attn_norm) > 0 and gemma.final_softcap is None
+    assert gemma.tokenizer.bos_prefix == [2]
+
+
+def test_token_ids_equal_transformers(gemma, reference):
+    ids = gemma.tokenizer.encode(prompt(), allow_special=True)
+    assert ids == reference["ids"].tolist()
+    assert len(ids) > WINDOW + 50  # the windows matter for the last positions
+    assert gemma.tokenizer.decode(ids[1:]) == prompt()[len("<bos>"):]
+
+
+def test_logits_match_transformers(gemma, reference):
+    ids = reference["ids"].tolist()
+    logits, _ = gemma.forward(ids)
+    expected = reference["logits"]
+    scale = np.abs(expected).max()
+    assert scale > 10 and bool(reference["tied"])
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=LOGIT_TOLERANCE * scale)
+    assert (logits.argmax(-1) == expected.argmax(-1)).all()
+
+
+def test_decoding_through_windowed_caches_matches_transformers(gemma, reference):
+    """Prefill short of the window, then decode past it through the exact and the f16
+    cache: their masks, not the forward's, must drop the oldest positions."""
+    ids = reference["ids"].tolist()
+    expected = reference["logits"]
+    s = gemma.shape
+    # positions 510..517: the last 6 queries' windows have dropped 1..6 of the oldest keys
+    prefix, end = WINDOW - 2, WINDOW + 6
+    caches = [ExactCache.of(s), BlockQuantCache("f16", "f16", s)]
+    with single_threaded_blas():  # small matmuls: one thread is faster (model.py)
+        stepped = [np.repeat(gemma.prefill(ids[:prefix], caches)[None], 2, axis=0)]
+        for pos in range(prefix, end):
+            stepped.append(gemma.decode_step([ids[pos]] * 2, pos, caches))
+    stepped = np.array(stepped)  # [steps, caches, vocab]: predictions of positions prefix-1..
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(stepped[:, 0], expected[prefix - 1:end], rtol=0,
+                               atol=LOGIT_TOLERANCE * scale)
+    assert np.abs(stepped[:, 1] - stepped[:, 0]).max() < 0.05 * scale  # fp16 rounding only
+
+
+def test_library_rows_refused_without_window_support(gemma):
+    import qjlkv
+
+    if library_has_windows(qjlkv):
+        pytest.skip("the installed qjlkv applies windows: nothing to refuse")
+    with pytest.raises(WindowsUnsupported, match="window"):
+        QjlkvCache("qjl", "qjl", gemma.shape)
