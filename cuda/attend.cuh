@@ -17,8 +17,7 @@
 #pragma once
 #include <cfloat>
 
-#include "keys.cuh"
-#include "values.cuh"
+#include "policies.cuh"
 
 namespace qjlkv::cuda {
 
@@ -366,7 +365,7 @@ cudaError_t configure_one(size_t smem_optin) {
 // A kernel's shared memory limit is process-wide (every layer and every cache launches the same
 // kernels), so it is raised to the device's maximum rather than to one layer's need.
 template <class IO, class KEYS, class VALUES>
-cudaError_t configure_kind(size_t smem_limit) {
+cudaError_t configure_methods(size_t smem_limit) {
   cudaError_t e = configure_one<IO, KEYS, VALUES, 1>(smem_limit);
   if (e == cudaSuccess) e = configure_one<IO, KEYS, VALUES, 2>(smem_limit);
   if (e == cudaSuccess) e = configure_one<IO, KEYS, VALUES, 4>(smem_limit);
@@ -376,15 +375,13 @@ cudaError_t configure_kind(size_t smem_limit) {
 
 template <class IO>
 cudaError_t configure_io(const KernelShape &shape, size_t smem_limit) {
-  return with_key_policy(shape.kind, [&](auto keys) {
-    return with_value_policy(shape.value_kind, [&](auto values) {
-      return configure_kind<IO, decltype(keys), decltype(values)>(smem_limit);
-    });
+  return with_policies(shape, [&](auto keys, auto values) {
+    return configure_methods<IO, decltype(keys), decltype(values)>(smem_limit);
   });
 }
 
 template <class IO, class KEYS, class VALUES>
-cudaError_t launch_kind(const AttendArgs &a, uint32_t rows, uint32_t grid, cudaStream_t stream) {
+cudaError_t launch_methods(const AttendArgs &a, uint32_t rows, uint32_t grid, cudaStream_t stream) {
   auto kernel = rows == 1 ? attend_kernel<IO, KEYS, VALUES, 1>
                 : rows == 2 ? attend_kernel<IO, KEYS, VALUES, 2>
                 : rows == 4 ? attend_kernel<IO, KEYS, VALUES, 4>
@@ -397,10 +394,8 @@ template <class IO>
 cudaError_t launch_io(const AttendArgs &a, uint32_t rows, cudaStream_t stream) {
   const uint64_t grid = uint64_t(a.n_seqs) * a.shape.Hkv * a.split.splits * a.row_tiles;
   if (grid == 0 || grid > 0x7fffffffu) return cudaErrorInvalidConfiguration;
-  return with_key_policy(a.shape.kind, [&](auto keys) {
-    return with_value_policy(a.shape.value_kind, [&](auto values) {
-      return launch_kind<IO, decltype(keys), decltype(values)>(a, rows, uint32_t(grid), stream);
-    });
+  return with_policies(a.shape, [&](auto keys, auto values) {
+    return launch_methods<IO, decltype(keys), decltype(values)>(a, rows, uint32_t(grid), stream);
   });
 }
 

@@ -48,16 +48,6 @@
 namespace qjlkv::cuda {
 namespace {
 
-KeyKind key_kind(qjlkv_key_method method) {
-  switch (method) {
-    case QJLKV_KEYS_QJL: return KeyKind::qjl;
-    case QJLKV_KEYS_EXACT: return KeyKind::exact;
-    case QJLKV_KEYS_KIVI:
-    case QJLKV_KEYS_OTT: return KeyKind::kivi;  // OTT: KIVI blocks plus the token mask
-  }
-  unreachable();
-}
-
 constexpr size_t kAlign = 256;
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -332,7 +322,7 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   KernelShape &k = layer.shape;
   k.dtype = dtype_of(cfg);
   k.stored_bf16 = spec().stored_dtype == QJLKV_DTYPE_BF16;
-  k.kind = key_kind(key_method_of(cfg));
+  k.key_method = key_method_of(cfg);
   k.d = cfg.head_dim;
   k.Hkv = cfg.num_kv_heads;
   k.Hq = cfg.num_q_heads;
@@ -340,9 +330,7 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   k.B = cfg.block_tokens;
   k.ring = cfg.residual_tokens + cfg.block_tokens;
   k.key_bits = cfg.key_bits;
-  k.value_kind = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX ? ValueKind::lloyd_max
-                 : cfg.value_bits == 16                                ? ValueKind::stored16
-                                                                       : ValueKind::uniform;
+  k.value_method = static_cast<qjlkv_value_method>(cfg.value_method);
   k.value_bits = cfg.value_bits;
   k.sinks = cfg.sink_tokens;
   k.value_group = cfg.value_group_size;
@@ -351,24 +339,8 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   k.sketch_rows = ls.sketch_rows;
   k.outlier_channels = ls.m_out ? cfg.outlier_channels : 0;
   k.qjl_constant = spec().qjl_constant;
-  const auto u32 = [](size_t x) { return uint32_t(x); };
-  k.key_norm_in = u32(b.key_norm_in);
-  k.key_norm_out = u32(b.key_norm_out);
-  k.key_corrections = u32(b.key_corrections);
-  k.key_bits_in = u32(b.key_bits_in);
-  k.key_outlier_idx = u32(b.key_outlier_idx);
-  k.key_scale = u32(b.key_scale);
-  k.key_min = u32(b.key_min);
-  k.key_codes = u32(b.key_codes);
-  k.value_scale = u32(b.value_scale);
-  k.value_min = u32(b.value_min);
-  k.value_codes = u32(b.value_codes);
-  k.bits_in_bpt = u32(b.key_bytes_per_token_bits_in);
-  k.key_codes_bpt = u32(b.key_bytes_per_token_codes);
-  k.value_codes_bpt = u32(b.value_bytes_per_token_codes);
-  k.head_stride = u32((b.stride + 15) / 16 * 16);
-  k.has_mask = cfg.key_method == QJLKV_KEYS_OTT;
-  k.key_mask = u32(b.key_mask);
+  k.layout = b;
+  k.head_stride = uint32_t((b.stride + 15) / 16 * 16);
   k.traced = ls.traced;
   k.ott_pool = cfg.outlier_tokens;
   k.ott_spill = cfg.outlier_spill_tokens;
@@ -393,15 +365,13 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   layer.rings = std::make_unique<SlotPool>(align_up(ring_bytes_), 4);
   if (cfg.sink_tokens) layer.sinks = std::make_unique<SlotPool>(align_up(2 * sink_bytes()), 4);
   layer.copies = std::make_unique<SlotPool>(align_up(k.copy.bytes), 4);
-  if (k.kind == KeyKind::qjl) {
-    size_t max_dynamic = 0;
-    check_cuda(configure_qjl_quantize(smem_optin, &max_dynamic), "cudaFuncSetAttribute");
-    if (quantize_smem(k) > max_dynamic)
-      fail(QJLKV_ERROR_UNSUPPORTED,
-           "layer %u: the QJL quantizer needs %zu bytes of shared memory for the sign bits of an outlier sketch of "
-           "%u rows, the device offers %zu; use smaller outlier sketches or the CPU backend",
-           l, quantize_smem(k), k.m_out, max_dynamic);
-  }
+  size_t quantize_limit = 0;
+  check_cuda(configure_quantize(k, smem_optin, &quantize_limit), "cudaFuncSetAttribute");
+  if (quantize_smem(k) > quantize_limit)
+    fail(QJLKV_ERROR_UNSUPPORTED,
+         "layer %u: the key quantizer needs %zu bytes of shared memory (QJL: the sign bits of an outlier sketch of "
+         "%u rows), the device offers %zu; use smaller outlier sketches or the CPU backend",
+         l, quantize_smem(k), k.m_out, quantize_limit);
   if (k.traced) {
     size_t max_dynamic = 0;
     check_cuda(configure_ott_quantize(smem_optin, &max_dynamic), "cudaFuncSetAttribute");
@@ -414,7 +384,7 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
     layer.otts = std::make_unique<SlotPool>(2 * size_t(k.Hkv) * k.ott.bytes, 4);
   }
 
-  if (k.kind == KeyKind::qjl) {
+  if (ls.sketch) {
     // Uploaded once, transposed to [d][rows] so that thread i reading row i is coalesced.
     const SketchMatrix &matrix = ls.sketch->matrix;
     std::vector<float> transposed(size_t(matrix.rows) * matrix.cols);
@@ -427,7 +397,7 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
     check_cuda(cudaStreamSynchronize(stream_), "uploading the sketch");  // `transposed` dies here
     k.sketch_t = static_cast<const float *>(layer.sketch_t.data);
   }
-  if (k.value_kind == ValueKind::lloyd_max) {
+  if (!ls.value_signs.empty()) {
     const std::vector<float> &signs = ls.value_signs;
     layer.value_signs.ensure(signs.size() * sizeof(float), *pool_, stream_);
     check_cuda(cudaMemcpyAsync(layer.value_signs.data, signs.data(), signs.size() * sizeof(float),
