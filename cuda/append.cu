@@ -3,8 +3,6 @@
 // Compiled with --fmad=false: the quantizers reproduce the CPU backend's fp32 arithmetic operation
 // by operation (and QJL's corrections, exact integer sums, through the same quant_math.hpp
 // functions), so sign bits, norms, corrections, outlier channels and codes come out bit-identical.
-#include <initializer_list>
-
 #include "methods/ott_tracing.hpp"
 #include "policies.cuh"
 
@@ -294,21 +292,17 @@ cudaError_t launch_quantize_io(const KernelShape &s, const QuantJob *jobs, uint3
   });
 }
 
-// Raises each kernel's dynamic shared memory limit to what the device allows next to its static
-// shared memory (static and dynamic together must fit smem_optin); *max_dynamic receives the
-// smallest of those limits.
-template <class... Kernels>
-cudaError_t raise_dynamic_smem(size_t smem_optin, size_t *max_dynamic, Kernels... kernels) {
-  *max_dynamic = smem_optin;
-  for (auto kernel : {kernels...}) {
-    cudaFuncAttributes attributes;
-    cudaError_t e = cudaFuncGetAttributes(&attributes, kernel);
-    if (e != cudaSuccess) return e;
-    const size_t dynamic = smem_optin > attributes.sharedSizeBytes ? smem_optin - attributes.sharedSizeBytes : 0;
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic));
-    if (e != cudaSuccess) return e;
-    if (dynamic < *max_dynamic) *max_dynamic = dynamic;
-  }
+// Raises a kernel's dynamic shared memory limit to what the device allows next to its static
+// shared memory (static and dynamic together must fit smem_optin); *max_dynamic receives it.
+template <class Kernel>
+cudaError_t raise_dynamic_smem(size_t smem_optin, size_t *max_dynamic, Kernel kernel) {
+  cudaFuncAttributes attributes;
+  cudaError_t e = cudaFuncGetAttributes(&attributes, kernel);
+  if (e != cudaSuccess) return e;
+  const size_t dynamic = smem_optin > attributes.sharedSizeBytes ? smem_optin - attributes.sharedSizeBytes : 0;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic));
+  if (e != cudaSuccess) return e;
+  *max_dynamic = dynamic;
   return cudaSuccess;
 }
 
@@ -359,25 +353,26 @@ size_t quantize_smem(const KernelShape &s) {
 }
 
 cudaError_t configure_quantize(const KernelShape &s, size_t smem_optin, size_t *max_dynamic) {
-  return with_key_policy(s.key_method, [&](auto keys) {
+  return with_policies(s, [&](auto keys, auto values) {
     using K = decltype(keys);
-    return raise_dynamic_smem(
-        smem_optin, max_dynamic, quantize_kernel<IoF32, K, UniformValues>, quantize_kernel<IoF16, K, UniformValues>,
-        quantize_kernel<IoBF16, K, UniformValues>, quantize_kernel<IoF32, K, Stored16Values>,
-        quantize_kernel<IoF16, K, Stored16Values>, quantize_kernel<IoBF16, K, Stored16Values>,
-        quantize_kernel<IoF32, K, LloydMaxValues>, quantize_kernel<IoF16, K, LloydMaxValues>,
-        quantize_kernel<IoBF16, K, LloydMaxValues>);
+    using V = decltype(values);
+    auto kernel = s.dtype == QJLKV_DTYPE_F32   ? quantize_kernel<IoF32, K, V>
+                  : s.dtype == QJLKV_DTYPE_F16 ? quantize_kernel<IoF16, K, V>
+                                               : quantize_kernel<IoBF16, K, V>;
+    return raise_dynamic_smem(smem_optin, max_dynamic, kernel);
   });
 }
 
 size_t ott_quantize_smem(const KernelShape &s) { return ott_smem(s.B, s.ott_pool, s.d).total; }
 
-cudaError_t configure_ott_quantize(size_t smem_optin, size_t *max_dynamic) {
-  return raise_dynamic_smem(smem_optin, max_dynamic, ott_quantize_kernel<IoF32, UniformValues>,
-                            ott_quantize_kernel<IoF16, UniformValues>, ott_quantize_kernel<IoBF16, UniformValues>,
-                            ott_quantize_kernel<IoF32, Stored16Values>, ott_quantize_kernel<IoF16, Stored16Values>,
-                            ott_quantize_kernel<IoBF16, Stored16Values>, ott_quantize_kernel<IoF32, LloydMaxValues>,
-                            ott_quantize_kernel<IoF16, LloydMaxValues>, ott_quantize_kernel<IoBF16, LloydMaxValues>);
+cudaError_t configure_ott_quantize(const KernelShape &s, size_t smem_optin, size_t *max_dynamic) {
+  return with_value_policy(s, [&](auto values) {
+    using V = decltype(values);
+    auto kernel = s.dtype == QJLKV_DTYPE_F32   ? ott_quantize_kernel<IoF32, V>
+                  : s.dtype == QJLKV_DTYPE_F16 ? ott_quantize_kernel<IoF16, V>
+                                               : ott_quantize_kernel<IoBF16, V>;
+    return raise_dynamic_smem(smem_optin, max_dynamic, kernel);
+  });
 }
 
 cudaError_t launch_ott_quantize(const KernelShape &s, const OttJob *jobs, uint32_t n_jobs, cudaStream_t stream) {

@@ -78,8 +78,8 @@ cudaError_t launch_validate(const KernelShape &shape, const void *keys, const vo
 cudaError_t launch_quantize(const KernelShape &shape, const QuantJob *jobs, uint32_t n_jobs, cudaStream_t stream);
 // Dynamic shared memory of the quantizer for this shape (its key policy's quantize_smem).
 size_t quantize_smem(const KernelShape &shape);
-// Raises the dynamic shared memory limit of the quantizers of this shape's key method to what the
-// device allows next to their static shared memory (at creation); *max_dynamic receives that limit.
+// Raises the dynamic shared memory limit of this shape's quantizer to what the device allows next to
+// its static shared memory (at creation); *max_dynamic receives that limit.
 cudaError_t configure_quantize(const KernelShape &shape, size_t smem_optin, size_t *max_dynamic);
 
 // OTT-traced layers: the new blocks of one sequence, quantized in order by one CTA per kv head,
@@ -94,9 +94,9 @@ struct OttJob {
 cudaError_t launch_ott_quantize(const KernelShape &shape, const OttJob *jobs, uint32_t n_jobs, cudaStream_t stream);
 // Dynamic shared memory of the OTT quantizer for this shape.
 size_t ott_quantize_smem(const KernelShape &shape);
-// Raises the OTT quantizer's dynamic shared memory limit to what the device allows next to its
-// static shared memory (once, at creation); *max_dynamic receives that limit.
-cudaError_t configure_ott_quantize(size_t smem_optin, size_t *max_dynamic);
+// Raises the dynamic shared memory limit of this shape's OTT quantizer to what the device allows
+// next to its static shared memory (at creation); *max_dynamic receives that limit.
+cudaError_t configure_ott_quantize(const KernelShape &shape, size_t smem_optin, size_t *max_dynamic);
 cudaError_t launch_commit(const KernelShape &shape, const CommitJob *jobs, uint32_t n_jobs, cudaStream_t stream);
 
 // ---- attend -----------------------------------------------------------------------------------
