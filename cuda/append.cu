@@ -1,15 +1,10 @@
-// Append kernels: data validation, block quantization (QJL / KIVI / EXACT keys; values through
-// their policy types, values.cuh)
-// and the commit of block tables and tail tokens. Compiled with --fmad=false: the quantizers
-// reproduce the CPU backend's fp32 arithmetic operation by operation (and QJL's corrections,
-// exact integer sums, through the same quant_math.hpp functions), so sign bits, norms, corrections,
-// outlier channels and codes come out bit-identical.
-#include <cub/block/block_radix_sort.cuh>
-#include <cub/block/block_scan.cuh>
-#include <initializer_list>
-
+// Append kernels: data validation, block quantization (keys and values through their policy
+// types, keys.cuh and values.cuh), OTT tracing and the commit of block tables and tail tokens.
+// Compiled with --fmad=false: the quantizers reproduce the CPU backend's fp32 arithmetic operation
+// by operation (and QJL's corrections, exact integer sums, through the same quant_math.hpp
+// functions), so sign bits, norms, corrections, outlier channels and codes come out bit-identical.
 #include "methods/ott_tracing.hpp"
-#include "values.cuh"
+#include "policies.cuh"
 
 namespace qjlkv::cuda {
 namespace {
@@ -85,161 +80,8 @@ __device__ void save_rows(const KernelShape &s, const BlockSource<IO> &src) {
   }
 }
 
-// QJL keys (CPU: qjl_quantize_block). Sums run sequentially in the CPU's order, without FMA.
-// Dynamic shared memory: the chunk's outlier sign bits (quantize_smem), which only the
-// corrections read: the block does not store them.
-template <class IO>
-__device__ void quantize_qjl_keys(const KernelShape &s, const BlockSource<IO> &src, uint8_t *block) {
-  using Sort = cub::BlockRadixSort<unsigned long long, kThreads, 1>;
-  using Scan = cub::BlockScan<int, kThreads>;
-  __shared__ union {
-    typename Sort::TempStorage sort;
-    typename Scan::TempStorage scan;
-  } cub_storage;
-  __shared__ int is_outlier[kThreads];
-  __shared__ uint32_t outliers[kThreads];
-  __shared__ float inlier_keys[kQuantizeChunk][kThreads];  // outlier channels zeroed
-  __shared__ float raw_keys[kQuantizeChunk][kThreads];
-  QJLKV_DYNAMIC_SMEM(outlier_bits);  // [kQuantizeChunk][m_out / 8]: sign(S_out·k_out)
-  const uint32_t tid = threadIdx.x, lane = tid & 31u, d = s.d, B = s.B, c = s.outlier_channels;
-
-  is_outlier[tid] = 0;
-  if (c > 0) {
-    // Channel energies Σ_t k_tj², then the c largest (ties: lower channel) through a block sort.
-    float energy = 0.0f;
-    if (tid < d)
-      for (uint32_t t = 0; t < B; ++t) {
-        const float x = src.key(t, tid);
-        energy = __fadd_rn(energy, __fmul_rn(x, x));
-      }
-    unsigned long long sort_key[1] = {tid < d ? outlier_sort_key(energy, tid) : 0ull};
-    Sort(cub_storage.sort).SortDescending(sort_key);
-    __syncthreads();
-    if (tid < c) is_outlier[outlier_sort_channel(sort_key[0])] = 1;
-    __syncthreads();
-    // Stored ascending: each outlier channel's slot is the number of outlier channels below it.
-    const int flag = is_outlier[tid];
-    int slot = 0;
-    Scan(cub_storage.scan).ExclusiveSum(flag, slot);
-    if (flag) {
-      outliers[slot] = tid;
-      block[s.key_outlier_idx + slot] = uint8_t(tid);
-    }
-  }
-  __syncthreads();
-
-  auto *norm_in = reinterpret_cast<uint16_t *>(block + s.key_norm_in);
-  auto *norm_out = reinterpret_cast<uint16_t *>(block + s.key_norm_out);
-  auto *corrections = reinterpret_cast<uint16_t *>(block + s.key_corrections);
-  const uint32_t outlier_bytes = s.m_out / 8;
-  const float *sketch_t = s.sketch_t;
-  const uint32_t rows = s.sketch_rows;
-  for (uint32_t t0 = 0; t0 < B; t0 += kQuantizeChunk) {  // B is a multiple of 8
-    for (uint32_t i = tid; i < kQuantizeChunk * d; i += kThreads) {
-      const uint32_t tt = i / d, j = i % d;
-      const float x = src.key(t0 + tt, j);
-      raw_keys[tt][j] = x;
-      inlier_keys[tt][j] = is_outlier[j] ? 0.0f : x;
-    }
-    __syncthreads();
-    if (tid < kQuantizeChunk) {
-      float norm2 = 0.0f;
-      for (uint32_t j = 0; j < d; ++j) norm2 = __fadd_rn(norm2, __fmul_rn(inlier_keys[tid][j], inlier_keys[tid][j]));
-      norm_in[t0 + tid] = float_to_half(sqrtf(norm2));
-    } else if (c > 0 && tid >= 32 && tid < 32 + kQuantizeChunk) {
-      const uint32_t tt = tid - 32;
-      float norm2 = 0.0f;
-      for (uint32_t i = 0; i < c; ++i) {
-        const float x = raw_keys[tt][outliers[i]];
-        norm2 = __fadd_rn(norm2, __fmul_rn(x, x));
-      }
-      norm_out[t0 + tt] = float_to_half(sqrtf(norm2));
-    }
-    // Sign bits of n_rows sketch rows over the channels channel(0..n_channels-1) of keys: thread i
-    // projects the chunk's tokens on sketch row i; a warp ballot packs 8 rows per byte (bit j of
-    // byte b = row 8b + j) into the chunk's rows of bytes_per_token bytes at `bits`.
-    const auto pack_signs = [&](uint32_t n_rows, uint32_t n_channels, auto channel,
-                                const float (&keys)[kQuantizeChunk][kThreads], uint8_t *bits,
-                                uint32_t bytes_per_token) {
-      for (uint32_t base = 0; base < n_rows; base += kThreads) {
-        const uint32_t i = base + tid;
-        float projection[kQuantizeChunk] = {};
-        if (i < n_rows)
-          for (uint32_t k = 0; k < n_channels; ++k) {
-            const uint32_t j = channel(k);
-            const float w = sketch_t[size_t(j) * rows + i];
-#pragma unroll
-            for (uint32_t tt = 0; tt < kQuantizeChunk; ++tt)
-              projection[tt] = __fadd_rn(projection[tt], __fmul_rn(w, keys[tt][j]));
-          }
-#pragma unroll
-        for (uint32_t tt = 0; tt < kQuantizeChunk; ++tt) {
-          const uint32_t positive = __ballot_sync(0xffffffffu, i < n_rows && projection[tt] > 0.0f);
-          if (i < n_rows && (lane & 7u) == 0) bits[size_t(tt) * bytes_per_token + i / 8] = uint8_t(positive >> lane);
-        }
-      }
-    };
-    uint8_t *bits_in = block + s.key_bits_in;
-    pack_signs(s.m, d, [](uint32_t k) { return k; }, inlier_keys, bits_in + size_t(t0) * s.bits_in_bpt,
-               s.bits_in_bpt);
-    if (c > 0) {
-      pack_signs(s.m_out, c, [&](uint32_t k) { return outliers[k]; }, raw_keys, outlier_bits, outlier_bytes);
-      __syncthreads();  // the chunk's norms and bits are written
-      // The corrections (QjlKeys::store_corrections), one thread per (outlier, token). Column o of
-      // the sketch is row o of sketch_t: column_signed_sum reads it as a [rows][1] matrix.
-      for (uint32_t pair = tid; pair < c * kQuantizeChunk; pair += kThreads) {
-        const uint32_t j = pair / kQuantizeChunk, tt = pair % kQuantizeChunk, t = t0 + tt;
-        const float *column = sketch_t + size_t(outliers[j]) * rows;
-        const int64_t inlier_sum = column_signed_sum(column, 1, 0, bits_in + size_t(t) * s.bits_in_bpt, s.m);
-        const int64_t outlier_sum = column_signed_sum(column, 1, 0, outlier_bits + tt * outlier_bytes, s.m_out);
-        corrections[size_t(j) * B + t] = qjl_correction(s.qjl_constant, half_to_float(norm_in[t]),
-                                                        half_to_float(norm_out[t]), inlier_sum, outlier_sum, s.m,
-                                                        s.m_out);
-      }
-    }
-    __syncthreads();
-  }
-}
-
-// KIVI keys (CPU: kivi_quantize_block): per channel over the block's tokens.
-template <class IO>
-__device__ void quantize_kivi_keys(const KernelShape &s, const BlockSource<IO> &src, uint8_t *block) {
-  __shared__ float channel_scale[kThreads], channel_min[kThreads];
-  const uint32_t tid = threadIdx.x, d = s.d, B = s.B, bits = s.key_bits;
-  if (tid < d) {
-    float lo = src.key(0, tid), hi = lo;
-    for (uint32_t t = 1; t < B; ++t) kivi_minmax_step(src.key(t, tid), lo, hi);
-    const GroupQuant q = group_quant(lo, hi, bits);
-    reinterpret_cast<uint16_t *>(block + s.key_scale)[tid] = q.scale_bits;
-    reinterpret_cast<uint16_t *>(block + s.key_min)[tid] = q.min_bits;
-    channel_scale[tid] = q.scale;
-    channel_min[tid] = q.min;
-  }
-  __syncthreads();
-  const uint32_t eights = d / 8;
-  for (uint32_t i = tid; i < B * eights; i += kThreads) {
-    const uint32_t t = i / eights, g8 = i % eights;
-    uint64_t packed = 0;
-    for (uint32_t k = 0; k < 8; ++k) {
-      const uint32_t j = 8 * g8 + k;
-      GroupQuant q{};
-      q.scale = channel_scale[j];
-      q.min = channel_min[j];
-      packed |= uint64_t(quant_code(src.key(t, j), q, bits)) << (k * bits);
-    }
-    store_codes8(block + s.key_codes + size_t(t) * s.key_codes_bpt, g8, bits, packed);
-  }
-}
-
-template <class IO>
-__device__ void store_exact_keys(const KernelShape &s, const BlockSource<IO> &src, uint8_t *block) {
-  auto *dst = reinterpret_cast<uint16_t *>(block + s.key_codes);
-  for (uint32_t i = threadIdx.x; i < s.B * s.d; i += kThreads)
-    dst[i] = float_to_stored16<IO::stored_bf16>(src.key(i / s.d, i % s.d));
-}
-
 // grid (jobs, kv heads): one CTA quantizes one head of one block.
-template <class IO, KeyKind KIND, class VALUES>
+template <class IO, class KEYS, class VALUES>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const KernelShape s, const QuantJob *jobs) {
   const QuantJob job = jobs[blockIdx.x];
   const BlockSource<IO> src{job, s, blockIdx.y};
@@ -249,14 +91,12 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const KernelShape s,
   for (uint32_t i = threadIdx.x; i < s.head_stride / 16; i += kThreads)
     reinterpret_cast<uint4 *>(block)[i] = make_uint4(0, 0, 0, 0);
   __syncthreads();
-  if constexpr (KIND == KeyKind::qjl) quantize_qjl_keys<IO>(s, src, block);
-  if constexpr (KIND == KeyKind::kivi) quantize_kivi_keys<IO>(s, src, block);
-  if constexpr (KIND == KeyKind::exact) store_exact_keys<IO>(s, src, block);
+  KEYS::template quantize<IO::stored_bf16>(s, src, block);
   __syncthreads();
   VALUES::template quantize<IO::stored_bf16>(s, src, block);
 }
 
-// ---- OTT: outlier-token tracing (the steps of src/methods/ott_tracing.hpp), then KIVI -------------
+// ---- OTT: outlier-token tracing (the steps of src/methods/ott_tracing.hpp), then OttKeys ----------
 // One CTA per (sequence, kv head) walks the sequence's new blocks in order, since each block's
 // tracing starts from the pool the previous one left. The state is updated in `to`, a copy of the
 // committed state, so a rejected append leaves the committed state as it was.
@@ -352,7 +192,7 @@ __device__ void trace_block(const KernelShape &s, const BlockSource<IO> &src, ui
     mean_value[tid] = ott::mean_of_others([&](uint32_t t) { return src.raw_value(t, tid); }, is_moved, B, entering);
   }
   for (uint32_t byte = tid; byte < B / 8; byte += kThreads)
-    block[s.key_mask + byte] = ott::mask_byte(moved + 8 * byte);
+    block[s.layout.key_mask + byte] = ott::mask_byte(moved + 8 * byte);
 }
 
 // The pool of one head's outlier state (header, and P slots of positions, norms, keys and
@@ -411,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) ott_quantize_kernel(const KernelShap
     src.moved = moved;
     src.mean_key = reinterpret_cast<const float *>(smem + L.mean_key);
     src.mean_value = reinterpret_cast<const float *>(smem + L.mean_value);
-    quantize_kivi_keys<IO>(s, src, block);
+    OttKeys::quantize<IO::stored_bf16>(s, src, block);
     __syncthreads();
     VALUES::template quantize<IO::stored_bf16>(s, src, block);
     __syncthreads();
@@ -445,31 +285,24 @@ __global__ void __launch_bounds__(kThreads) commit_kernel(const KernelShape s, c
 
 template <class IO>
 cudaError_t launch_quantize_io(const KernelShape &s, const QuantJob *jobs, uint32_t n_jobs, cudaStream_t stream) {
-  return with_value_policy(s.value_kind, [&](auto values) {
-    using V = decltype(values);
-    auto kernel = s.kind == KeyKind::qjl    ? quantize_kernel<IO, KeyKind::qjl, V>
-                  : s.kind == KeyKind::kivi ? quantize_kernel<IO, KeyKind::kivi, V>
-                                            : quantize_kernel<IO, KeyKind::exact, V>;
+  return with_policies(s, [&](auto keys, auto values) {
+    auto kernel = quantize_kernel<IO, decltype(keys), decltype(values)>;
     QJLKV_LAUNCH(kernel, dim3(n_jobs, s.Hkv), kThreads, quantize_smem(s), stream, s, jobs);
     return cudaGetLastError();
   });
 }
 
-// Raises each kernel's dynamic shared memory limit to what the device allows next to its static
-// shared memory (static and dynamic together must fit smem_optin); *max_dynamic receives the
-// smallest of those limits.
-template <class... Kernels>
-cudaError_t raise_dynamic_smem(size_t smem_optin, size_t *max_dynamic, Kernels... kernels) {
-  *max_dynamic = smem_optin;
-  for (auto kernel : {kernels...}) {
-    cudaFuncAttributes attributes;
-    cudaError_t e = cudaFuncGetAttributes(&attributes, kernel);
-    if (e != cudaSuccess) return e;
-    const size_t dynamic = smem_optin > attributes.sharedSizeBytes ? smem_optin - attributes.sharedSizeBytes : 0;
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic));
-    if (e != cudaSuccess) return e;
-    if (dynamic < *max_dynamic) *max_dynamic = dynamic;
-  }
+// Raises a kernel's dynamic shared memory limit to what the device allows next to its static
+// shared memory (static and dynamic together must fit smem_optin); *max_dynamic receives it.
+template <class Kernel>
+cudaError_t raise_dynamic_smem(size_t smem_optin, size_t *max_dynamic, Kernel kernel) {
+  cudaFuncAttributes attributes;
+  cudaError_t e = cudaFuncGetAttributes(&attributes, kernel);
+  if (e != cudaSuccess) return e;
+  const size_t dynamic = smem_optin > attributes.sharedSizeBytes ? smem_optin - attributes.sharedSizeBytes : 0;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic));
+  if (e != cudaSuccess) return e;
+  *max_dynamic = dynamic;
   return cudaSuccess;
 }
 
@@ -515,30 +348,36 @@ cudaError_t launch_quantize(const KernelShape &s, const QuantJob *jobs, uint32_t
   return cudaErrorInvalidValue;  // unreachable: the dtype was validated
 }
 
-size_t quantize_smem(const KernelShape &s) { return s.kind == KeyKind::qjl ? size_t(kQuantizeChunk) * s.m_out / 8 : 0; }
+size_t quantize_smem(const KernelShape &s) {
+  return with_key_policy(s.key_method, [&](auto keys) { return decltype(keys)::quantize_smem(s); });
+}
 
-cudaError_t configure_qjl_quantize(size_t smem_optin, size_t *max_dynamic) {
-  return raise_dynamic_smem(
-      smem_optin, max_dynamic, quantize_kernel<IoF32, KeyKind::qjl, UniformValues>,
-      quantize_kernel<IoF16, KeyKind::qjl, UniformValues>, quantize_kernel<IoBF16, KeyKind::qjl, UniformValues>,
-      quantize_kernel<IoF32, KeyKind::qjl, Stored16Values>, quantize_kernel<IoF16, KeyKind::qjl, Stored16Values>,
-      quantize_kernel<IoBF16, KeyKind::qjl, Stored16Values>, quantize_kernel<IoF32, KeyKind::qjl, LloydMaxValues>,
-      quantize_kernel<IoF16, KeyKind::qjl, LloydMaxValues>, quantize_kernel<IoBF16, KeyKind::qjl, LloydMaxValues>);
+cudaError_t configure_quantize(const KernelShape &s, size_t smem_optin, size_t *max_dynamic) {
+  return with_policies(s, [&](auto keys, auto values) {
+    using K = decltype(keys);
+    using V = decltype(values);
+    auto kernel = s.dtype == QJLKV_DTYPE_F32   ? quantize_kernel<IoF32, K, V>
+                  : s.dtype == QJLKV_DTYPE_F16 ? quantize_kernel<IoF16, K, V>
+                                               : quantize_kernel<IoBF16, K, V>;
+    return raise_dynamic_smem(smem_optin, max_dynamic, kernel);
+  });
 }
 
 size_t ott_quantize_smem(const KernelShape &s) { return ott_smem(s.B, s.ott_pool, s.d).total; }
 
-cudaError_t configure_ott_quantize(size_t smem_optin, size_t *max_dynamic) {
-  return raise_dynamic_smem(smem_optin, max_dynamic, ott_quantize_kernel<IoF32, UniformValues>,
-                            ott_quantize_kernel<IoF16, UniformValues>, ott_quantize_kernel<IoBF16, UniformValues>,
-                            ott_quantize_kernel<IoF32, Stored16Values>, ott_quantize_kernel<IoF16, Stored16Values>,
-                            ott_quantize_kernel<IoBF16, Stored16Values>, ott_quantize_kernel<IoF32, LloydMaxValues>,
-                            ott_quantize_kernel<IoF16, LloydMaxValues>, ott_quantize_kernel<IoBF16, LloydMaxValues>);
+cudaError_t configure_ott_quantize(const KernelShape &s, size_t smem_optin, size_t *max_dynamic) {
+  return with_value_policy(s, [&](auto values) {
+    using V = decltype(values);
+    auto kernel = s.dtype == QJLKV_DTYPE_F32   ? ott_quantize_kernel<IoF32, V>
+                  : s.dtype == QJLKV_DTYPE_F16 ? ott_quantize_kernel<IoF16, V>
+                                               : ott_quantize_kernel<IoBF16, V>;
+    return raise_dynamic_smem(smem_optin, max_dynamic, kernel);
+  });
 }
 
 cudaError_t launch_ott_quantize(const KernelShape &s, const OttJob *jobs, uint32_t n_jobs, cudaStream_t stream) {
   if (n_jobs == 0) return cudaSuccess;
-  return with_value_policy(s.value_kind, [&](auto values) {
+  return with_value_policy(s, [&](auto values) {
     using V = decltype(values);
     auto kernel = s.dtype == QJLKV_DTYPE_F32   ? ott_quantize_kernel<IoF32, V>
                   : s.dtype == QJLKV_DTYPE_F16 ? ott_quantize_kernel<IoF16, V>

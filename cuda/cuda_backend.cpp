@@ -48,16 +48,6 @@
 namespace qjlkv::cuda {
 namespace {
 
-KeyKind key_kind(qjlkv_key_method method) {
-  switch (method) {
-    case QJLKV_KEYS_QJL: return KeyKind::qjl;
-    case QJLKV_KEYS_EXACT: return KeyKind::exact;
-    case QJLKV_KEYS_KIVI:
-    case QJLKV_KEYS_OTT: return KeyKind::kivi;  // OTT: KIVI blocks plus the token mask
-  }
-  unreachable();
-}
-
 constexpr size_t kAlign = 256;
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -87,6 +77,31 @@ struct LayerState {
   std::unique_ptr<SlotPool> copies;                      // rollback copies (CopyLayout)
   std::unordered_map<uint32_t, SeqState> seqs;
   size_t key_bytes = 0, value_bytes = 0;  // BlockLayout sizes, for the statistics
+};
+
+// What an append reserves before anything becomes visible (CudaCache::plan_append).
+struct AppendPlan {
+  struct Seq {
+    uint32_t id = 0;
+    SeqState *seq = nullptr;
+    bool created = false;
+    uint32_t new_sinks = 0;   // the first new_sinks input tokens become sinks ...
+    uint32_t n_after = 0;     // ... the other n_after follow the tail rule
+    uint32_t new_blocks = 0;
+    size_t first_slot = 0;     // into `slots`
+    // Rollback copies kept after the append: of blocks [first_copy_after, blocks); the new blocks
+    // among them get copies[first_copy, first_copy + new_copies).
+    uint32_t first_copy_after = 0;
+    size_t first_copy = 0, new_copies = 0;
+    DeviceBuffer grown_table;  // replaces seq->table_dev when the table must grow
+  };
+  std::vector<Seq> seqs;
+  std::vector<uint8_t *> slots, copies;  // the new blocks' slots and rollback copies
+  size_t quant_jobs = 0, ott_jobs = 0;
+  // The job lists, uploaded in one copy: quantize jobs, commit jobs, new table entries, OTT jobs.
+  size_t commit_offset = 0, entries_offset = 0, ott_offset = 0, blob_bytes = 0;
+  uint8_t *blob_host = nullptr;  // in the pinned upload ring
+  uint8_t *blob_dev = nullptr;   // in the scratch buffer
 };
 
 int device_attribute(cudaDeviceAttr attribute, int device, const char *what) {
@@ -160,6 +175,17 @@ class CudaCache final : public qjlkv_cache {
   [[noreturn]] void fail_data(const char *name, const void *tensor, unsigned long long index, float limit) const;
   void run_attention(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uint32_t queries_per_seq,
                      const void *queries, float scale, void *out, float *scores_host);
+  // append, step by step: plan_append reserves everything (nothing visible changes),
+  // write_append_jobs fills the job lists, validate_and_quantize checks the data and quantizes into
+  // the reserved slots (the host sync), commit_append makes the result visible; rollback_append
+  // gives back what plan_append reserved when a step before the commit fails.
+  void plan_append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uint32_t tokens_per_seq, AppendPlan &plan);
+  void write_append_jobs(const LayerState &layer, const AppendPlan &plan, uint32_t tokens_per_seq, const void *keys,
+                         const void *values) const;
+  void validate_and_quantize(const LayerState &layer, const AppendPlan &plan, uint32_t tokens_per_seq,
+                             const void *keys, const void *values);
+  void commit_append(uint32_t layer, AppendPlan &plan, uint32_t tokens_per_seq);
+  void rollback_append(LayerState &layer, AppendPlan &plan) noexcept;
   const SeqState &find(uint32_t layer, uint32_t seq) const {
     const auto it = layers_[layer].seqs.find(seq);
     if (it == layers_[layer].seqs.end() || it->second.length == 0)
@@ -332,7 +358,7 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   KernelShape &k = layer.shape;
   k.dtype = dtype_of(cfg);
   k.stored_bf16 = spec().stored_dtype == QJLKV_DTYPE_BF16;
-  k.kind = key_kind(key_method_of(cfg));
+  k.key_method = key_method_of(cfg);
   k.d = cfg.head_dim;
   k.Hkv = cfg.num_kv_heads;
   k.Hq = cfg.num_q_heads;
@@ -340,9 +366,7 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   k.B = cfg.block_tokens;
   k.ring = cfg.residual_tokens + cfg.block_tokens;
   k.key_bits = cfg.key_bits;
-  k.value_kind = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX ? ValueKind::lloyd_max
-                 : cfg.value_bits == 16                                ? ValueKind::stored16
-                                                                       : ValueKind::uniform;
+  k.value_method = static_cast<qjlkv_value_method>(cfg.value_method);
   k.value_bits = cfg.value_bits;
   k.sinks = cfg.sink_tokens;
   k.value_group = cfg.value_group_size;
@@ -351,24 +375,8 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   k.sketch_rows = ls.sketch_rows;
   k.outlier_channels = ls.m_out ? cfg.outlier_channels : 0;
   k.qjl_constant = spec().qjl_constant;
-  const auto u32 = [](size_t x) { return uint32_t(x); };
-  k.key_norm_in = u32(b.key_norm_in);
-  k.key_norm_out = u32(b.key_norm_out);
-  k.key_corrections = u32(b.key_corrections);
-  k.key_bits_in = u32(b.key_bits_in);
-  k.key_outlier_idx = u32(b.key_outlier_idx);
-  k.key_scale = u32(b.key_scale);
-  k.key_min = u32(b.key_min);
-  k.key_codes = u32(b.key_codes);
-  k.value_scale = u32(b.value_scale);
-  k.value_min = u32(b.value_min);
-  k.value_codes = u32(b.value_codes);
-  k.bits_in_bpt = u32(b.key_bytes_per_token_bits_in);
-  k.key_codes_bpt = u32(b.key_bytes_per_token_codes);
-  k.value_codes_bpt = u32(b.value_bytes_per_token_codes);
-  k.head_stride = u32((b.stride + 15) / 16 * 16);
-  k.has_mask = cfg.key_method == QJLKV_KEYS_OTT;
-  k.key_mask = u32(b.key_mask);
+  k.layout = b;
+  k.head_stride = uint32_t((b.stride + 15) / 16 * 16);
   k.traced = ls.traced;
   k.ott_pool = cfg.outlier_tokens;
   k.ott_spill = cfg.outlier_spill_tokens;
@@ -393,18 +401,16 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   layer.rings = std::make_unique<SlotPool>(align_up(ring_bytes_), 4);
   if (cfg.sink_tokens) layer.sinks = std::make_unique<SlotPool>(align_up(2 * sink_bytes()), 4);
   layer.copies = std::make_unique<SlotPool>(align_up(k.copy.bytes), 4);
-  if (k.kind == KeyKind::qjl) {
-    size_t max_dynamic = 0;
-    check_cuda(configure_qjl_quantize(smem_optin, &max_dynamic), "cudaFuncSetAttribute");
-    if (quantize_smem(k) > max_dynamic)
-      fail(QJLKV_ERROR_UNSUPPORTED,
-           "layer %u: the QJL quantizer needs %zu bytes of shared memory for the sign bits of an outlier sketch of "
-           "%u rows, the device offers %zu; use smaller outlier sketches or the CPU backend",
-           l, quantize_smem(k), k.m_out, max_dynamic);
-  }
+  size_t quantize_limit = 0;
+  check_cuda(configure_quantize(k, smem_optin, &quantize_limit), "cudaFuncSetAttribute");
+  if (quantize_smem(k) > quantize_limit)
+    fail(QJLKV_ERROR_UNSUPPORTED,
+         "layer %u: the key quantizer needs %zu bytes of shared memory (QJL: the sign bits of an outlier sketch of "
+         "%u rows), the device offers %zu; use smaller outlier sketches or the CPU backend",
+         l, quantize_smem(k), k.m_out, quantize_limit);
   if (k.traced) {
     size_t max_dynamic = 0;
-    check_cuda(configure_ott_quantize(smem_optin, &max_dynamic), "cudaFuncSetAttribute");
+    check_cuda(configure_ott_quantize(k, smem_optin, &max_dynamic), "cudaFuncSetAttribute");
     const size_t need = ott_quantize_smem(k);
     if (need > max_dynamic)
       fail(QJLKV_ERROR_UNSUPPORTED,
@@ -414,7 +420,7 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
     layer.otts = std::make_unique<SlotPool>(2 * size_t(k.Hkv) * k.ott.bytes, 4);
   }
 
-  if (k.kind == KeyKind::qjl) {
+  if (ls.sketch) {
     // Uploaded once, transposed to [d][rows] so that thread i reading row i is coalesced.
     const SketchMatrix &matrix = ls.sketch->matrix;
     std::vector<float> transposed(size_t(matrix.rows) * matrix.cols);
@@ -427,7 +433,7 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
     check_cuda(cudaStreamSynchronize(stream_), "uploading the sketch");  // `transposed` dies here
     k.sketch_t = static_cast<const float *>(layer.sketch_t.data);
   }
-  if (k.value_kind == ValueKind::lloyd_max) {
+  if (!ls.value_signs.empty()) {
     const std::vector<float> &signs = ls.value_signs;
     layer.value_signs.ensure(signs.size() * sizeof(float), *pool_, stream_);
     check_cuda(cudaMemcpyAsync(layer.value_signs.data, signs.data(), signs.size() * sizeof(float),
@@ -499,122 +505,102 @@ void CudaCache::fail_data(const char *name, const void *tensor, unsigned long lo
 void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_seqs, uint32_t tokens_per_seq,
                        const void *keys, const void *values) {
   DeviceGuard guard(device_);
+  LayerState &layer = layers_[layer_index];
+  AppendPlan plan;
+  try {
+    plan_append(layer_index, seqs, n_seqs, tokens_per_seq, plan);
+    write_append_jobs(layer, plan, tokens_per_seq, keys, values);
+    validate_and_quantize(layer, plan, tokens_per_seq, keys, values);
+  } catch (...) {
+    rollback_append(layer, plan);
+    throw;
+  }
+  commit_append(layer_index, plan, tokens_per_seq);
+}
+
+void CudaCache::plan_append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_seqs, uint32_t tokens_per_seq,
+                            AppendPlan &plan) {
   const qjlkv_config &cfg = spec().cfg;
   LayerState &layer = layers_[layer_index];
-  const KernelShape &k = layer.shape;
   const uint32_t B = cfg.block_tokens;
-  const size_t elements = size_t(n_seqs) * tokens_per_seq * cfg.num_kv_heads * cfg.head_dim;
-  const size_t seq_input_bytes = size_t(tokens_per_seq) * token_bytes_;
-  const auto *key_bytes = static_cast<const uint8_t *>(keys);
-  const auto *value_bytes = static_cast<const uint8_t *>(values);
-
-  struct Plan {
-    uint32_t id = 0;
-    SeqState *seq = nullptr;
-    bool created = false;
-    uint32_t new_sinks = 0;   // the first new_sinks input tokens become sinks ...
-    uint32_t n_after = 0;     // ... the other n_after follow the tail rule
-    uint32_t new_blocks = 0;
-    size_t first_slot = 0;     // into `slots`
-    // Rollback copies kept after the append: of blocks [first_copy_after, blocks); the new blocks
-    // among them get copies[first_copy, first_copy + new_copies).
-    uint32_t first_copy_after = 0;
-    size_t first_copy = 0, new_copies = 0;
-    DeviceBuffer grown_table;  // replaces seq->table_dev when the table must grow
-  };
-  std::vector<Plan> plans;
-  std::vector<uint8_t *> slots, copies;
-  const auto rollback = [&]() noexcept {
-    for (Plan &p : plans) p.grown_table.release(*pool_, stream_);
-    for (uint8_t *slot : slots) layer.blocks->give(slot);
-    for (uint8_t *copy : copies) layer.copies->give(copy);
-    for (Plan &p : plans)
-      if (p.created) {
-        if (p.seq->ring) layer.rings->give(p.seq->ring);
-        if (p.seq->ott) layer.otts->give(p.seq->ott);
-        if (p.seq->sink) layer.sinks->give(p.seq->sink);
-        layer.seqs.erase(p.id);
-      }
-  };
-
-  // 1. Plan and reserve everything (nothing visible changes; failures roll back).
   int64_t growth = 0;
   for (uint32_t i = 0; i < n_seqs; ++i) {
     const auto it = layer.seqs.find(seqs[i]);
     growth += append_growth(layer_index, it == layer.seqs.end() ? nullptr : &it->second, tokens_per_seq);
   }
   if (growth > 0) require_budget(*this, uint64_t(growth), n_seqs > 1 ? "append_batch" : "append");
-  size_t quant_jobs = 0, ott_jobs = 0, copy_jobs = 0;
-  uint8_t *blob_host = nullptr;
-  size_t commit_offset = 0, entries_offset = 0, ott_offset = 0, blob_bytes = 0;
-  try {
-    plans.reserve(n_seqs);
-    size_t created = 0;
-    for (uint32_t i = 0; i < n_seqs; ++i) {
-      auto [it, is_new] = layer.seqs.try_emplace(seqs[i]);
-      Plan &p = plans.emplace_back();  // reserved: cannot throw, so every creation is recorded
-      p.id = seqs[i];
-      p.seq = &it->second;
-      p.created = is_new;
-      created += is_new;
-      const AppendSplit split =
-          split_append(cfg, p.seq->sinks, p.seq->length - p.seq->sinks - p.seq->blocks * B, tokens_per_seq);
-      p.new_sinks = split.new_sinks;
-      p.n_after = tokens_per_seq - p.new_sinks;
-      p.new_blocks = uint32_t(split.new_blocks);
-      p.first_slot = quant_jobs;
-      quant_jobs += p.new_blocks;
-      const SeqState &seq = *p.seq;
-      p.first_copy_after = blocks_at(cfg, rollback_floor_after(cfg, seq.rollback_floor, seq.length + tokens_per_seq));
-      const uint32_t end = seq.blocks + p.new_blocks;
-      p.first_copy = copy_jobs;
-      p.new_copies = end - std::min(end, std::max(p.first_copy_after, seq.blocks));
-      copy_jobs += p.new_copies;
-    }
-    layer.blocks->reserve(quant_jobs, *pool_, stream_);
-    layer.copies->reserve(copy_jobs, *pool_, stream_);
-    layer.rings->reserve(created, *pool_, stream_);
-    if (k.traced) layer.otts->reserve(created, *pool_, stream_);
-    if (layer.sinks) layer.sinks->reserve(created, *pool_, stream_);
-    slots.reserve(quant_jobs);
-    copies.reserve(copy_jobs);
-    for (Plan &p : plans) {
-      if (p.created) p.seq->ring = layer.rings->take();
-      if (p.created && k.traced) p.seq->ott = layer.otts->take();
-      if (p.created && layer.sinks) p.seq->sink = layer.sinks->take();
-      if (k.traced && p.new_blocks) ++ott_jobs;
-      for (uint32_t b = 0; b < p.new_blocks; ++b) slots.push_back(layer.blocks->take());
-      for (size_t c = 0; c < p.new_copies; ++c) copies.push_back(layer.copies->take());
-      const size_t needed = p.seq->blocks + p.new_blocks;
-      p.seq->table.reserve(needed);  // the commit appends within capacity
-      p.seq->copies.reserve(p.seq->copies.size() + p.new_copies);
-      if (needed * sizeof(uint64_t) > p.seq->table_dev.bytes)
-        p.grown_table.ensure(std::max(needed, size_t(16)) * sizeof(uint64_t) * 2, *pool_, stream_);
-    }
-
-    // The job lists, uploaded in one copy: quantize jobs, commit jobs, new table entries, OTT jobs.
-    commit_offset = align_up(quant_jobs * sizeof(QuantJob));
-    entries_offset = commit_offset + align_up(n_seqs * sizeof(CommitJob));
-    ott_offset = entries_offset + align_up(quant_jobs * sizeof(uint64_t));
-    blob_bytes = ott_offset + ott_jobs * sizeof(OttJob);
-    scratch_.ensure(kAlign + blob_bytes, *pool_, stream_);
-    blob_host = upload_->acquire(blob_bytes, stream_);
-  } catch (...) {
-    rollback();
-    throw;
-  }
-  uint8_t *blob_dev = static_cast<uint8_t *>(scratch_.data) + kAlign;
-  auto *quant = reinterpret_cast<QuantJob *>(blob_host);
-  auto *commit = reinterpret_cast<CommitJob *>(blob_host + commit_offset);
-  auto *entries = reinterpret_cast<uint64_t *>(blob_host + entries_offset);
-  const auto *entries_dev = reinterpret_cast<const uint64_t *>(blob_dev + entries_offset);
-  auto *ott = reinterpret_cast<OttJob *>(blob_host + ott_offset);
-  const auto *quant_dev = reinterpret_cast<const QuantJob *>(blob_dev);
-  const size_t ring_half = ring_bytes_ / 2;
-  for (uint32_t i = 0, ott_job = 0; i < n_seqs; ++i) {
-    const Plan &p = plans[i];
+  size_t copy_jobs = 0, created = 0;
+  plan.seqs.reserve(n_seqs);
+  for (uint32_t i = 0; i < n_seqs; ++i) {
+    auto [it, is_new] = layer.seqs.try_emplace(seqs[i]);
+    AppendPlan::Seq &p = plan.seqs.emplace_back();  // reserved: cannot throw, so every creation is recorded
+    p.id = seqs[i];
+    p.seq = &it->second;
+    p.created = is_new;
+    created += is_new;
+    const AppendSplit split =
+        split_append(cfg, p.seq->sinks, p.seq->length - p.seq->sinks - p.seq->blocks * B, tokens_per_seq);
+    p.new_sinks = split.new_sinks;
+    p.n_after = tokens_per_seq - p.new_sinks;
+    p.new_blocks = uint32_t(split.new_blocks);
+    p.first_slot = plan.quant_jobs;
+    plan.quant_jobs += p.new_blocks;
     const SeqState &seq = *p.seq;
-    if (k.traced && p.new_blocks)
+    p.first_copy_after = blocks_at(cfg, rollback_floor_after(cfg, seq.rollback_floor, seq.length + tokens_per_seq));
+    const uint32_t end = seq.blocks + p.new_blocks;
+    p.first_copy = copy_jobs;
+    p.new_copies = end - std::min(end, std::max(p.first_copy_after, seq.blocks));
+    copy_jobs += p.new_copies;
+  }
+  const bool traced = layer.shape.traced;
+  layer.blocks->reserve(plan.quant_jobs, *pool_, stream_);
+  layer.copies->reserve(copy_jobs, *pool_, stream_);
+  layer.rings->reserve(created, *pool_, stream_);
+  if (traced) layer.otts->reserve(created, *pool_, stream_);
+  if (layer.sinks) layer.sinks->reserve(created, *pool_, stream_);
+  plan.slots.reserve(plan.quant_jobs);
+  plan.copies.reserve(copy_jobs);
+  for (AppendPlan::Seq &p : plan.seqs) {
+    if (p.created) p.seq->ring = layer.rings->take();
+    if (p.created && traced) p.seq->ott = layer.otts->take();
+    if (p.created && layer.sinks) p.seq->sink = layer.sinks->take();
+    if (traced && p.new_blocks) ++plan.ott_jobs;
+    for (uint32_t b = 0; b < p.new_blocks; ++b) plan.slots.push_back(layer.blocks->take());
+    for (size_t c = 0; c < p.new_copies; ++c) plan.copies.push_back(layer.copies->take());
+    const size_t needed = p.seq->blocks + p.new_blocks;
+    p.seq->table.reserve(needed);  // the commit appends within capacity
+    p.seq->copies.reserve(p.seq->copies.size() + p.new_copies);
+    if (needed * sizeof(uint64_t) > p.seq->table_dev.bytes)
+      p.grown_table.ensure(std::max(needed, size_t(16)) * sizeof(uint64_t) * 2, *pool_, stream_);
+  }
+
+  // The job lists, uploaded in one copy: quantize jobs, commit jobs, new table entries, OTT jobs.
+  plan.commit_offset = align_up(plan.quant_jobs * sizeof(QuantJob));
+  plan.entries_offset = plan.commit_offset + align_up(n_seqs * sizeof(CommitJob));
+  plan.ott_offset = plan.entries_offset + align_up(plan.quant_jobs * sizeof(uint64_t));
+  plan.blob_bytes = plan.ott_offset + plan.ott_jobs * sizeof(OttJob);
+  scratch_.ensure(kAlign + plan.blob_bytes, *pool_, stream_);
+  plan.blob_host = upload_->acquire(plan.blob_bytes, stream_);
+  plan.blob_dev = static_cast<uint8_t *>(scratch_.data) + kAlign;
+}
+
+void CudaCache::write_append_jobs(const LayerState &layer, const AppendPlan &plan, uint32_t tokens_per_seq,
+                                  const void *keys, const void *values) const {
+  const uint32_t B = spec().cfg.block_tokens;
+  const size_t seq_input_bytes = size_t(tokens_per_seq) * token_bytes_;
+  const auto *key_bytes = static_cast<const uint8_t *>(keys);
+  const auto *value_bytes = static_cast<const uint8_t *>(values);
+  auto *quant = reinterpret_cast<QuantJob *>(plan.blob_host);
+  auto *commit = reinterpret_cast<CommitJob *>(plan.blob_host + plan.commit_offset);
+  auto *entries = reinterpret_cast<uint64_t *>(plan.blob_host + plan.entries_offset);
+  const auto *entries_dev = reinterpret_cast<const uint64_t *>(plan.blob_dev + plan.entries_offset);
+  auto *ott = reinterpret_cast<OttJob *>(plan.blob_host + plan.ott_offset);
+  const auto *quant_dev = reinterpret_cast<const QuantJob *>(plan.blob_dev);
+  const size_t ring_half = ring_bytes_ / 2;
+  for (size_t i = 0, ott_job = 0; i < plan.seqs.size(); ++i) {
+    const AppendPlan::Seq &p = plan.seqs[i];
+    const SeqState &seq = *p.seq;
+    if (layer.shape.traced && p.new_blocks)
       ott[ott_job++] = OttJob{quant_dev + p.first_slot, p.new_blocks, !seq.ott_ready,
                               ott_state(layer, seq, seq.ott_side), ott_state(layer, seq, 1 - seq.ott_side)};
     const size_t skip = size_t(p.new_sinks) * token_bytes_;
@@ -623,8 +609,8 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
     const uint32_t first_copied = p.new_blocks - uint32_t(p.new_copies);  // the new blocks' first with a copy
     for (uint32_t b = 0; b < p.new_blocks; ++b) {
       QuantJob &job = quant[p.first_slot + b];
-      job.slot = slots[p.first_slot + b];
-      job.copy = b >= first_copied ? copies[p.first_copy + (b - first_copied)] : nullptr;
+      job.slot = plan.slots[p.first_slot + b];
+      job.copy = b >= first_copied ? plan.copies[p.first_copy + (b - first_copied)] : nullptr;
       job.ring_k = seq.ring;
       job.ring_v = seq.ring + ring_half;
       job.in_k = in_k;
@@ -656,49 +642,67 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
     job.first_sink = seq.sinks;
     job.n_sinks = p.new_sinks;
   }
+}
 
-  // 2. Validate and quantize into the reserved slots, then read the verdict: the host sync.
+void CudaCache::validate_and_quantize(const LayerState &layer, const AppendPlan &plan, uint32_t tokens_per_seq,
+                                      const void *keys, const void *values) {
+  const qjlkv_config &cfg = spec().cfg;
+  const KernelShape &k = layer.shape;
+  const size_t elements = plan.seqs.size() * tokens_per_seq * cfg.num_kv_heads * cfg.head_dim;
   unsigned long long *flags = device_flags();
-  try {
-    check_cuda(cudaMemsetAsync(flags, 0xff, 4 * sizeof(unsigned long long), stream_), "cudaMemsetAsync");
-    check_cuda(cudaMemcpyAsync(blob_dev, blob_host, blob_bytes, cudaMemcpyHostToDevice, stream_),
-               "uploading the append jobs");
-    check_cuda(launch_validate(k, keys, values, elements, spec().key_limit, spec().value_limit,
-                               qjlkv::key_norm_limit(cfg), qjlkv::value_norm_limit(cfg), flags, stream_),
-               "the validation kernel");
-    if (k.traced)
-      check_cuda(launch_ott_quantize(k, reinterpret_cast<const OttJob *>(blob_dev + ott_offset), uint32_t(ott_jobs),
-                                     stream_),
-                 "the OTT quantization kernel");
-    else
-      check_cuda(launch_quantize(k, quant_dev, uint32_t(quant_jobs), stream_), "the quantization kernel");
-    check_cuda(cudaMemcpyAsync(flags_host_, flags, 4 * sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream_),
-               "reading the validation result");
-    check_cuda(cudaStreamSynchronize(stream_), "append (validation and quantization)");
-    constexpr unsigned long long kNone = ~0ull;
-    if (flags_host_[0] != kNone) fail_data("keys", keys, flags_host_[0], spec().key_limit);
-    if (flags_host_[1] != kNone) fail_data("values", values, flags_host_[1], spec().value_limit);
-    const auto norm = [&](const void *tensor, size_t vector) {  // L2 norm of one [head_dim] device vector
-      double norm2 = 0.0;
-      for (uint32_t j = 0; j < cfg.head_dim; ++j) {
-        const double x = read_element(tensor, vector * cfg.head_dim + j);
-        norm2 += x * x;
-      }
-      return std::sqrt(norm2);
-    };
-    // The methods' messages (src/methods/), as the CPU backend reports them.
-    if (flags_host_[2] != kNone) fail_key_norm(cfg, size_t(flags_host_[2]), norm(keys, size_t(flags_host_[2])));
-    if (flags_host_[3] != kNone) fail_value_norm(cfg, size_t(flags_host_[3]), norm(values, size_t(flags_host_[3])));
-  } catch (...) {
-    rollback();
-    throw;
-  }
+  check_cuda(cudaMemsetAsync(flags, 0xff, 4 * sizeof(unsigned long long), stream_), "cudaMemsetAsync");
+  check_cuda(cudaMemcpyAsync(plan.blob_dev, plan.blob_host, plan.blob_bytes, cudaMemcpyHostToDevice, stream_),
+             "uploading the append jobs");
+  check_cuda(launch_validate(k, keys, values, elements, spec().key_limit, spec().value_limit,
+                             qjlkv::key_norm_limit(cfg), qjlkv::value_norm_limit(cfg), flags, stream_),
+             "the validation kernel");
+  if (k.traced)
+    check_cuda(launch_ott_quantize(k, reinterpret_cast<const OttJob *>(plan.blob_dev + plan.ott_offset),
+                                   uint32_t(plan.ott_jobs), stream_),
+               "the OTT quantization kernel");
+  else
+    check_cuda(launch_quantize(k, reinterpret_cast<const QuantJob *>(plan.blob_dev), uint32_t(plan.quant_jobs),
+                               stream_),
+               "the quantization kernel");
+  check_cuda(cudaMemcpyAsync(flags_host_, flags, 4 * sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream_),
+             "reading the validation result");
+  check_cuda(cudaStreamSynchronize(stream_), "append (validation and quantization)");
+  constexpr unsigned long long kNone = ~0ull;
+  if (flags_host_[0] != kNone) fail_data("keys", keys, flags_host_[0], spec().key_limit);
+  if (flags_host_[1] != kNone) fail_data("values", values, flags_host_[1], spec().value_limit);
+  const auto norm = [&](const void *tensor, size_t vector) {  // L2 norm of one [head_dim] device vector
+    double norm2 = 0.0;
+    for (uint32_t j = 0; j < cfg.head_dim; ++j) {
+      const double x = read_element(tensor, vector * cfg.head_dim + j);
+      norm2 += x * x;
+    }
+    return std::sqrt(norm2);
+  };
+  // The methods' messages (src/methods/), as the CPU backend reports them.
+  if (flags_host_[2] != kNone) fail_key_norm(cfg, size_t(flags_host_[2]), norm(keys, size_t(flags_host_[2])));
+  if (flags_host_[3] != kNone) fail_value_norm(cfg, size_t(flags_host_[3]), norm(values, size_t(flags_host_[3])));
+}
 
-  // 3. Commit: table entries and tail tokens on the device, then the host state (cannot fail).
-  check_cuda(launch_commit(k, reinterpret_cast<const CommitJob *>(blob_dev + commit_offset), n_seqs, stream_),
+void CudaCache::rollback_append(LayerState &layer, AppendPlan &plan) noexcept {
+  for (AppendPlan::Seq &p : plan.seqs) p.grown_table.release(*pool_, stream_);
+  for (uint8_t *slot : plan.slots) layer.blocks->give(slot);
+  for (uint8_t *copy : plan.copies) layer.copies->give(copy);
+  for (AppendPlan::Seq &p : plan.seqs)
+    if (p.created) {
+      if (p.seq->ring) layer.rings->give(p.seq->ring);
+      if (p.seq->ott) layer.otts->give(p.seq->ott);
+      if (p.seq->sink) layer.sinks->give(p.seq->sink);
+      layer.seqs.erase(p.id);
+    }
+}
+
+void CudaCache::commit_append(uint32_t layer_index, AppendPlan &plan, uint32_t tokens_per_seq) {
+  const qjlkv_config &cfg = spec().cfg;
+  const KernelShape &k = layers_[layer_index].shape;
+  check_cuda(launch_commit(k, reinterpret_cast<const CommitJob *>(plan.blob_dev + plan.commit_offset),
+                           uint32_t(plan.seqs.size()), stream_),
              "the commit kernel");
-  for (uint32_t i = 0; i < n_seqs; ++i) {
-    Plan &p = plans[i];
+  for (AppendPlan::Seq &p : plan.seqs) {
     SeqState &seq = *p.seq;
     const uint64_t own_before = p.created ? 0 : own_bytes(layer_index, seq);
     if (p.grown_table.data) {
@@ -706,7 +710,8 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
       seq.table_dev = p.grown_table;
       p.grown_table = DeviceBuffer{};
     }
-    for (uint32_t b = 0; b < p.new_blocks; ++b) seq.table.push_back(reinterpret_cast<uint64_t>(slots[p.first_slot + b]));
+    for (uint32_t b = 0; b < p.new_blocks; ++b)
+      seq.table.push_back(reinterpret_cast<uint64_t>(plan.slots[p.first_slot + b]));
     if (k.traced && p.new_blocks) {  // the state this append wrote becomes the committed one
       seq.ott_side = 1 - seq.ott_side;
       seq.ott_ready = true;
@@ -717,7 +722,7 @@ void CudaCache::append(uint32_t layer_index, const uint32_t *seqs, uint32_t n_se
     seq.blocks += p.new_blocks;
     used_ += uint64_t(p.new_blocks) * slot_bytes(layer_index);
     keep_copies_from(layer_index, seq, p.first_copy_after);
-    for (size_t c = 0; c < p.new_copies; ++c) seq.copies.push_back(copies[p.first_copy + c]);  // reserved
+    for (size_t c = 0; c < p.new_copies; ++c) seq.copies.push_back(plan.copies[p.first_copy + c]);  // reserved
     used_ += p.new_copies * copy_bytes(layer_index);
     used_ += own_bytes(layer_index, seq) - own_before;
   }

@@ -81,6 +81,12 @@ __device__ __forceinline__ uint32_t load_word(const uint8_t *p, bool aligned) {
   return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
 }
 
+// The codes of channels [8g, 8g + 8) of one row, packed (quant_math.hpp's pack_code, 8 at a time:
+// the bytes of one group of 8 codes belong to that group alone, so threads write whole bytes).
+__device__ __forceinline__ void store_codes8(uint8_t *row, uint32_t g, uint32_t bits, uint64_t packed) {
+  for (uint32_t b = 0; b < bits; ++b) row[g * bits + b] = uint8_t(packed >> (8 * b));
+}
+
 // All threads of a CTA copy `bytes` (a multiple of 4, both ends 4-aligned) from global memory.
 __device__ __forceinline__ void copy_words(uint8_t *dst, const uint8_t *src, uint32_t bytes, uint32_t threads) {
   const auto *s = reinterpret_cast<const uint32_t *>(src);

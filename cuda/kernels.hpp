@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "block_layout.hpp"
 #include "layout.hpp"
 #include "qjlkv/qjlkv.h"
 
@@ -16,8 +17,10 @@ namespace qjlkv::cuda {
 struct KernelShape {
   qjlkv_dtype dtype;        // input/output and tail dtype
   bool stored_bf16;         // 16-bit storage is bf16 (else fp16)
-  KeyKind kind;
-  ValueKind value_kind;
+  // The methods, read on the host alone: each launch instantiates its kernel for their policy types
+  // (policies.cuh), so no kernel reads them.
+  qjlkv_key_method key_method;
+  qjlkv_value_method value_method;
   uint32_t d, Hkv, Hq, G;   // head_dim, kv heads, query heads, group size
   uint32_t B;               // block_tokens
   uint32_t ring;            // tail ring capacity in tokens (residual_tokens + block_tokens)
@@ -27,15 +30,10 @@ struct KernelShape {
   uint32_t m, m_out, sketch_rows, outlier_channels;  // QJL, for this layer
   float qjl_constant;
   const float *sketch_t;    // QJL: the layer sketch transposed, [d][sketch_rows]
-  // BlockLayout offsets (bytes inside one head's block) and the per-token sizes.
-  uint32_t key_norm_in, key_norm_out, key_corrections, key_bits_in, key_outlier_idx;
-  uint32_t key_scale, key_min, key_codes;
-  uint32_t value_scale, value_min, value_codes;
-  uint32_t bits_in_bpt, key_codes_bpt, value_codes_bpt;
+  BlockLayout layout;       // the arrays of one head's block, as the CPU backend stores them
   uint32_t head_stride;     // bytes between the blocks of two kv heads in one slot (16-aligned)
-  // OTT (kind kivi with a mask): moved slots are masked; traced layers keep outlier tokens.
-  uint32_t key_mask;        // offset of the mask bits in a block, when has_mask
-  bool has_mask, traced;
+  // OTT: traced layers keep outlier tokens.
+  bool traced;
   uint32_t ott_pool, ott_spill;  // P and S
   OttLayout ott;                 // one head's state; a sequence holds [2 sides][Hkv] of them
   OttLayout ott_saved;           // one head's pool in a rollback copy (ott_layout(P, 0, ...))
@@ -78,11 +76,11 @@ cudaError_t launch_validate(const KernelShape &shape, const void *keys, const vo
                             float key_limit, float value_limit, double key_norm_limit, double value_norm_limit,
                             unsigned long long *flags, cudaStream_t stream);
 cudaError_t launch_quantize(const KernelShape &shape, const QuantJob *jobs, uint32_t n_jobs, cudaStream_t stream);
-// Dynamic shared memory of the quantizer for this shape (QJL: the outlier sketch's sign bits).
+// Dynamic shared memory of the quantizer for this shape (its key policy's quantize_smem).
 size_t quantize_smem(const KernelShape &shape);
-// Raises the QJL quantizer's dynamic shared memory limit to what the device allows next to its
-// static shared memory (at creation); *max_dynamic receives that limit.
-cudaError_t configure_qjl_quantize(size_t smem_optin, size_t *max_dynamic);
+// Raises the dynamic shared memory limit of this shape's quantizer to what the device allows next to
+// its static shared memory (at creation); *max_dynamic receives that limit.
+cudaError_t configure_quantize(const KernelShape &shape, size_t smem_optin, size_t *max_dynamic);
 
 // OTT-traced layers: the new blocks of one sequence, quantized in order by one CTA per kv head,
 // which first copies the committed outlier state (`from`, or a fresh one) to `to` and updates it.
@@ -96,9 +94,9 @@ struct OttJob {
 cudaError_t launch_ott_quantize(const KernelShape &shape, const OttJob *jobs, uint32_t n_jobs, cudaStream_t stream);
 // Dynamic shared memory of the OTT quantizer for this shape.
 size_t ott_quantize_smem(const KernelShape &shape);
-// Raises the OTT quantizer's dynamic shared memory limit to what the device allows next to its
-// static shared memory (once, at creation); *max_dynamic receives that limit.
-cudaError_t configure_ott_quantize(size_t smem_optin, size_t *max_dynamic);
+// Raises the dynamic shared memory limit of this shape's OTT quantizer to what the device allows
+// next to its static shared memory (at creation); *max_dynamic receives that limit.
+cudaError_t configure_ott_quantize(const KernelShape &shape, size_t smem_optin, size_t *max_dynamic);
 cudaError_t launch_commit(const KernelShape &shape, const CommitJob *jobs, uint32_t n_jobs, cudaStream_t stream);
 
 // ---- attend -----------------------------------------------------------------------------------
@@ -129,15 +127,15 @@ struct AttendArgs {
 // The shared-memory shape of the attention kernel of this layer for `rows` query rows per CTA.
 inline AttendShape attend_shape(const KernelShape &shape, uint32_t rows) {
   AttendShape s;
-  s.kind = shape.kind;
+  s.key_method = shape.key_method;
   s.rows = rows;
   s.d = shape.d;
   s.m = shape.m;
   s.outlier_channels = shape.outlier_channels;
   s.key_bits = shape.key_bits;
-  s.value_kind = shape.value_kind;
+  s.value_method = shape.value_method;
   s.value_bits = shape.value_bits;
-  s.value_groups = shape.value_kind == ValueKind::uniform ? shape.d / shape.value_group : 1;
+  s.value_groups = uniform_value_codes(s) ? shape.d / shape.value_group : 1;
   s.io_elem = shape.dtype == QJLKV_DTYPE_F32 ? 4 : 2;
   return s;
 }

@@ -6,6 +6,7 @@
 
 #include "half.hpp"
 #include "hd.hpp"
+#include "qjlkv/qjlkv.h"
 
 namespace qjlkv::cuda {
 
@@ -19,11 +20,6 @@ inline constexpr uint32_t kSliceChannels = 8;
 inline constexpr uint32_t kQuantizeThreads = 256;  // one channel per thread: head_dim <= 256
 inline constexpr uint32_t kQuantizeChunk = 8;      // tokens projected together by the QJL quantizer
 
-enum class KeyKind : int { qjl = 0, kivi = 1, exact = 2 };
-// How a block stores its values (one policy type each in values.cuh): per-token groups of
-// uniform codes with fp16 scale and minimum, 16-bit numbers, or rotated Lloyd-Max codes with one
-// fp16 scale per token.
-enum class ValueKind : int { uniform = 0, stored16 = 1, lloyd_max = 2 };
 // The number of Lloyd-Max levels of the largest supported code width (4 bits).
 inline constexpr uint32_t kMaxLevels = 16;
 
@@ -39,15 +35,22 @@ QJLKV_HD uint32_t padded_row_words(uint32_t bytes) {
 
 // What the attention kernel needs to know about a layer to lay out its shared memory.
 struct AttendShape {
-  KeyKind kind = KeyKind::qjl;
+  qjlkv_key_method key_method = QJLKV_KEYS_QJL;
   uint32_t rows = 1;  // query rows per CTA (1, 2, 4 or 8)
   uint32_t d = 0;
   uint32_t m = 0, outlier_channels = 0;        // QJL
-  uint32_t key_bits = 0;                       // KIVI
-  ValueKind value_kind = ValueKind::uniform;
-  uint32_t value_bits = 0, value_groups = 0;   // value_groups = d / g (uniform)
+  uint32_t key_bits = 0;                       // KIVI, OTT
+  qjlkv_value_method value_method = QJLKV_VALUES_UNIFORM;
+  uint32_t value_bits = 0, value_groups = 0;   // value_groups = d / g (uniform codes)
   uint32_t io_elem = 4;                        // bytes of a tail element
 };
+
+// How a block stores its values (one policy type each in values.cuh): per-token groups of uniform
+// codes with fp16 scale and minimum, 16-bit numbers (the uniform method's value_bits 16), or
+// rotated Lloyd-Max codes with one fp16 scale per token.
+QJLKV_HD bool uniform_value_codes(const AttendShape &s) {
+  return s.value_method == QJLKV_VALUES_UNIFORM && s.value_bits != 16;
+}
 
 // Byte offsets into the dynamic shared memory of one attention CTA. Arrays of floats per query
 // row are padded to 32 entries (zeros) so whole 32-bit words of bits or codes can be consumed.
@@ -81,47 +84,54 @@ QJLKV_HD AttendSmem attend_smem(const AttendShape &s) {
   };
   const uint32_t d32 = round_up(s.d, 32);
   o.q = take(4 * s.rows * d32);
-  if (s.kind == KeyKind::qjl) {
-    o.sq = take(4 * s.rows * round_up(s.m, 32));
-    o.outlier = take(4 * (s.outlier_channels + 1));
-  }
-  if (s.kind == KeyKind::kivi) {
-    o.qdigits = take(2 * s.rows * d32);
-    o.koff = take(4 * 2 * s.rows);
+  switch (s.key_method) {  // what the scorer keeps for the whole CTA or one block
+    case QJLKV_KEYS_QJL:
+      o.sq = take(4 * s.rows * round_up(s.m, 32));
+      o.outlier = take(4 * (s.outlier_channels + 1));
+      break;
+    case QJLKV_KEYS_KIVI:
+    case QJLKV_KEYS_OTT:
+      o.qdigits = take(2 * s.rows * d32);
+      o.koff = take(4 * 2 * s.rows);
+      break;
+    case QJLKV_KEYS_EXACT: break;
   }
   o.scores = take(4 * s.rows * kTile);
   o.red = take(4 * 2 * kParts * s.rows * kTile);
   o.state = take(4 * 3 * s.rows);
-  if (s.value_kind == ValueKind::lloyd_max) o.levels = take(4 * kMaxLevels);
+  if (s.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) o.levels = take(4 * kMaxLevels);
 
-  // Key stage: the largest of the block layout (per kind) and the full-precision tail rows.
+  // Key stage: the largest of the block layout (per method) and the full-precision tail rows.
   uint32_t key_stage = 0;
-  if (s.kind == KeyKind::qjl) {
-    o.k_norm_in = 0;
-    o.k_norm_out = round_up(2 * kTile + 16, 16);
-    o.k_corrections = o.k_norm_out + round_up(2 * kTile + 16, 16);
-    o.k_bits_in = o.k_corrections + round_up(2 * kTile * s.outlier_channels, 16);
-    key_stage = o.k_bits_in + round_up(kTile * s.m / 8 + 16, 16);
-  } else if (s.kind == KeyKind::kivi) {  // + 16: 3-bit rows are read in whole 12-byte groups
-    key_stage = round_up(kTile * s.d * s.key_bits / 8 + 16, 16);
-  } else {
-    key_stage = 4 * kTile * padded_row_words(2 * s.d);
+  switch (s.key_method) {
+    case QJLKV_KEYS_QJL:
+      o.k_norm_in = 0;
+      o.k_norm_out = round_up(2 * kTile + 16, 16);
+      o.k_corrections = o.k_norm_out + round_up(2 * kTile + 16, 16);
+      o.k_bits_in = o.k_corrections + round_up(2 * kTile * s.outlier_channels, 16);
+      key_stage = o.k_bits_in + round_up(kTile * s.m / 8 + 16, 16);
+      break;
+    case QJLKV_KEYS_KIVI:
+    case QJLKV_KEYS_OTT:  // + 16: 3-bit rows are read in whole 12-byte groups
+      key_stage = round_up(kTile * s.d * s.key_bits / 8 + 16, 16);
+      break;
+    case QJLKV_KEYS_EXACT: key_stage = 4 * kTile * padded_row_words(2 * s.d); break;
   }
   const uint32_t tail_key_stage = 4 * kTile * padded_row_words(s.d * s.io_elem);
   if (tail_key_stage > key_stage) key_stage = tail_key_stage;
 
   uint32_t value_stage = 0;
-  if (s.value_kind == ValueKind::stored16) {
-    value_stage = kTile * 2 * s.d;
-  } else if (s.value_kind == ValueKind::lloyd_max) {
+  if (s.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) {
     o.v_scale = 0;
     o.v_codes = round_up(kTile * 2 + 16, 16);
     value_stage = o.v_codes + round_up(kTile * s.d * s.value_bits / 8 + 16, 16);
-  } else {
+  } else if (uniform_value_codes(s)) {
     o.v_scale = 0;
     o.v_min = round_up(kTile * s.value_groups * 2 + 16, 16);
     o.v_codes = o.v_min + round_up(kTile * s.value_groups * 2 + 16, 16);
     value_stage = o.v_codes + round_up(kTile * s.d * s.value_bits / 8 + 16, 16);
+  } else {  // 16-bit values
+    value_stage = kTile * 2 * s.d;
   }
   const uint32_t tail_value_stage = kTile * s.d * s.io_elem;
   if (tail_value_stage > value_stage) value_stage = tail_value_stage;

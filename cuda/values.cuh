@@ -1,6 +1,7 @@
-// Value policies: one type per way a block stores its values (ValueKind), consumed by the append
-// kernels (quantize) and the attention kernel (stage, decode). The kernels are templates over the
-// policy, so neither branches on the value method.
+// Value policies: one type per way a block stores its values (uniform codes, 16-bit numbers,
+// rotated Lloyd-Max codes), consumed by the append kernels (quantize) and the attention kernel
+// (stage, decode); with_value_policy at the end maps a layer to its type, once per launch on the
+// host, so no kernel branches on the value method.
 //
 // quantize(s, src, block)   all threads of a quantize CTA: the values of the block's B tokens of one
 //                           kv head into its zeroed block (src.value(t, j) reads them as floats),
@@ -44,24 +45,17 @@ __device__ __forceinline__ uint64_t load_codes8(const uint8_t *p, uint32_t bits)
   }
 }
 
-// The codes of channels [8g, 8g + 8) of one row, packed (quant_math.hpp's pack_code, 8 at a time:
-// the bytes of one group of 8 codes belong to that group alone, so threads write whole bytes).
-__device__ __forceinline__ void store_codes8(uint8_t *row, uint32_t g, uint32_t bits, uint64_t packed) {
-  for (uint32_t b = 0; b < bits; ++b) row[g * bits + b] = uint8_t(packed >> (8 * b));
-}
-
 // Per-token groups of value_group channels: code = clamp(rint((x − min16)/scale16)), fp16 scale
 // and minimum per group; 2, 3, 4 or 8 bits.
 struct UniformValues {
-  static constexpr ValueKind kKind = ValueKind::uniform;
   static constexpr bool kRotated = false;
 
   template <bool BF16, class Source>
   __device__ static void quantize(const KernelShape &s, const Source &src, uint8_t *block) {
     const uint32_t tid = threadIdx.x, threads = blockDim.x, d = s.d, B = s.B, bits = s.value_bits;
     const uint32_t g = s.value_group, groups = d / g;
-    auto *scales = reinterpret_cast<uint16_t *>(block + s.value_scale);
-    auto *mins = reinterpret_cast<uint16_t *>(block + s.value_min);
+    auto *scales = reinterpret_cast<uint16_t *>(block + s.layout.value_scale);
+    auto *mins = reinterpret_cast<uint16_t *>(block + s.layout.value_min);
     for (uint32_t i = tid; i < B * groups; i += threads) {
       const uint32_t t = i / groups, first = (i % groups) * g;
       float lo = src.value(t, first), hi = lo;
@@ -82,7 +76,7 @@ struct UniformValues {
         q.min = half_to_float(mins[group]);
         packed |= uint64_t(quant_code(src.value(t, j), q, bits)) << (k * bits);
       }
-      store_codes8(block + s.value_codes + size_t(t) * s.value_codes_bpt, g8, bits, packed);
+      store_codes8(block + s.layout.value_codes + t * s.layout.value_bytes_per_token_codes, g8, bits, packed);
     }
   }
 
@@ -101,15 +95,16 @@ struct UniformValues {
     __device__ void init() const {}
     __device__ void stage(uint8_t *stage_v, const uint8_t *block, uint32_t t0, uint32_t n) const {
       const uint32_t group_bytes = n * groups * 2;
-      copy_words(stage_v + L.v_scale, block + s.value_scale + t0 * groups * 2, group_bytes, kAttendThreads);
-      copy_words(stage_v + L.v_min, block + s.value_min + t0 * groups * 2, group_bytes, kAttendThreads);
-      copy_words(stage_v + L.v_codes, block + s.value_codes + t0 * s.value_codes_bpt, n * s.value_codes_bpt,
-                 kAttendThreads);
+      copy_words(stage_v + L.v_scale, block + s.layout.value_scale + t0 * groups * 2, group_bytes, kAttendThreads);
+      copy_words(stage_v + L.v_min, block + s.layout.value_min + t0 * groups * 2, group_bytes, kAttendThreads);
+      const uint32_t codes_bpt = uint32_t(s.layout.value_bytes_per_token_codes);
+      copy_words(stage_v + L.v_codes, block + s.layout.value_codes + t0 * codes_bpt, n * codes_bpt, kAttendThreads);
     }
     template <bool BF16>
     __device__ void decode(const uint8_t *stage_v, uint32_t t, float (&v)[kSliceChannels]) const {
       const uint32_t bits = s.value_bits, mask = (1u << bits) - 1u;
-      const uint64_t codes = load_codes8(stage_v + L.v_codes + t * s.value_codes_bpt + slice * bits, bits);
+      const uint32_t codes_bpt = uint32_t(s.layout.value_bytes_per_token_codes);
+      const uint64_t codes = load_codes8(stage_v + L.v_codes + t * codes_bpt + slice * bits, bits);
       const auto *scale16 = reinterpret_cast<const uint16_t *>(stage_v + L.v_scale) + t * groups;
       const auto *min16 = reinterpret_cast<const uint16_t *>(stage_v + L.v_min) + t * groups;
       float scale = 0.0f, minimum = 0.0f;
@@ -130,14 +125,13 @@ struct UniformValues {
   };
 };
 
-// value_bits = 16: fp16 (bf16 for bf16 inputs) numbers, [B][d].
+// The uniform method's value_bits = 16: fp16 (bf16 for bf16 inputs) numbers, [B][d].
 struct Stored16Values {
-  static constexpr ValueKind kKind = ValueKind::stored16;
   static constexpr bool kRotated = false;
 
   template <bool BF16, class Source>
   __device__ static void quantize(const KernelShape &s, const Source &src, uint8_t *block) {
-    auto *dst = reinterpret_cast<uint16_t *>(block + s.value_codes);
+    auto *dst = reinterpret_cast<uint16_t *>(block + s.layout.value_codes);
     for (uint32_t i = threadIdx.x; i < s.B * s.d; i += blockDim.x)
       dst[i] = float_to_stored16<BF16>(src.value(i / s.d, i % s.d));
   }
@@ -149,7 +143,7 @@ struct Stored16Values {
         : s(shape), slice(slice_index) {}
     __device__ void init() const {}
     __device__ void stage(uint8_t *stage_v, const uint8_t *block, uint32_t t0, uint32_t n) const {
-      copy_words(stage_v, block + s.value_codes + size_t(t0) * 2 * s.d, n * 2 * s.d, kAttendThreads);
+      copy_words(stage_v, block + s.layout.value_codes + size_t(t0) * 2 * s.d, n * 2 * s.d, kAttendThreads);
     }
     template <bool BF16>
     __device__ void decode(const uint8_t *stage_v, uint32_t t, float (&v)[kSliceChannels]) const {
@@ -161,7 +155,6 @@ struct Stored16Values {
 // Rotated Lloyd-Max values: per token, the codes of y = H·diag(s)·x (2, 3 or 4 bits) and one fp16
 // scale; decoded as level(code)·scale, still rotated.
 struct LloydMaxValues {
-  static constexpr ValueKind kKind = ValueKind::lloyd_max;
   static constexpr bool kRotated = true;
 
   // lloyd_max_encode_token (lloyd_max.hpp) with one warp per token: lane l holds channels
@@ -195,7 +188,7 @@ struct LloydMaxValues {
       }
       return running;
     };
-    auto *scales = reinterpret_cast<uint16_t *>(block + s.value_scale);
+    auto *scales = reinterpret_cast<uint16_t *>(block + s.layout.value_scale);
     for (uint32_t t = threadIdx.x / 32; t < s.B; t += blockDim.x / 32) {
       float y[8];
 #pragma unroll
@@ -233,7 +226,7 @@ struct LloydMaxValues {
         code[c] = lloyd_max_code(y[c] / norm * sqrt_d, bits);
         packed |= uint64_t(code[c]) << (c * bits);
       }
-      if (active) store_codes8(block + s.value_codes + size_t(t) * s.value_codes_bpt, lane, bits, packed);
+      if (active) store_codes8(block + s.layout.value_codes + t * s.layout.value_bytes_per_token_codes, lane, bits, packed);
       const float level_norm2 = ordered_sum([&](uint32_t c) {
         const float level = lloyd_max_level(bits, code[c]);
         return level * level;
@@ -254,14 +247,15 @@ struct LloydMaxValues {
     }
     __device__ void stage(uint8_t *stage_v, const uint8_t *block, uint32_t t0, uint32_t n) const {
       // n is a multiple of 8: 2n scale bytes are whole words.
-      copy_words(stage_v + L.v_scale, block + s.value_scale + t0 * 2, n * 2, kAttendThreads);
-      copy_words(stage_v + L.v_codes, block + s.value_codes + t0 * s.value_codes_bpt, n * s.value_codes_bpt,
-                 kAttendThreads);
+      copy_words(stage_v + L.v_scale, block + s.layout.value_scale + t0 * 2, n * 2, kAttendThreads);
+      const uint32_t codes_bpt = uint32_t(s.layout.value_bytes_per_token_codes);
+      copy_words(stage_v + L.v_codes, block + s.layout.value_codes + t0 * codes_bpt, n * codes_bpt, kAttendThreads);
     }
     template <bool BF16>
     __device__ void decode(const uint8_t *stage_v, uint32_t t, float (&v)[kSliceChannels]) const {
       const uint32_t bits = s.value_bits, mask = (1u << bits) - 1u;
-      const uint64_t codes = load_codes8(stage_v + L.v_codes + t * s.value_codes_bpt + slice * bits, bits);
+      const uint32_t codes_bpt = uint32_t(s.layout.value_bytes_per_token_codes);
+      const uint64_t codes = load_codes8(stage_v + L.v_codes + t * codes_bpt + slice * bits, bits);
       const float scale = fp16_bits_to_float(reinterpret_cast<const uint16_t *>(stage_v + L.v_scale)[t]);
 #pragma unroll
       for (uint32_t c = 0; c < kSliceChannels; ++c) v[c] = levels[uint32_t(codes >> (c * bits)) & mask] * scale;
@@ -269,14 +263,15 @@ struct LloydMaxValues {
   };
 };
 
-// Calls f(Policy{}) with the policy of this value kind (host dispatch of the launches).
+// Calls f(Policy{}) with the policy of this layer's values (host dispatch of the launches): a
+// method's registration on this backend.
 template <class F>
-auto with_value_policy(ValueKind kind, F &&f) {
-  switch (kind) {
-    case ValueKind::stored16: return f(Stored16Values{});
-    case ValueKind::lloyd_max: return f(LloydMaxValues{});
-    case ValueKind::uniform: break;
+auto with_value_policy(const KernelShape &s, F &&f) {
+  switch (s.value_method) {
+    case QJLKV_VALUES_ROTATED_LLOYD_MAX: return f(LloydMaxValues{});
+    case QJLKV_VALUES_UNIFORM: break;
   }
+  if (s.value_bits == 16) return f(Stored16Values{});
   return f(UniformValues{});
 }
 

@@ -95,10 +95,10 @@ TEST(CudaLayout, MinMaxRulesMatchTheCpuOnSignedZeros) {
   }
 }
 
-AttendShape shape(KeyKind kind, uint32_t rows, uint32_t d, uint32_t io_elem, uint32_t value_bits = 2,
+AttendShape shape(qjlkv_key_method kind, uint32_t rows, uint32_t d, uint32_t io_elem, uint32_t value_bits = 2,
                   uint32_t group = 32) {
   AttendShape s;
-  s.kind = kind;
+  s.key_method = kind;
   s.rows = rows;
   s.d = d;
   s.m = 2 * d;
@@ -113,7 +113,7 @@ AttendShape shape(KeyKind kind, uint32_t rows, uint32_t d, uint32_t io_elem, uin
 // The regions of the attention kernel's shared memory are 16-aligned, in order, and as large as
 // the kernel's tiles need.
 TEST(CudaLayout, AttendSharedMemoryRegionsHoldTheirTiles) {
-  for (KeyKind kind : {KeyKind::qjl, KeyKind::kivi, KeyKind::exact})
+  for (qjlkv_key_method kind : {QJLKV_KEYS_QJL, QJLKV_KEYS_KIVI, QJLKV_KEYS_EXACT})
     for (uint32_t rows : {1u, 2u, 4u, 8u})
       for (uint32_t d : {8u, 64u, 96u, 128u, 256u})
         for (uint32_t io : {2u, 4u})
@@ -127,7 +127,7 @@ TEST(CudaLayout, AttendSharedMemoryRegionsHoldTheirTiles) {
             EXPECT_GE(m.stage_k, m.state + 4 * 3 * rows);
             // keys: the method's tile and the full-precision tail rows
             uint32_t key_tile = 4 * kTile * padded_row_words(d * io);
-            if (kind == KeyKind::qjl) {
+            if (kind == QJLKV_KEYS_QJL) {
               EXPECT_GE(m.k_norm_out - m.k_norm_in, 2 * kTile);
               EXPECT_GE(m.k_corrections - m.k_norm_out, 2 * kTile);
               EXPECT_GE(m.k_bits_in - m.k_corrections, 2 * kTile * s.outlier_channels);
@@ -135,7 +135,7 @@ TEST(CudaLayout, AttendSharedMemoryRegionsHoldTheirTiles) {
               key_tile = std::max(key_tile, m.k_bits_in + kTile * s.m / 8 + 4);
               EXPECT_GE(m.outlier - m.sq, 4 * rows * round_up(s.m, 32));
               EXPECT_GE(m.scores - m.outlier, 4 * s.outlier_channels);
-            } else if (kind == KeyKind::kivi) {
+            } else if (kind == QJLKV_KEYS_KIVI) {
               key_tile = std::max(key_tile, kTile * d * s.key_bits / 8 + 4);
               EXPECT_GE(m.koff - m.qdigits, 2 * rows * d32);  // {hi, lo} digit bytes per channel
               EXPECT_GE(m.scores - m.koff, 4 * 2 * rows);     // offset and step per row
@@ -208,9 +208,9 @@ TEST(CudaLayout, LloydMaxValuesAndThreeBitKeysHaveTheirRegions) {
     for (uint32_t d : {8u, 40u, 72u, 96u, 128u, 256u})
       for (uint32_t io : {2u, 4u})
         for (uint32_t vb : {2u, 3u, 4u}) {
-          AttendShape s = shape(KeyKind::kivi, rows, d, io, vb, 8);
+          AttendShape s = shape(QJLKV_KEYS_KIVI, rows, d, io, vb, 8);
           s.key_bits = 3;
-          s.value_kind = ValueKind::lloyd_max;
+          s.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
           s.value_groups = 1;
           const AttendSmem m = attend_smem(s);
           EXPECT_EQ(m.levels % 16, 0u);
@@ -224,16 +224,16 @@ TEST(CudaLayout, LloydMaxValuesAndThreeBitKeysHaveTheirRegions) {
 
 // The presets' attention kernels fit an H100/H200 (227 KiB) with 8 rows, an A100 (163 KiB) too.
 TEST(CudaLayout, PresetShapesFitTheDevices) {
-  for (KeyKind kind : {KeyKind::qjl, KeyKind::kivi, KeyKind::exact})
+  for (qjlkv_key_method kind : {QJLKV_KEYS_QJL, QJLKV_KEYS_KIVI, QJLKV_KEYS_EXACT})
     for (uint32_t d : {64u, 128u, 256u}) {
-      const uint32_t total = attend_smem(shape(kind, 8, d, 4, kind == KeyKind::exact ? 16 : 2)).total;
+      const uint32_t total = attend_smem(shape(kind, 8, d, 4, kind == QJLKV_KEYS_EXACT ? 16 : 2)).total;
       EXPECT_LE(total, 166912u) << "d " << d;
     }
   for (uint32_t d : {64u, 128u, 256u})  // q3 / q4: 3- or 4-bit keys, 2- or 3-bit rotated values
     for (uint32_t key_bits : {3u, 4u}) {
-      AttendShape s = shape(KeyKind::kivi, 8, d, 4, key_bits - 1);
+      AttendShape s = shape(QJLKV_KEYS_KIVI, 8, d, 4, key_bits - 1);
       s.key_bits = key_bits;
-      s.value_kind = ValueKind::lloyd_max;
+      s.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
       s.value_groups = 1;
       EXPECT_LE(attend_smem(s).total, 166912u) << "d " << d << ", key_bits " << key_bits;
     }
