@@ -517,8 +517,8 @@ void CpuCache::make_layer_kernels() {
   for (uint32_t l = 0; l < cfg.num_layers; ++l) {
     const LayerSpec &ls = spec().layers[l];
     LayerKernels &lk = layer_kernels_[l];
-    lk.values = CodesArgs{&ls.layout,          cfg.block_tokens,     d, cfg.value_bits, cfg.value_group_size,
-                          spec().stored_dtype, cfg.value_method, ls.value_signs.data()};
+    lk.values = CodesArgs{&ls.layout,          cfg.block_tokens, d, cfg.value_bits, cfg.value_group_size,
+                          spec().stored_dtype, ls.value_signs.data()};
     with_key_method(cfg.key_method, [&](auto key_method) { kernels_of(key_method).prepare(spec(), ls, *kernels_, lk); });
   }
 }
@@ -957,8 +957,8 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
         if (K.softmax_fold(state, weights, Bp, rows, B, call.scale, acc, d))
           kernels_of(value_method).accumulate(context, block, weights, Bp, rows, acc, kernel_scratch);
       }
+      kernels_of(value_method).in_channel_order(context, rows, acc);
     });
-    K.values_in_channel_order(lk.values, rows, acc);
     return;
   }
   // Exact tokens in chunks of B: row t of keys/values starts at element t * row_stride.

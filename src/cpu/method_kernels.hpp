@@ -27,20 +27,26 @@ struct KeyKernelDefaults {
   static void project_queries(const CpuLayer &, const float *, uint32_t, float *) {}
 };
 
-// The value methods share the kernel table's entries (they read CodesArgs::method inside).
-struct ValueKernelDefaults {
+// A value method's entries: its own column of the kernel table, chosen here once by the method's
+// type, so that no kernel asks which method's block it reads.
+template <ValueKernels KernelTable::*Column>
+struct ValueKernelsOf {
+  static const ValueKernels &entries(const KernelTable &kernels) { return kernels.*Column; }
   static void quantize(const CpuLayer &c, const float *values, uint8_t *block) {
-    c.kernels.values_quantize(c.args.values, values, block);
+    entries(c.kernels).quantize(c.args.values, values, block);
   }
   static void accumulate(const CpuLayer &c, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
                          float *acc, float *scratch) {
-    c.kernels.values_accumulate(c.args.values, block, w, w_stride, rows, acc, scratch);
+    entries(c.kernels).accumulate(c.args.values, block, w, w_stride, rows, acc, scratch);
+  }
+  static void in_channel_order(const CpuLayer &c, uint32_t rows, float *acc) {
+    entries(c.kernels).in_channel_order(c.args.values, rows, acc);
   }
 };
 template <>
-struct MethodKernels<UniformValues> : ValueKernelDefaults {};
+struct MethodKernels<UniformValues> : ValueKernelsOf<&KernelTable::uniform_values> {};
 template <>
-struct MethodKernels<LloydMaxValues> : ValueKernelDefaults {};
+struct MethodKernels<LloydMaxValues> : ValueKernelsOf<&KernelTable::lloyd_max_values> {};
 
 template <>
 struct MethodKernels<ExactKeys> : KeyKernelDefaults {

@@ -105,8 +105,23 @@ struct CodesArgs {  // KIVI/OTT keys or quantized values of one block
   const BlockLayout *layout = nullptr;
   uint32_t block_tokens = 0, head_dim = 0, bits = 0, group = 0;  // group: uniform values only
   qjlkv_dtype stored = QJLKV_DTYPE_F16;                         // values with bits == 16
-  uint32_t method = QJLKV_VALUES_UNIFORM;                        // values: a qjlkv_value_method
   const float *signs = nullptr;                                  // rotated Lloyd-Max: the rotation's s
+};
+
+// The fast kernels of one value method; each method has its own, so that none asks which
+// method's block it reads.
+struct ValueKernels {
+  // acc[r][d] += Σ_t w[r][t]·v̂_t over a block's quantized values, v̂_t as stored: rotated
+  // Lloyd-Max values stay rotated, as in values_accumulate_block.
+  void (*accumulate)(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
+                     float *acc, float *scratch);
+  // accumulate may keep each row of acc in its own order of channels (a layer's blocks all the
+  // same order; avx512vnni's 2-bit sums, which saves it a shuffle of every block's sums); this
+  // puts the rows back in channel order, once after the last block. Between the two, acc may
+  // only be scaled as a whole (softmax_fold) or added to by accumulate.
+  void (*in_channel_order)(const CodesArgs &a, uint32_t rows, float *acc);
+  // values_quantize_block of kernels.hpp, byte for byte (block zeroed).
+  void (*quantize)(const CodesArgs &a, const float *values, uint8_t *block);
 };
 
 // Query rows and accumulator rows are padded_dim(d) floats apart (queries zero-padded).
@@ -167,15 +182,8 @@ struct KernelTable {
                        const float *q, uint32_t rows, float *out, size_t out_stride);
   void (*dense_values)(const void *values, qjlkv_dtype dtype, size_t row_stride, uint32_t n, uint32_t d,
                        const float *w, size_t w_stride, uint32_t rows, float *acc);
-  // acc[r][d] += Σ_t w[r][t]·v̂_t over a block's quantized values (bits 2, 3, 4, 8 or 16), v̂_t as
-  // stored: rotated Lloyd-Max values stay rotated, as in values_accumulate_block.
-  void (*values_accumulate)(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride,
-                            uint32_t rows, float *acc, float *scratch);
-  // values_accumulate may keep each row of acc in its own order of channels (a layer's blocks all
-  // the same order; avx512vnni's 2-bit Lloyd-Max sums, which saves it a shuffle of every block's
-  // sums); this puts the rows back in channel order, once after the last block. Between the two,
-  // acc may only be scaled as a whole (softmax_fold) or added to by values_accumulate.
-  void (*values_in_channel_order)(const CodesArgs &a, uint32_t rows, float *acc);
+  ValueKernels uniform_values;    // bits 2, 3, 4, 8 or 16
+  ValueKernels lloyd_max_values;  // bits 2, 3 or 4
   // ---- appending: the reference quantizers' exact results, vectorized ----
   // dst[i] = element first + i of src (dtype), for i < n.
   void (*load_floats)(const void *src, qjlkv_dtype dtype, size_t first, size_t n, float *dst);
@@ -185,8 +193,7 @@ struct KernelTable {
   float (*sum_squares)(const void *src, qjlkv_dtype dtype, size_t first, uint32_t n);
   // dst[i] = to_16bit(src[i], stored) of kernels.hpp (round to nearest even; finite inputs).
   void (*store_16bit)(const float *src, size_t n, qjlkv_dtype stored, uint16_t *dst);
-  // values_quantize_block and kivi_quantize_block of kernels.hpp, byte for byte (block zeroed).
-  void (*values_quantize)(const CodesArgs &a, const float *values, uint8_t *block);
+  // kivi_quantize_block of kernels.hpp, byte for byte (block zeroed).
   void (*kivi_quantize)(const CodesArgs &a, const float *keys, uint8_t *block);
   // softmax_fold of kernels.hpp on scale·scores (-inf = masked) for each of `rows` rows.
   // Returns false when every score of every row is masked.
@@ -199,7 +206,8 @@ struct KernelTable {
 const KernelTable &kernel_table(Isa isa);
 // The reference quantizers (kernels.hpp) on CodesArgs: the fast kernels' fallback for layouts
 // their vectors do not cover.
-void values_quantize_block_reference(const CodesArgs &a, const float *values, uint8_t *block);
+void uniform_values_quantize_reference(const CodesArgs &a, const float *values, uint8_t *block);
+void lloyd_max_values_quantize_reference(const CodesArgs &a, const float *values, uint8_t *block);
 void kivi_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_t *block);
 const KernelTable &scalar_kernels();
 const KernelTable &avx2_kernels();
@@ -210,7 +218,7 @@ const KernelTable &avx512_vnni_kernels();  // avx512 with integer decode kernels
 void qjl_project_avx512(const QjlArgs &a, const float *q, uint32_t rows, float *sq);
 void qjl_code_rows_avx2(const QjlArgs &a, uint32_t rows, float *sq);
 
-// Scratch (floats) that qjl_scores, kivi_scores and values_accumulate need for one block.
+// Scratch (floats) that qjl_scores, kivi_scores and the values' accumulate need for one block.
 size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out);
 
 }  // namespace qjlkv::cpu

@@ -481,7 +481,7 @@ void lloyd_max_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_
 // words and on them shifted right by 4, give the levels of channels 4j + k for k = 0..3 in dword
 // lane j: one vpermb, one shift and four vpermw per 64 channels of a pair, where lloyd_max_tile
 // takes three shuffles per 16. The sums come out with channel 4j + k in lane j of sum[r][k] and
-// stay so in acc (channels c0 + 4j + k at c0 + 16k + j): values_in_channel_order puts them back
+// stay so in acc (channels c0 + 4j + k at c0 + 16k + j): in_channel_order puts them back
 // once per attend, where doing it at each flush took 16 shuffles per row and tile of every block.
 // (A layer's blocks all take these tiles, for channels [0, 64·floor(d / 64)).)
 // vpermb indices for the 2-bit tiles: lane j takes byte b(j) = (j % n)·16/n + j/n of the 16-byte
@@ -841,7 +841,7 @@ void uniform_tile(const BlockLayout &layout, const uint8_t *codes, size_t row_by
 // exactly (mod 2^32, where the true sums fit). One vpermb and three shifts per 64 channels of a
 // pair, where uniform_tile takes three operations per 16. The flush puts lane b on byte b's
 // channels and leaves them in lloyd_max_tile2's lane order (channel c0 + 4b + k at c0 + 16k + b)
-// for values_in_channel_order.
+// for in_channel_order.
 
 template <uint32_t R, uint32_t n>
 void uniform_tile2(const BlockLayout &layout, const uint8_t *codes, size_t row_bytes, uint32_t B, uint32_t g,
@@ -1028,17 +1028,14 @@ bool uniform_weights(const uint16_t *scale_bits, const uint16_t *min_bits, uint3
   return true;
 }
 
-// Whether values_accumulate takes values_lloyd_max (for 2, 3 and 4 bits).
-bool lloyd_max_integer_layout(const CodesArgs &a) {
-  return a.method == QJLKV_VALUES_ROTATED_LLOYD_MAX && a.head_dim % 16 == 0;
-}
+// Whether lloyd_max_values_accumulate takes values_lloyd_max (for 2, 3 and 4 bits).
+bool lloyd_max_integer_layout(const CodesArgs &a) { return a.head_dim % 16 == 0; }
 
 // Whether the layer's value sums of channels [0, 64·floor(d / 64)) are kept in the 2-bit tiles'
 // lane order (lloyd_max_tile2, uniform_tile2: channel c0 + 4j + k at c0 + 16k + j).
-bool two_bit_tiles(const CodesArgs &a) {
-  if (a.bits != 2) return false;
-  if (a.method == QJLKV_VALUES_ROTATED_LLOYD_MAX) return lloyd_max_integer_layout(a);
-  return a.method == QJLKV_VALUES_UNIFORM && uniform_integer_layout(a) && uniform_tile_groups(a.group) != 0;
+bool lloyd_max_two_bit_tiles(const CodesArgs &a) { return a.bits == 2 && lloyd_max_integer_layout(a); }
+bool uniform_two_bit_tiles(const CodesArgs &a) {
+  return a.bits == 2 && uniform_integer_layout(a) && uniform_tile_groups(a.group) != 0;
 }
 
 // The tiles of R rows of acc taken `times` times from lane order to channel order. The order is a
@@ -1092,9 +1089,9 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
         default: covered = weights(std::integral_constant<uint32_t, 16>{}); break;
       }
       if (!covered) {  // the fp32 kernel adds in channel order
-        const bool tiles = two_bit_tiles(a);
+        const bool tiles = uniform_two_bit_tiles(a);
         if (tiles) reorder_two_bit_tiles(a.head_dim, kR, ar, 1);
-        avx512_kernels().values_accumulate(a, block, wr, w_stride, kR, ar, scratch);
+        avx512_kernels().uniform_values.accumulate(a, block, wr, w_stride, kR, ar, scratch);
         if (tiles) reorder_two_bit_tiles(a.head_dim, kR, ar, 2);
         return;
       }
@@ -1110,8 +1107,8 @@ void values_uniform(const CodesArgs &a, const uint8_t *block, const float *w, si
   }
 }
 
-void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
-                       float *acc, float *scratch) {
+void lloyd_max_values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride,
+                                 uint32_t rows, float *acc, float *scratch) {
   if (lloyd_max_integer_layout(a)) {
     switch (a.bits) {
       case 2: values_lloyd_max<2>(a, block, w, w_stride, rows, acc, scratch); return;
@@ -1120,7 +1117,13 @@ void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w,
       default: break;
     }
   }
-  if (a.method == QJLKV_VALUES_UNIFORM && uniform_integer_layout(a)) {
+  // Other layouts keep the fp32 kernel.
+  avx512_kernels().lloyd_max_values.accumulate(a, block, w, w_stride, rows, acc, scratch);
+}
+
+void uniform_values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride,
+                               uint32_t rows, float *acc, float *scratch) {
+  if (uniform_integer_layout(a)) {
     switch (a.bits) {
       case 2: values_uniform<2>(a, block, w, w_stride, rows, acc, scratch); return;
       case 3: values_uniform<3>(a, block, w, w_stride, rows, acc, scratch); return;
@@ -1130,11 +1133,15 @@ void values_accumulate(const CodesArgs &a, const uint8_t *block, const float *w,
     }
   }
   // Other layouts (and 16-bit values) keep the fp32 kernel.
-  avx512_kernels().values_accumulate(a, block, w, w_stride, rows, acc, scratch);
+  avx512_kernels().uniform_values.accumulate(a, block, w, w_stride, rows, acc, scratch);
 }
 
-void values_in_channel_order(const CodesArgs &a, uint32_t rows, float *acc) {
-  if (two_bit_tiles(a)) reorder_two_bit_tiles(a.head_dim, rows, acc, 1);
+void lloyd_max_values_in_channel_order(const CodesArgs &a, uint32_t rows, float *acc) {
+  if (lloyd_max_two_bit_tiles(a)) reorder_two_bit_tiles(a.head_dim, rows, acc, 1);
+}
+
+void uniform_values_in_channel_order(const CodesArgs &a, uint32_t rows, float *acc) {
+  if (uniform_two_bit_tiles(a)) reorder_two_bit_tiles(a.head_dim, rows, acc, 1);
 }
 
 // ---- QJL keys -------------------------------------------------------------------------------------
@@ -1406,8 +1413,10 @@ const KernelTable &avx512_vnni_kernels() {
     t.qjl_project = &avx512_vnni::qjl_project;
     t.qjl_scores = &avx512_vnni::qjl_scores;
     t.kivi_scores = &avx512_vnni::kivi_scores;
-    t.values_accumulate = &avx512_vnni::values_accumulate;
-    t.values_in_channel_order = &avx512_vnni::values_in_channel_order;
+    t.uniform_values.accumulate = &avx512_vnni::uniform_values_accumulate;
+    t.uniform_values.in_channel_order = &avx512_vnni::uniform_values_in_channel_order;
+    t.lloyd_max_values.accumulate = &avx512_vnni::lloyd_max_values_accumulate;
+    t.lloyd_max_values.in_channel_order = &avx512_vnni::lloyd_max_values_in_channel_order;
     return t;
   }();
   return table;

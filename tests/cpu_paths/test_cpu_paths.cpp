@@ -254,7 +254,13 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     values_args_ = CodesArgs{&ls.layout,         B,
                              d,                  cfg_.value_bits,
                              cfg_.value_group_size, spec_.stored_dtype,
-                             cfg_.value_method,  ls.value_signs.data()};
+                             ls.value_signs.data()};
+  }
+
+  // The value method's kernels on path K.
+  const ValueKernels &value_kernels(const KernelTable &K) const {
+    return with_value_method(cfg_.value_method,
+                             [&](auto value_method) -> const ValueKernels & { return kernels_of(value_method).entries(K); });
   }
 
   // Queries in the fast layout: rows of padded_dim(d), zero-padded.
@@ -321,8 +327,8 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     float *acc = aligned<float>(acc_storage, size_t(rows) * dp);
     for (uint32_t r = 0; r < rows; ++r) std::fill_n(acc + size_t(r) * dp, d, initial);
     float *scratch = aligned<float>(scratch_storage, kernel_scratch_floats(cfg_, ls.m, ls.m_out));
-    K.values_accumulate(values_args_, block_.data(), wp, Bp, rows, acc, scratch);
-    K.values_in_channel_order(values_args_, rows, acc);
+    value_kernels(K).accumulate(values_args_, block_.data(), wp, Bp, rows, acc, scratch);
+    value_kernels(K).in_channel_order(values_args_, rows, acc);
     return acc;
   }
 
@@ -621,7 +627,7 @@ TEST_P(Kernels, QuantizersMatchReferenceByteForByte) {
         EXPECT_EQ(0, std::memcmp(got.data(), block_.data(), ls.layout.key_bytes)) << isa_name(isa) << ": key codes";
         break;
     }
-    K.values_quantize(values_args_, values_.data(), got.data());
+    value_kernels(K).quantize(values_args_, values_.data(), got.data());
     const size_t value_start = cfg_.value_bits == 16 ? ls.layout.value_codes : ls.layout.value_scale;
     const size_t value_end = ls.layout.value_codes + size_t(B) * ls.layout.value_bytes_per_token_codes;
     EXPECT_EQ(0, std::memcmp(got.data() + value_start, block_.data() + value_start, value_end - value_start))
