@@ -63,14 +63,14 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
       case QJLKV_KEYS_EXACT:
         K.store_16bit(keys.data(), keys.size(), spec.stored_dtype, reinterpret_cast<uint16_t *>(block + layout.key_codes));
         break;
-      default: K.kivi_quantize(key_args, keys.data(), block); break;
+      default: K.kivi.quantize(key_args, keys.data(), block); break;
     }
     value_kernels.quantize(value_args, values.data(), block);
   }
   std::vector<float> q(size_t(kRows) * dp, 0.0f), sq(size_t(kRows) * qjl.projected_stride), acc(size_t(kRows) * dp, 0.0f);
   for (uint32_t r = 0; r < kRows; ++r)
     for (uint32_t j = 0; j < kDim; ++j) q[size_t(r) * dp + j] = normal(rng);
-  if (cfg.key_method == QJLKV_KEYS_QJL) K.qjl_project(qjl, q.data(), kRows, sq.data());
+  if (cfg.key_method == QJLKV_KEYS_QJL) K.qjl.project(qjl, q.data(), kRows, sq.data());
   std::vector<float> weights(size_t(kRows) * Bp * blocks);
   std::vector<SoftmaxRow> rows(kRows);
   double keys_s = 0, softmax_s = 0, values_s = 0;
@@ -80,11 +80,11 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
       const uint8_t *block = &data[size_t(b) * layout.stride];
       float *w = &weights[size_t(b) * kRows * Bp];
       switch (cfg.key_method) {
-        case QJLKV_KEYS_QJL: K.qjl_scores(qjl, block, q.data(), sq.data(), kRows, w, Bp, scratch); break;
+        case QJLKV_KEYS_QJL: K.qjl.scores(qjl, block, q.data(), sq.data(), kRows, w, Bp, scratch); break;
         case QJLKV_KEYS_EXACT:
-          K.dense_scores(block + layout.key_codes, spec.stored_dtype, kDim, B, kDim, q.data(), kRows, w, Bp);
+          K.dense.scores(block + layout.key_codes, spec.stored_dtype, kDim, B, kDim, q.data(), kRows, w, Bp);
           break;
-        default: K.kivi_scores(key_args, block, q.data(), kRows, w, Bp, scratch); break;
+        default: K.kivi.scores(key_args, block, q.data(), kRows, w, Bp, scratch); break;
       }
     }
     const double t1 = thread_seconds();

@@ -968,10 +968,10 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
     for (uint32_t start = 0; start < count; start += B) {
       const uint32_t n = std::min(B, count - start);
       const size_t offset = start * row_stride * io;
-      K.dense_scores(keys + offset, dtype_of(cfg), row_stride, n, d, q, rows, weights, Bp);
+      K.dense.scores(keys + offset, dtype_of(cfg), row_stride, n, d, q, rows, weights, Bp);
       mask_causal(n, [&](uint32_t t) { return position_of(start + t); });
       if (K.softmax_fold(state, weights, Bp, rows, n, call.scale, acc, d))
-        K.dense_values(values + offset, dtype_of(cfg), row_stride, n, d, weights, Bp, rows, acc);
+        K.dense.values(values + offset, dtype_of(cfg), row_stride, n, d, weights, Bp, rows, acc);
     }
   };
   const size_t head_offset_bytes = size_t(head) * d * io;
@@ -1113,7 +1113,7 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
     load_queries(layer, static_cast<const uint8_t *>(query), 1, head, q, q + size_t(G) * dp);
     float *head_out = out + size_t(head) * G * L;
     if (seq.sink_tokens > 0)
-      kernels_->dense_scores(seq.sink_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
+      kernels_->dense.scores(seq.sink_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
                              seq.sink_tokens, d, q, G, head_out, L);
     float *blocks_out = head_out + seq.sink_tokens;
     with_key_method(cfg.key_method, [&](auto key_method) {
@@ -1126,7 +1126,7 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
       }
     });
     if (seq.tail_tokens > 0)
-      kernels_->dense_scores(seq.tail_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
+      kernels_->dense.scores(seq.tail_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
                              seq.tail_tokens, d, q, G, blocks_out + size_t(seq.block_count()) * B, L);
   }
 }

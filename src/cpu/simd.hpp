@@ -1,5 +1,6 @@
 // The fast CPU kernels, compiled once per instruction set (simd_scalar.cpp, simd_avx2.cpp,
-// simd_avx512.cpp from the one template source simd_impl.inc) and chosen at run time (isa.hpp).
+// simd_avx512.cpp from the one template source simd_impl.inc and the methods' cpu_simd.inc; the
+// methods' cpu_avx512_vnni.cpp) and chosen at run time (isa.hpp), one group per method.
 // They compute what the reference kernels of kernels.hpp compute, within float tolerance, except
 // the QJL sign bits, which are bit-identical (same fp32 sums in the same order, no FMA).
 #pragma once
@@ -163,25 +164,42 @@ inline CodeScale code_scale(float largest, float code_max) {
   return {prescale, code_max / (largest * prescale)};
 }
 
-struct KernelTable {
-  Isa isa;
+// The kernel table holds one group of fast kernels per key or value method (each method's
+// src/methods/<method>/cpu_simd.inc and per-ISA files build its group), then the ones they share.
+struct QjlKernels {
   // sq[r * projected_stride + i] = <S_i, q_r> for every sketch row i (and 0 in the padding up
-  // to sketch_t_stride); the integer path (avx512vnni) keeps its per-call quantization of the
-  // row in the rest of it.
-  void (*qjl_project)(const QjlArgs &a, const float *q, uint32_t rows, float *sq);
-  void (*qjl_scores)(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, uint32_t rows,
-                     float *out, size_t out_stride, float *scratch);
+  // to sketch_t_stride); the integer paths keep their per-call quantization of the row in the
+  // rest of it.
+  void (*project)(const QjlArgs &a, const float *q, uint32_t rows, float *sq);
+  void (*scores)(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, uint32_t rows, float *out,
+                 size_t out_stride, float *scratch);
   // Sign bits of n_out projections for n keys: bit i of row t = (Σ_j keys[t][j]·st_rows[j][i] > 0),
   // summed in order j = 0..n_channels-1 in fp32 without FMA (the reference order).
-  void (*qjl_sign_bits)(const float *keys, size_t key_stride, uint32_t n, const float *const *st_rows,
-                        uint32_t n_channels, uint32_t n_out, uint8_t *bits, size_t bits_stride);
-  void (*kivi_scores)(const CodesArgs &a, const uint8_t *block, const float *q, uint32_t rows, float *out,
-                      size_t out_stride, float *scratch);
-  // Full-precision keys/values: rows of `dtype` elements, `row_stride` elements apart.
-  void (*dense_scores)(const void *keys, qjlkv_dtype dtype, size_t row_stride, uint32_t n, uint32_t d,
-                       const float *q, uint32_t rows, float *out, size_t out_stride);
-  void (*dense_values)(const void *values, qjlkv_dtype dtype, size_t row_stride, uint32_t n, uint32_t d,
-                       const float *w, size_t w_stride, uint32_t rows, float *acc);
+  void (*sign_bits)(const float *keys, size_t key_stride, uint32_t n, const float *const *st_rows,
+                    uint32_t n_channels, uint32_t n_out, uint8_t *bits, size_t bits_stride);
+};
+
+struct KiviKernels {  // KIVI and OTT keys
+  void (*scores)(const CodesArgs &a, const uint8_t *block, const float *q, uint32_t rows, float *out,
+                 size_t out_stride, float *scratch);
+  // kivi_quantize_block of kernels.hpp, byte for byte (block zeroed).
+  void (*quantize)(const CodesArgs &a, const float *keys, uint8_t *block);
+};
+
+// Full-precision rows (exact keys, 16-bit values, the exact tokens of any method): rows of
+// `dtype` elements, `row_stride` elements apart.
+struct DenseKernels {
+  void (*scores)(const void *keys, qjlkv_dtype dtype, size_t row_stride, uint32_t n, uint32_t d, const float *q,
+                 uint32_t rows, float *out, size_t out_stride);
+  void (*values)(const void *values, qjlkv_dtype dtype, size_t row_stride, uint32_t n, uint32_t d, const float *w,
+                 size_t w_stride, uint32_t rows, float *acc);
+};
+
+struct KernelTable {
+  Isa isa;
+  QjlKernels qjl;
+  KiviKernels kivi;
+  DenseKernels dense;
   ValueKernels uniform_values;    // bits 2, 3, 4, 8 or 16
   ValueKernels lloyd_max_values;  // bits 2, 3 or 4
   // ---- appending: the reference quantizers' exact results, vectorized ----
@@ -193,8 +211,6 @@ struct KernelTable {
   float (*sum_squares)(const void *src, qjlkv_dtype dtype, size_t first, uint32_t n);
   // dst[i] = to_16bit(src[i], stored) of kernels.hpp (round to nearest even; finite inputs).
   void (*store_16bit)(const float *src, size_t n, qjlkv_dtype stored, uint16_t *dst);
-  // kivi_quantize_block of kernels.hpp, byte for byte (block zeroed).
-  void (*kivi_quantize)(const CodesArgs &a, const float *keys, uint8_t *block);
   // softmax_fold of kernels.hpp on scale·scores (-inf = masked) for each of `rows` rows.
   // Returns false when every score of every row is masked.
   bool (*softmax_fold)(SoftmaxRow *state, float *scores, size_t stride, uint32_t rows, uint32_t n, float scale,

@@ -286,20 +286,20 @@ class Kernels : public testing::TestWithParam<KernelCase> {
         QjlTables tables;  // the path's own column codes, as the backend builds them for it
         const QjlArgs qjl = make_qjl_args(spec_, ls, tables);
         float *sq = aligned<float>(sq_storage, rows * qjl.projected_stride);
-        K.qjl_project(qjl, q.data(), rows, sq);
+        K.qjl.project(qjl, q.data(), rows, sq);
         for (uint32_t r = 0; r < rows; ++r)
           for (uint32_t i = 0; i < ls.sketch_rows; ++i) {
             EXPECT_NEAR(sq[r * qjl.projected_stride + i], sq_ref[size_t(r) * ls.sketch_rows + i], 1e-4f)
                 << isa_name(K.isa) << " projection row " << r << " sketch row " << i;
             if (testing::Test::HasFailure()) return out;
           }
-        K.qjl_scores(qjl, block_.data(), q.data(), sq, rows, out, Bp, scratch);
+        K.qjl.scores(qjl, block_.data(), q.data(), sq, rows, out, Bp, scratch);
         break;
       }
       case QJLKV_KEYS_EXACT:
-        K.dense_scores(block_.data() + ls.layout.key_codes, spec_.stored_dtype, d, B, d, q.data(), rows, out, Bp);
+        K.dense.scores(block_.data() + ls.layout.key_codes, spec_.stored_dtype, d, B, d, q.data(), rows, out, Bp);
         break;
-      default: K.kivi_scores(keys_args_, block_.data(), q.data(), rows, out, Bp, scratch); break;
+      default: K.kivi.scores(keys_args_, block_.data(), q.data(), rows, out, Bp, scratch); break;
     }
     return out;
   }
@@ -597,7 +597,7 @@ TEST_P(Kernels, QuantizersMatchReferenceByteForByte) {
           }
         std::vector<const float *> columns(d);
         for (uint32_t j = 0; j < d; ++j) columns[j] = qjl_.sketch_t + j * qjl_.sketch_t_stride;
-        K.qjl_sign_bits(inlier.data(), d, B, columns.data(), d, ls.m, got.data() + ls.layout.key_bits_in,
+        K.qjl.sign_bits(inlier.data(), d, B, columns.data(), d, ls.m, got.data() + ls.layout.key_bits_in,
                         ls.layout.key_bytes_per_token_bits_in);
         EXPECT_EQ(0, std::memcmp(got.data() + ls.layout.key_bits_in, block_.data() + ls.layout.key_bits_in,
                                  size_t(B) * ls.layout.key_bytes_per_token_bits_in))
@@ -623,7 +623,7 @@ TEST_P(Kernels, QuantizersMatchReferenceByteForByte) {
         EXPECT_EQ(0, std::memcmp(got.data(), block_.data(), ls.layout.key_bytes)) << isa_name(isa);
         break;
       default:
-        K.kivi_quantize(keys_args_, keys_.data(), got.data());
+        K.kivi.quantize(keys_args_, keys_.data(), got.data());
         EXPECT_EQ(0, std::memcmp(got.data(), block_.data(), ls.layout.key_bytes)) << isa_name(isa) << ": key codes";
         break;
     }
