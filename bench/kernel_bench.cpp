@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "config.hpp"
+#include "cpu/method_kernels.hpp"
 #include "cpu/simd.hpp"
+#include "methods/methods.hpp"
 #include "probes.hpp"
 
 namespace {
@@ -45,8 +47,10 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
   QjlArgs qjl;
   if (cfg.key_method == QJLKV_KEYS_QJL) qjl = make_qjl_args(spec, ls, qjl_tables);
   const CodesArgs key_args{&layout, B, kDim, cfg.key_bits, 0, spec.stored_dtype};
-  const CodesArgs value_args{&layout,          B, kDim, cfg.value_bits, cfg.value_group_size, spec.stored_dtype,
-                             cfg.value_method, ls.value_signs.data()};
+  const CodesArgs value_args{&layout, B, kDim, cfg.value_bits, cfg.value_group_size, spec.stored_dtype,
+                             ls.value_signs.data()};
+  const ValueKernels &value_kernels = with_value_method(
+      cfg.value_method, [&](auto value_method) -> const ValueKernels & { return kernels_of(value_method).entries(K); });
   std::vector<float> scratch_storage(kernel_scratch_floats(cfg, ls.m, ls.m_out) + 16);
   const auto misalignment = reinterpret_cast<uintptr_t>(scratch_storage.data()) % 64;
   float *scratch = scratch_storage.data() + (64 - misalignment) % 64 / sizeof(float);  // 64-byte aligned (simd.hpp)
@@ -59,14 +63,14 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
       case QJLKV_KEYS_EXACT:
         K.store_16bit(keys.data(), keys.size(), spec.stored_dtype, reinterpret_cast<uint16_t *>(block + layout.key_codes));
         break;
-      default: K.kivi_quantize(key_args, keys.data(), block); break;
+      default: K.kivi.quantize(key_args, keys.data(), block); break;
     }
-    K.values_quantize(value_args, values.data(), block);
+    value_kernels.quantize(value_args, values.data(), block);
   }
   std::vector<float> q(size_t(kRows) * dp, 0.0f), sq(size_t(kRows) * qjl.projected_stride), acc(size_t(kRows) * dp, 0.0f);
   for (uint32_t r = 0; r < kRows; ++r)
     for (uint32_t j = 0; j < kDim; ++j) q[size_t(r) * dp + j] = normal(rng);
-  if (cfg.key_method == QJLKV_KEYS_QJL) K.qjl_project(qjl, q.data(), kRows, sq.data());
+  if (cfg.key_method == QJLKV_KEYS_QJL) K.qjl.project(qjl, q.data(), kRows, sq.data());
   std::vector<float> weights(size_t(kRows) * Bp * blocks);
   std::vector<SoftmaxRow> rows(kRows);
   double keys_s = 0, softmax_s = 0, values_s = 0;
@@ -76,11 +80,11 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
       const uint8_t *block = &data[size_t(b) * layout.stride];
       float *w = &weights[size_t(b) * kRows * Bp];
       switch (cfg.key_method) {
-        case QJLKV_KEYS_QJL: K.qjl_scores(qjl, block, q.data(), sq.data(), kRows, w, Bp, scratch); break;
+        case QJLKV_KEYS_QJL: K.qjl.scores(qjl, block, q.data(), sq.data(), kRows, w, Bp, scratch); break;
         case QJLKV_KEYS_EXACT:
-          K.dense_scores(block + layout.key_codes, spec.stored_dtype, kDim, B, kDim, q.data(), kRows, w, Bp);
+          K.dense.scores(block + layout.key_codes, spec.stored_dtype, kDim, B, kDim, q.data(), kRows, w, Bp);
           break;
-        default: K.kivi_scores(key_args, block, q.data(), kRows, w, Bp, scratch); break;
+        default: K.kivi.scores(key_args, block, q.data(), kRows, w, Bp, scratch); break;
       }
     }
     const double t1 = thread_seconds();
@@ -88,9 +92,9 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
       K.softmax_fold(rows.data(), &weights[size_t(b) * kRows * Bp], Bp, kRows, B, 0.088f, acc.data(), kDim);
     const double t2 = thread_seconds();
     for (uint32_t b = 0; b < blocks; ++b)
-      K.values_accumulate(value_args, &data[size_t(b) * layout.stride], &weights[size_t(b) * kRows * Bp], Bp, kRows,
-                          acc.data(), scratch);
-    K.values_in_channel_order(value_args, kRows, acc.data());
+      value_kernels.accumulate(value_args, &data[size_t(b) * layout.stride], &weights[size_t(b) * kRows * Bp], Bp,
+                               kRows, acc.data(), scratch);
+    value_kernels.in_channel_order(value_args, kRows, acc.data());
     const double t3 = thread_seconds();
     keys_s += t1 - t0;
     softmax_s += t2 - t1;

@@ -517,8 +517,8 @@ void CpuCache::make_layer_kernels() {
   for (uint32_t l = 0; l < cfg.num_layers; ++l) {
     const LayerSpec &ls = spec().layers[l];
     LayerKernels &lk = layer_kernels_[l];
-    lk.values = CodesArgs{&ls.layout,          cfg.block_tokens,     d, cfg.value_bits, cfg.value_group_size,
-                          spec().stored_dtype, cfg.value_method, ls.value_signs.data()};
+    lk.values = CodesArgs{&ls.layout,          cfg.block_tokens, d, cfg.value_bits, cfg.value_group_size,
+                          spec().stored_dtype, ls.value_signs.data()};
     with_key_method(cfg.key_method, [&](auto key_method) { kernels_of(key_method).prepare(spec(), ls, *kernels_, lk); });
   }
 }
@@ -957,8 +957,8 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
         if (K.softmax_fold(state, weights, Bp, rows, B, call.scale, acc, d))
           kernels_of(value_method).accumulate(context, block, weights, Bp, rows, acc, kernel_scratch);
       }
+      kernels_of(value_method).in_channel_order(context, rows, acc);
     });
-    K.values_in_channel_order(lk.values, rows, acc);
     return;
   }
   // Exact tokens in chunks of B: row t of keys/values starts at element t * row_stride.
@@ -968,10 +968,10 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
     for (uint32_t start = 0; start < count; start += B) {
       const uint32_t n = std::min(B, count - start);
       const size_t offset = start * row_stride * io;
-      K.dense_scores(keys + offset, dtype_of(cfg), row_stride, n, d, q, rows, weights, Bp);
+      K.dense.scores(keys + offset, dtype_of(cfg), row_stride, n, d, q, rows, weights, Bp);
       mask_causal(n, [&](uint32_t t) { return position_of(start + t); });
       if (K.softmax_fold(state, weights, Bp, rows, n, call.scale, acc, d))
-        K.dense_values(values + offset, dtype_of(cfg), row_stride, n, d, weights, Bp, rows, acc);
+        K.dense.values(values + offset, dtype_of(cfg), row_stride, n, d, weights, Bp, rows, acc);
     }
   };
   const size_t head_offset_bytes = size_t(head) * d * io;
@@ -1113,7 +1113,7 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
     load_queries(layer, static_cast<const uint8_t *>(query), 1, head, q, q + size_t(G) * dp);
     float *head_out = out + size_t(head) * G * L;
     if (seq.sink_tokens > 0)
-      kernels_->dense_scores(seq.sink_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
+      kernels_->dense.scores(seq.sink_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
                              seq.sink_tokens, d, q, G, head_out, L);
     float *blocks_out = head_out + seq.sink_tokens;
     with_key_method(cfg.key_method, [&](auto key_method) {
@@ -1126,7 +1126,7 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
       }
     });
     if (seq.tail_tokens > 0)
-      kernels_->dense_scores(seq.tail_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
+      kernels_->dense.scores(seq.tail_keys.data() + size_t(head) * d * spec().io_elem, dtype_of(cfg), token_elems_,
                              seq.tail_tokens, d, q, G, blocks_out + size_t(seq.block_count()) * B, L);
   }
 }

@@ -89,20 +89,25 @@ const KernelTable &kernel_table(Isa isa) {
 
 namespace {
 // The fields of a config that the reference quantizers read.
-qjlkv_config reference_config(const CodesArgs &a) {
+qjlkv_config reference_config(const CodesArgs &a, qjlkv_value_method value_method = QJLKV_VALUES_UNIFORM) {
   qjlkv_config cfg{};
   cfg.block_tokens = a.block_tokens;
   cfg.head_dim = a.head_dim;
   cfg.key_bits = a.bits;
   cfg.value_bits = a.bits;
   cfg.value_group_size = a.group;
-  cfg.value_method = a.method;
+  cfg.value_method = value_method;
   return cfg;
 }
 }  // namespace
 
-void values_quantize_block_reference(const CodesArgs &a, const float *values, uint8_t *block) {
-  values_quantize_block(reference_config(a), a.stored, *a.layout, a.signs, values, block);
+void uniform_values_quantize_reference(const CodesArgs &a, const float *values, uint8_t *block) {
+  values_quantize_block(reference_config(a, QJLKV_VALUES_UNIFORM), a.stored, *a.layout, a.signs, values, block);
+}
+
+void lloyd_max_values_quantize_reference(const CodesArgs &a, const float *values, uint8_t *block) {
+  values_quantize_block(reference_config(a, QJLKV_VALUES_ROTATED_LLOYD_MAX), a.stored, *a.layout, a.signs, values,
+                        block);
 }
 
 void kivi_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_t *block) {

@@ -1,5 +1,6 @@
 // The fast CPU kernels, compiled once per instruction set (simd_scalar.cpp, simd_avx2.cpp,
-// simd_avx512.cpp from the one template source simd_impl.inc) and chosen at run time (isa.hpp).
+// simd_avx512.cpp from the one template source simd_impl.inc and the methods' cpu_simd.inc; the
+// methods' cpu_avx512_vnni.cpp) and chosen at run time (isa.hpp), one group per method.
 // They compute what the reference kernels of kernels.hpp compute, within float tolerance, except
 // the QJL sign bits, which are bit-identical (same fp32 sums in the same order, no FMA).
 #pragma once
@@ -105,8 +106,23 @@ struct CodesArgs {  // KIVI/OTT keys or quantized values of one block
   const BlockLayout *layout = nullptr;
   uint32_t block_tokens = 0, head_dim = 0, bits = 0, group = 0;  // group: uniform values only
   qjlkv_dtype stored = QJLKV_DTYPE_F16;                         // values with bits == 16
-  uint32_t method = QJLKV_VALUES_UNIFORM;                        // values: a qjlkv_value_method
   const float *signs = nullptr;                                  // rotated Lloyd-Max: the rotation's s
+};
+
+// The fast kernels of one value method; each method has its own, so that none asks which
+// method's block it reads.
+struct ValueKernels {
+  // acc[r][d] += Σ_t w[r][t]·v̂_t over a block's quantized values, v̂_t as stored: rotated
+  // Lloyd-Max values stay rotated, as in values_accumulate_block.
+  void (*accumulate)(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride, uint32_t rows,
+                     float *acc, float *scratch);
+  // accumulate may keep each row of acc in its own order of channels (a layer's blocks all the
+  // same order; avx512vnni's 2-bit sums, which saves it a shuffle of every block's sums); this
+  // puts the rows back in channel order, once after the last block. Between the two, acc may
+  // only be scaled as a whole (softmax_fold) or added to by accumulate.
+  void (*in_channel_order)(const CodesArgs &a, uint32_t rows, float *acc);
+  // values_quantize_block of kernels.hpp, byte for byte (block zeroed).
+  void (*quantize)(const CodesArgs &a, const float *values, uint8_t *block);
 };
 
 // Query rows and accumulator rows are padded_dim(d) floats apart (queries zero-padded).
@@ -148,34 +164,44 @@ inline CodeScale code_scale(float largest, float code_max) {
   return {prescale, code_max / (largest * prescale)};
 }
 
-struct KernelTable {
-  Isa isa;
+// The kernel table holds one group of fast kernels per key or value method (each method's
+// src/methods/<method>/cpu_simd.inc and per-ISA files build its group), then the ones they share.
+struct QjlKernels {
   // sq[r * projected_stride + i] = <S_i, q_r> for every sketch row i (and 0 in the padding up
-  // to sketch_t_stride); the integer path (avx512vnni) keeps its per-call quantization of the
-  // row in the rest of it.
-  void (*qjl_project)(const QjlArgs &a, const float *q, uint32_t rows, float *sq);
-  void (*qjl_scores)(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, uint32_t rows,
-                     float *out, size_t out_stride, float *scratch);
+  // to sketch_t_stride); the integer paths keep their per-call quantization of the row in the
+  // rest of it.
+  void (*project)(const QjlArgs &a, const float *q, uint32_t rows, float *sq);
+  void (*scores)(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, uint32_t rows, float *out,
+                 size_t out_stride, float *scratch);
   // Sign bits of n_out projections for n keys: bit i of row t = (Σ_j keys[t][j]·st_rows[j][i] > 0),
   // summed in order j = 0..n_channels-1 in fp32 without FMA (the reference order).
-  void (*qjl_sign_bits)(const float *keys, size_t key_stride, uint32_t n, const float *const *st_rows,
-                        uint32_t n_channels, uint32_t n_out, uint8_t *bits, size_t bits_stride);
-  void (*kivi_scores)(const CodesArgs &a, const uint8_t *block, const float *q, uint32_t rows, float *out,
-                      size_t out_stride, float *scratch);
-  // Full-precision keys/values: rows of `dtype` elements, `row_stride` elements apart.
-  void (*dense_scores)(const void *keys, qjlkv_dtype dtype, size_t row_stride, uint32_t n, uint32_t d,
-                       const float *q, uint32_t rows, float *out, size_t out_stride);
-  void (*dense_values)(const void *values, qjlkv_dtype dtype, size_t row_stride, uint32_t n, uint32_t d,
-                       const float *w, size_t w_stride, uint32_t rows, float *acc);
-  // acc[r][d] += Σ_t w[r][t]·v̂_t over a block's quantized values (bits 2, 3, 4, 8 or 16), v̂_t as
-  // stored: rotated Lloyd-Max values stay rotated, as in values_accumulate_block.
-  void (*values_accumulate)(const CodesArgs &a, const uint8_t *block, const float *w, size_t w_stride,
-                            uint32_t rows, float *acc, float *scratch);
-  // values_accumulate may keep each row of acc in its own order of channels (a layer's blocks all
-  // the same order; avx512vnni's 2-bit Lloyd-Max sums, which saves it a shuffle of every block's
-  // sums); this puts the rows back in channel order, once after the last block. Between the two,
-  // acc may only be scaled as a whole (softmax_fold) or added to by values_accumulate.
-  void (*values_in_channel_order)(const CodesArgs &a, uint32_t rows, float *acc);
+  void (*sign_bits)(const float *keys, size_t key_stride, uint32_t n, const float *const *st_rows,
+                    uint32_t n_channels, uint32_t n_out, uint8_t *bits, size_t bits_stride);
+};
+
+struct KiviKernels {  // KIVI and OTT keys
+  void (*scores)(const CodesArgs &a, const uint8_t *block, const float *q, uint32_t rows, float *out,
+                 size_t out_stride, float *scratch);
+  // kivi_quantize_block of kernels.hpp, byte for byte (block zeroed).
+  void (*quantize)(const CodesArgs &a, const float *keys, uint8_t *block);
+};
+
+// Full-precision rows (exact keys, 16-bit values, the exact tokens of any method): rows of
+// `dtype` elements, `row_stride` elements apart.
+struct DenseKernels {
+  void (*scores)(const void *keys, qjlkv_dtype dtype, size_t row_stride, uint32_t n, uint32_t d, const float *q,
+                 uint32_t rows, float *out, size_t out_stride);
+  void (*values)(const void *values, qjlkv_dtype dtype, size_t row_stride, uint32_t n, uint32_t d, const float *w,
+                 size_t w_stride, uint32_t rows, float *acc);
+};
+
+struct KernelTable {
+  Isa isa;
+  QjlKernels qjl;
+  KiviKernels kivi;
+  DenseKernels dense;
+  ValueKernels uniform_values;    // bits 2, 3, 4, 8 or 16
+  ValueKernels lloyd_max_values;  // bits 2, 3 or 4
   // ---- appending: the reference quantizers' exact results, vectorized ----
   // dst[i] = element first + i of src (dtype), for i < n.
   void (*load_floats)(const void *src, qjlkv_dtype dtype, size_t first, size_t n, float *dst);
@@ -185,9 +211,6 @@ struct KernelTable {
   float (*sum_squares)(const void *src, qjlkv_dtype dtype, size_t first, uint32_t n);
   // dst[i] = to_16bit(src[i], stored) of kernels.hpp (round to nearest even; finite inputs).
   void (*store_16bit)(const float *src, size_t n, qjlkv_dtype stored, uint16_t *dst);
-  // values_quantize_block and kivi_quantize_block of kernels.hpp, byte for byte (block zeroed).
-  void (*values_quantize)(const CodesArgs &a, const float *values, uint8_t *block);
-  void (*kivi_quantize)(const CodesArgs &a, const float *keys, uint8_t *block);
   // softmax_fold of kernels.hpp on scale·scores (-inf = masked) for each of `rows` rows.
   // Returns false when every score of every row is masked.
   bool (*softmax_fold)(SoftmaxRow *state, float *scores, size_t stride, uint32_t rows, uint32_t n, float scale,
@@ -199,7 +222,8 @@ struct KernelTable {
 const KernelTable &kernel_table(Isa isa);
 // The reference quantizers (kernels.hpp) on CodesArgs: the fast kernels' fallback for layouts
 // their vectors do not cover.
-void values_quantize_block_reference(const CodesArgs &a, const float *values, uint8_t *block);
+void uniform_values_quantize_reference(const CodesArgs &a, const float *values, uint8_t *block);
+void lloyd_max_values_quantize_reference(const CodesArgs &a, const float *values, uint8_t *block);
 void kivi_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_t *block);
 const KernelTable &scalar_kernels();
 const KernelTable &avx2_kernels();
@@ -210,7 +234,7 @@ const KernelTable &avx512_vnni_kernels();  // avx512 with integer decode kernels
 void qjl_project_avx512(const QjlArgs &a, const float *q, uint32_t rows, float *sq);
 void qjl_code_rows_avx2(const QjlArgs &a, uint32_t rows, float *sq);
 
-// Scratch (floats) that qjl_scores, kivi_scores and values_accumulate need for one block.
+// Scratch (floats) that qjl_scores, kivi_scores and the values' accumulate need for one block.
 size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out);
 
 }  // namespace qjlkv::cpu

@@ -218,7 +218,7 @@ struct V {
 // AVX-512 CPU runs AVX2); these fp32 tables else.
 void kivi_scores_fastest(const CodesArgs &a, const uint8_t *block, const float *q, uint32_t rows, float *out,
                          size_t out_stride, float *scratch) {
-  if (a.head_dim % 16 == 0) avx2_kernels().kivi_scores(a, block, q, rows, out, out_stride, scratch);
+  if (a.head_dim % 16 == 0) avx2_kernels().kivi.scores(a, block, q, rows, out, out_stride, scratch);
   else kivi_scores(a, block, q, rows, out, out_stride, scratch);
 }
 
@@ -230,7 +230,7 @@ void qjl_project_fastest(const QjlArgs &a, const float *q, uint32_t rows, float 
 }
 void qjl_scores_fastest(const QjlArgs &a, const uint8_t *block, const float *q, const float *sq, uint32_t rows,
                         float *out, size_t out_stride, float *scratch) {
-  if (qjl_integer_layer(a)) avx2_kernels().qjl_scores(a, block, q, sq, rows, out, out_stride, scratch);
+  if (qjl_integer_layer(a)) avx2_kernels().qjl.scores(a, block, q, sq, rows, out, out_stride, scratch);
   else qjl_scores(a, block, q, sq, rows, out, out_stride, scratch);
 }
 
@@ -251,9 +251,9 @@ void qjl_project_avx512(const QjlArgs &a, const float *q, uint32_t rows, float *
 const KernelTable &avx512_kernels() {
   static constexpr KernelTable table = [] {
     KernelTable t = avx512::make_table(Isa::Avx512);
-    t.kivi_scores = &avx512::kivi_scores_fastest;
-    t.qjl_project = &avx512::qjl_project_fastest;
-    t.qjl_scores = &avx512::qjl_scores_fastest;
+    t.kivi.scores = &avx512::kivi_scores_fastest;
+    t.qjl.project = &avx512::qjl_project_fastest;
+    t.qjl.scores = &avx512::qjl_scores_fastest;
     return t;
   }();
   return table;

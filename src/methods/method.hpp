@@ -1,6 +1,6 @@
 // What every key and value method provides (docs/DESIGN.md, "Methods"). A method is a policy type
-// with static members only, one home per method in this folder (exact_keys.hpp, qjl_keys.hpp,
-// kivi_keys.hpp, uniform_values.hpp, lloyd_max_values.hpp); methods.hpp lists them and dispatches a
+// with static members only, one folder per method here (exact/, qjl/, kivi/, uniform_values/,
+// lloyd_max_values/, each with its policy header); methods.hpp lists them and dispatches a
 // configuration to its types once per call (per block at most, never per token).
 //
 // Definition (config.cpp and both backends' host code):
@@ -16,10 +16,10 @@
 // Reading stored blocks (both backends' reconstruct, the reference kernels):
 //   moved(layout, block, t)        keys: token t left the block (OTT's pool holds it)
 //   dequantize_token(..)           the dense fp32 key (value) of token t of a block
-// Nothing here includes a backend's header. The backends' entries of each method live with the
-// backend: CPU (src/cpu/method_kernels.hpp: per-layer kernel arguments, scratch sizes, the fast
-// kernels of simd.hpp it names, checked against the reference kernels of kernels.hpp); CUDA (the
-// policy types of cuda/keys.cuh and cuda/values.cuh).
+// No policy includes a backend's header. The backends' entries of each method live apart: CPU
+// (the method folder's cpu_* files: its MethodKernels row with per-layer kernel arguments and
+// scratch sizes, and its fast kernels, checked against the reference kernels of
+// src/cpu/kernels.hpp); CUDA (the policy types of cuda/keys.cuh and cuda/values.cuh).
 #pragma once
 #include <cstddef>
 #include <cstdint>

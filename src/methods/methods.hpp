@@ -1,12 +1,12 @@
 // The key and value methods of a configuration, as their policy types (method.hpp says what each
-// provides). Adding a method: its home in this folder, one line in the visitor here, its enum
+// provides). Adding a method: its folder here, one line in the visitor here, its enum
 // value in qjlkv.h, and its policy types in cuda/keys.cuh or cuda/values.cuh (docs/DESIGN.md).
 #pragma once
-#include "exact_keys.hpp"
-#include "kivi_keys.hpp"
-#include "lloyd_max_values.hpp"
-#include "qjl_keys.hpp"
-#include "uniform_values.hpp"
+#include "exact/exact_keys.hpp"
+#include "kivi/kivi_keys.hpp"
+#include "lloyd_max_values/lloyd_max_values.hpp"
+#include "qjl/qjl_keys.hpp"
+#include "uniform_values/uniform_values.hpp"
 
 namespace qjlkv {
 

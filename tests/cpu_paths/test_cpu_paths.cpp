@@ -254,7 +254,13 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     values_args_ = CodesArgs{&ls.layout,         B,
                              d,                  cfg_.value_bits,
                              cfg_.value_group_size, spec_.stored_dtype,
-                             cfg_.value_method,  ls.value_signs.data()};
+                             ls.value_signs.data()};
+  }
+
+  // The value method's kernels on path K.
+  const ValueKernels &value_kernels(const KernelTable &K) const {
+    return with_value_method(cfg_.value_method,
+                             [&](auto value_method) -> const ValueKernels & { return kernels_of(value_method).entries(K); });
   }
 
   // Queries in the fast layout: rows of padded_dim(d), zero-padded.
@@ -280,20 +286,20 @@ class Kernels : public testing::TestWithParam<KernelCase> {
         QjlTables tables;  // the path's own column codes, as the backend builds them for it
         const QjlArgs qjl = make_qjl_args(spec_, ls, tables);
         float *sq = aligned<float>(sq_storage, rows * qjl.projected_stride);
-        K.qjl_project(qjl, q.data(), rows, sq);
+        K.qjl.project(qjl, q.data(), rows, sq);
         for (uint32_t r = 0; r < rows; ++r)
           for (uint32_t i = 0; i < ls.sketch_rows; ++i) {
             EXPECT_NEAR(sq[r * qjl.projected_stride + i], sq_ref[size_t(r) * ls.sketch_rows + i], 1e-4f)
                 << isa_name(K.isa) << " projection row " << r << " sketch row " << i;
             if (testing::Test::HasFailure()) return out;
           }
-        K.qjl_scores(qjl, block_.data(), q.data(), sq, rows, out, Bp, scratch);
+        K.qjl.scores(qjl, block_.data(), q.data(), sq, rows, out, Bp, scratch);
         break;
       }
       case QJLKV_KEYS_EXACT:
-        K.dense_scores(block_.data() + ls.layout.key_codes, spec_.stored_dtype, d, B, d, q.data(), rows, out, Bp);
+        K.dense.scores(block_.data() + ls.layout.key_codes, spec_.stored_dtype, d, B, d, q.data(), rows, out, Bp);
         break;
-      default: K.kivi_scores(keys_args_, block_.data(), q.data(), rows, out, Bp, scratch); break;
+      default: K.kivi.scores(keys_args_, block_.data(), q.data(), rows, out, Bp, scratch); break;
     }
     return out;
   }
@@ -321,8 +327,8 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     float *acc = aligned<float>(acc_storage, size_t(rows) * dp);
     for (uint32_t r = 0; r < rows; ++r) std::fill_n(acc + size_t(r) * dp, d, initial);
     float *scratch = aligned<float>(scratch_storage, kernel_scratch_floats(cfg_, ls.m, ls.m_out));
-    K.values_accumulate(values_args_, block_.data(), wp, Bp, rows, acc, scratch);
-    K.values_in_channel_order(values_args_, rows, acc);
+    value_kernels(K).accumulate(values_args_, block_.data(), wp, Bp, rows, acc, scratch);
+    value_kernels(K).in_channel_order(values_args_, rows, acc);
     return acc;
   }
 
@@ -591,7 +597,7 @@ TEST_P(Kernels, QuantizersMatchReferenceByteForByte) {
           }
         std::vector<const float *> columns(d);
         for (uint32_t j = 0; j < d; ++j) columns[j] = qjl_.sketch_t + j * qjl_.sketch_t_stride;
-        K.qjl_sign_bits(inlier.data(), d, B, columns.data(), d, ls.m, got.data() + ls.layout.key_bits_in,
+        K.qjl.sign_bits(inlier.data(), d, B, columns.data(), d, ls.m, got.data() + ls.layout.key_bits_in,
                         ls.layout.key_bytes_per_token_bits_in);
         EXPECT_EQ(0, std::memcmp(got.data() + ls.layout.key_bits_in, block_.data() + ls.layout.key_bits_in,
                                  size_t(B) * ls.layout.key_bytes_per_token_bits_in))
@@ -617,11 +623,11 @@ TEST_P(Kernels, QuantizersMatchReferenceByteForByte) {
         EXPECT_EQ(0, std::memcmp(got.data(), block_.data(), ls.layout.key_bytes)) << isa_name(isa);
         break;
       default:
-        K.kivi_quantize(keys_args_, keys_.data(), got.data());
+        K.kivi.quantize(keys_args_, keys_.data(), got.data());
         EXPECT_EQ(0, std::memcmp(got.data(), block_.data(), ls.layout.key_bytes)) << isa_name(isa) << ": key codes";
         break;
     }
-    K.values_quantize(values_args_, values_.data(), got.data());
+    value_kernels(K).quantize(values_args_, values_.data(), got.data());
     const size_t value_start = cfg_.value_bits == 16 ? ls.layout.value_codes : ls.layout.value_scale;
     const size_t value_end = ls.layout.value_codes + size_t(B) * ls.layout.value_bytes_per_token_codes;
     EXPECT_EQ(0, std::memcmp(got.data() + value_start, block_.data() + value_start, value_end - value_start))

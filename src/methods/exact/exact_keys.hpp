@@ -3,7 +3,7 @@
 #pragma once
 #include <limits>
 
-#include "method.hpp"
+#include "../method.hpp"
 
 namespace qjlkv {
 

@@ -6,9 +6,9 @@
 #pragma once
 #include <cmath>
 
-#include "../lloyd_max.hpp"
-#include "../rotation.hpp"
-#include "method.hpp"
+#include "../../lloyd_max.hpp"
+#include "../../rotation.hpp"
+#include "../method.hpp"
 
 namespace qjlkv {
 

@@ -4,8 +4,8 @@
 // steps are ott_tracing.hpp's).
 // Block: scale fp16[d], min fp16[d], codes [B][d·key_bits/8], then (OTT) the mask [B/8].
 #pragma once
-#include "method.hpp"
-#include "ott_tracing.hpp"
+#include "../method.hpp"
+#include "../ott_tracing.hpp"
 
 namespace qjlkv {
 

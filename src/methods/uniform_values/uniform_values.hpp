@@ -5,7 +5,7 @@
 #pragma once
 #include <cmath>
 
-#include "method.hpp"
+#include "../method.hpp"
 
 namespace qjlkv {
 

@@ -5,7 +5,7 @@
 // corrections fp16[c][B], bits_in [B][m/8], outlier channel indices uint8[c] (the outlier arrays
 // only when the layer has an outlier sketch).
 #pragma once
-#include "method.hpp"
+#include "../method.hpp"
 
 namespace qjlkv {
 
