@@ -10,6 +10,7 @@ from tools.eval.caches import (ExactCache, QjlkvCache, WindowsUnsupported, requi
                                window_bytes)
 from tools.eval.evaluate import CacheConfig, runnable_configurations
 from tools.eval.model import causal_mask
+from tools.eval.research import ResearchConfig
 
 SHAPE = SimpleNamespace(num_layers=2, num_q_heads=2, num_kv_heads=1, head_dim=32, windows=(3, None))
 
@@ -100,8 +101,9 @@ def test_runnable_configurations_keep_the_numpy_rows(monkeypatch):
 
     monkeypatch.setattr(caches, "LIBRARY_WINDOW_METHOD", "no_such_method")
     model = SimpleNamespace(shape=SHAPE)
-    configs = [CacheConfig("qjl preset", "qjl"), CacheConfig("q4_0", "q4_0", anchor=True)]
-    assert [c.name for c in runnable_configurations(model, configs)] == ["q4_0"]
+    research = ResearchConfig("Q2q", None)  # a numpy format of tools.eval.research
+    configs = [CacheConfig("qjl preset", "qjl"), CacheConfig("q4_0", "q4_0", anchor=True), research]
+    assert [c.name for c in runnable_configurations(model, configs)] == ["q4_0", "Q2q"]
     with pytest.raises(ValueError, match="sliding windows"):
         runnable_configurations(model, configs[:1])
     with pytest.raises(WindowsUnsupported):

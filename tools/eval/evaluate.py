@@ -36,6 +36,11 @@ class CacheConfig:
     prototype: bool = False  # a numpy PrototypeQjlCache (fields = its options), not qjlkv
     anchor: bool = False     # a llama.cpp format (anchors.BlockQuantCache): preset = q8_0/q4_0
 
+    @property
+    def uses_library(self) -> bool:
+        """Whether qjlkv stores this cache (the numpy caches apply windows themselves)."""
+        return not (self.prototype or self.anchor)
+
     def make(self, shape, num_threads: int):
         if self.prototype:
             return PrototypeQjlCache(self.name, shape, **self.fields)
@@ -375,7 +380,7 @@ def runnable_configurations(model: LlamaModel, configs: list[CacheConfig]) -> li
     that is another model). Raises when nothing is left."""
     import sys
 
-    library = [c for c in configs if not (c.prototype or c.anchor)]
+    library = [c for c in configs if c.uses_library]
     if shape_windows(model.shape) is None or not library:
         return configs
     import qjlkv
@@ -385,7 +390,7 @@ def runnable_configurations(model: LlamaModel, configs: list[CacheConfig]) -> li
     for c in library:
         print(f"refused: {c.name} — the installed qjlkv {qjlkv.__version__} has no sliding-window "
               "attention, which this model's local layers need", file=sys.stderr)
-    kept = [c for c in configs if c.prototype or c.anchor]
+    kept = [c for c in configs if not c.uses_library]
     if not kept:
         raise ValueError("every configuration needs the library's sliding windows, which the "
                          "installed qjlkv lacks: run llama.cpp's formats (q8_0, q4_0) instead")

@@ -398,6 +398,7 @@ class ResearchConfig:
     preset: str = "research"
     fields: dict = field(default_factory=dict)
     reserve_tokens: int = 0        # the run's token count, when known
+    uses_library = False           # numpy caches (ResearchCache), windows applied
 
     def make(self, shape, num_threads: int):
         fmt = self.fmt or Format(EXACT, EXACT, residual=10 ** 9)
