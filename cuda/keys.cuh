@@ -96,7 +96,7 @@ __device__ __forceinline__ void copy_rows(uint32_t *dst, uint32_t dst_stride, ui
   }
 }
 
-// QJL keys (src/methods/qjl_keys.hpp): per token the sign bits of the sketched inlier key, the
+// QJL keys (src/methods/qjl/qjl_keys.hpp): per token the sign bits of the sketched inlier key, the
 // fp16 norms of its inlier and outlier parts, and fp16 corrections τ on the block's c outlier
 // channels. Raw score: c_d/m·n_in·⟨S·q, ±bits_in⟩ + (n_in + n_out)·Σ_j q[o_j]·τ_j.
 struct QjlKeys : KeyPolicyDefaults {
@@ -202,7 +202,7 @@ struct QjlKeys : KeyPolicyDefaults {
       if (c > 0) {
         pack_signs(s.m_out, c, [&](uint32_t k) { return outliers[k]; }, raw_keys, outlier_bits, outlier_bytes);
         __syncthreads();  // the chunk's norms and bits are written
-        // The corrections (store_corrections of src/methods/qjl_keys.hpp), one thread per (outlier, token). Column o of
+        // The corrections (store_corrections of src/methods/qjl/qjl_keys.hpp), one thread per (outlier, token). Column o of
         // the sketch is row o of sketch_t: column_signed_sum reads it as a [rows][1] matrix.
         for (uint32_t pair = tid; pair < c * kQuantizeChunk; pair += kQuantizeThreads) {
           const uint32_t j = pair / kQuantizeChunk, tt = pair % kQuantizeChunk, t = t0 + tt;
