@@ -19,7 +19,8 @@
 // No policy includes a backend's header. The backends' entries of each method live apart: CPU
 // (the method folder's cpu_* files: its MethodKernels row with per-layer kernel arguments and
 // scratch sizes, and its fast kernels, checked against the reference kernels of
-// src/cpu/kernels.hpp); CUDA (the policy types of cuda/keys.cuh and cuda/values.cuh).
+// src/cpu/kernels.hpp); CUDA (the policy types in each method's cuda_keys.cuh / cuda_values.cuh, listed by cuda/keys.cuh
+// and cuda/values.cuh).
 #pragma once
 #include <cstddef>
 #include <cstdint>

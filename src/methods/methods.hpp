@@ -1,6 +1,7 @@
 // The key and value methods of a configuration, as their policy types (method.hpp says what each
-// provides). Adding a method: its folder here, one line in the visitor here, its enum
-// value in qjlkv.h, and its policy types in cuda/keys.cuh or cuda/values.cuh (docs/DESIGN.md).
+// provides). Adding a method: its folder here, one line in the visitor here, its enum value in
+// qjlkv.h, and its CUDA policy in its folder, listed by cuda/keys.cuh or cuda/values.cuh
+// (docs/DESIGN.md).
 #pragma once
 #include "exact/exact_keys.hpp"
 #include "kivi/kivi_keys.hpp"
