@@ -151,43 +151,15 @@ void kivi_score_block(const qjlkv_config &cfg, const BlockLayout &layout, const 
 
 void values_quantize_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
                            const float *value_signs, const float *values, uint8_t *block) {
-  const uint32_t B = cfg.block_tokens, d = cfg.head_dim, bits = cfg.value_bits;
-  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) {
-    std::memset(block + layout.value_codes, 0, B * layout.value_bytes_per_token_codes);
-    float y[256];
-    for (uint32_t t = 0; t < B; ++t)
-      lloyd_max_encode_token(value_signs, d, bits, values + size_t(t) * d, y,
-                               block + layout.value_codes + t * layout.value_bytes_per_token_codes,
-                               at<uint16_t>(block, layout.value_scale) + t);
-    return;
-  }
-  if (bits == 16) {
-    uint16_t *dst = at<uint16_t>(block, layout.value_codes);
-    for (size_t i = 0; i < size_t(B) * d; ++i) dst[i] = to_16bit(values[i], stored);
-    return;
-  }
-  const uint32_t g = cfg.value_group_size, groups = d / g;
-  uint16_t *scales = at<uint16_t>(block, layout.value_scale);
-  uint16_t *mins = at<uint16_t>(block, layout.value_min);
-  std::memset(block + layout.value_codes, 0, B * layout.value_bytes_per_token_codes);
-  for (uint32_t t = 0; t < B; ++t) {
-    const float *v = values + size_t(t) * d;
-    uint8_t *codes = block + layout.value_codes + t * layout.value_bytes_per_token_codes;
-    for (uint32_t gi = 0; gi < groups; ++gi) {
-      const float *x = v + gi * g;
-      const auto [lo, hi] = std::minmax_element(x, x + g);
-      const GroupQuant q = group_quant(*lo, *hi, bits);
-      scales[t * groups + gi] = q.scale_bits;
-      mins[t * groups + gi] = q.min_bits;
-      for (uint32_t j = 0; j < g; ++j) pack_code(codes, gi * g + j, bits, quant_code(x[j], q, bits));
-    }
-  }
+  with_value_method(cfg.value_method, [&](auto value_method) {
+    value_method.quantize_block(cfg, stored, layout, value_signs, values, block);
+  });
 }
 
 void values_dequantize_token(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,
                              const float *value_signs, const uint8_t *block, uint32_t t, float *out) {
   values_decode_token(cfg, stored, layout, block, t, out);
-  if (cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX) rotate_inverse(value_signs, cfg.head_dim, out, out);
+  with_value_method(cfg.value_method, [&](auto value_method) { value_method.unrotate(value_signs, cfg.head_dim, out); });
 }
 
 void values_decode_token(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout,

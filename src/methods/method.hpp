@@ -16,6 +16,9 @@
 // Reading stored blocks (both backends' reconstruct, the reference kernels):
 //   moved(layout, block, t)        keys: token t left the block (OTT's pool holds it)
 //   dequantize_token(..)           the dense fp32 key (value) of token t of a block
+// The CPU's reference kernels (src/cpu/kernels.cpp), values:
+//   quantize_block(cfg, stored, layout, signs, values, block)  a block's B tokens, reference rules
+//   unrotate(signs, d, x)          a decoded token back to channel order (rotated methods)
 // No policy includes a backend's header. The backends' entries of each method live apart: CPU
 // (the method folder's cpu_* files: its MethodKernels row with per-layer kernel arguments and
 // scratch sizes, and its fast kernels, checked against the reference kernels of
@@ -56,6 +59,7 @@ struct KeyMethodDefaults {
 
 struct ValueMethodDefaults {
   static constexpr bool kSeeded = false;  // reads config.seed
+  static void unrotate(const float *, uint32_t, float *) {}  // decoded tokens are in channel order
   static void copy_fields(const qjlkv_config &, qjlkv_config &) {}
   static void init_layers(const qjlkv_config &, std::vector<LayerSpec> &) {}
   static float element_limit(const qjlkv_config &, qjlkv_dtype) { return kHalfMax; }

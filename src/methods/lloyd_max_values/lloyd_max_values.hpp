@@ -5,6 +5,7 @@
 // Block: scale fp16[B], codes [B][d·value_bits/8].
 #pragma once
 #include <cmath>
+#include <cstring>
 
 #include "../../lloyd_max.hpp"
 #include "../../rotation.hpp"
@@ -24,6 +25,19 @@ struct LloydMaxValues : ValueMethodDefaults {
                   cfg.value_bits);
   }
   // Every layer's rotation.
+  // The reference quantizer of a block's B tokens: each token's rotated Lloyd-Max codes and scale.
+  static void quantize_block(const qjlkv_config &cfg, qjlkv_dtype, const BlockLayout &layout, const float *value_signs,
+                             const float *values, uint8_t *block) {
+    const uint32_t B = cfg.block_tokens, d = cfg.head_dim;
+    std::memset(block + layout.value_codes, 0, B * layout.value_bytes_per_token_codes);
+    float y[256];
+    for (uint32_t t = 0; t < B; ++t)
+      lloyd_max_encode_token(value_signs, d, cfg.value_bits, values + size_t(t) * d, y,
+                             block + layout.value_codes + t * layout.value_bytes_per_token_codes,
+                             at<uint16_t>(block, layout.value_scale) + t);
+  }
+  // A decoded token is still rotated: back to the values' own channels.
+  static void unrotate(const float *value_signs, uint32_t d, float *x) { rotate_inverse(value_signs, d, x, x); }
   static void init_layers(const qjlkv_config &cfg, std::vector<LayerSpec> &layers) {
     for (uint32_t l = 0; l < cfg.num_layers; ++l)
       layers[l].value_signs = value_rotation_signs(cfg.head_dim, cfg.seed, l);

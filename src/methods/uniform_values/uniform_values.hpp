@@ -3,7 +3,9 @@
 // every value as a 16-bit number instead (fp16, or bf16 for bf16 inputs).
 // Block: scale fp16[B][d/g], min fp16[B][d/g], codes [B][d·value_bits/8]; or 16-bit [B][d].
 #pragma once
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "../method.hpp"
 
@@ -56,6 +58,33 @@ struct UniformValues : ValueMethodDefaults {
     check.halves(l.value_min, groups, false, QJLKV_DTYPE_F16, "the value minimum");
   }
   // Token t's value as stored (stored: the 16-bit form).
+  // The reference quantizer of a block's B tokens (zeroed codes first): per-group codes with fp16
+  // scale and minimum, or 16-bit numbers when value_bits == 16.
+  static void quantize_block(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &layout, const float *,
+                             const float *values, uint8_t *block) {
+    const uint32_t B = cfg.block_tokens, d = cfg.head_dim, bits = cfg.value_bits;
+    if (bits == 16) {
+      uint16_t *dst = at<uint16_t>(block, layout.value_codes);
+      for (size_t i = 0; i < size_t(B) * d; ++i) dst[i] = to_16bit(values[i], stored);
+      return;
+    }
+    const uint32_t g = cfg.value_group_size, groups = d / g;
+    uint16_t *scales = at<uint16_t>(block, layout.value_scale);
+    uint16_t *mins = at<uint16_t>(block, layout.value_min);
+    std::memset(block + layout.value_codes, 0, B * layout.value_bytes_per_token_codes);
+    for (uint32_t t = 0; t < B; ++t) {
+      const float *v = values + size_t(t) * d;
+      uint8_t *codes = block + layout.value_codes + t * layout.value_bytes_per_token_codes;
+      for (uint32_t gi = 0; gi < groups; ++gi) {
+        const float *x = v + gi * g;
+        const auto [lo, hi] = std::minmax_element(x, x + g);
+        const GroupQuant q = group_quant(*lo, *hi, bits);
+        scales[t * groups + gi] = q.scale_bits;
+        mins[t * groups + gi] = q.min_bits;
+        for (uint32_t j = 0; j < g; ++j) pack_code(codes, gi * g + j, bits, quant_code(x[j], q, bits));
+      }
+    }
+  }
   static void decode_token(const qjlkv_config &cfg, qjlkv_dtype stored, const BlockLayout &l, const uint8_t *block,
                            uint32_t t, float *out) {
     const uint32_t d = cfg.head_dim, bits = cfg.value_bits;
