@@ -5,20 +5,16 @@ bases, SentencePiece vocabulary) against Hugging Face transformers reading the s
 The prompt is longer than the window, so that the local layers' windows change the logits
 of its last positions. transformers runs first, in a subprocess (tests/eval/hf_reference.py).
 """
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from conftest import transformers_reference
 
 from tools.eval.anchors import BlockQuantCache
 from tools.eval.caches import ExactCache, QjlkvCache, WindowsUnsupported, library_has_windows
 from tools.eval.evaluate import DEFAULT_TEXT
 from tools.eval.model import single_threaded_blas
-from tools.eval.models import fetch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 WINDOW = 512
 # The BOS Gemma reads a document after, then the GPL text: 580 tokens
 PROMPT_CHARS = 2600
@@ -35,15 +31,7 @@ def prompt() -> str:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    path = fetch("gemma3-270m", progress=False)
-    folder = tmp_path_factory.mktemp("hf")
-    (folder / "prompt.txt").write_text(prompt(), encoding="utf-8")
-    out = folder / "reference.npz"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "hf_reference.py"), path,
-                           str(folder / "prompt.txt"), str(out)],
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return np.load(out)
+    return transformers_reference("gemma3-270m", prompt(), tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")

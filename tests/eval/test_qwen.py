@@ -4,20 +4,16 @@ RoPE, Qwen2 pre-tokenizer) against Hugging Face transformers reading the same GG
 transformers runs first, in a subprocess (tests/eval/hf_reference.py), so that its ~7 GB
 are freed before the numpy weights (~6 GB) load; the numpy model lives for this module only.
 """
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from conftest import transformers_reference
 
 from tools.eval.caches import ExactCache
 from tools.eval.evaluate import DEFAULT_TEXT, CacheConfig, evaluate, load_text_tokens
-from tools.eval.models import fetch
 from tools.eval.passkey import answer_key, make_prompts, run_prompt
 from tools.eval.tokenizer import pre_tokenize_qwen2
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 PROMPT = (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
           "What is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n")
@@ -28,15 +24,7 @@ LOGIT_TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    path = fetch("qwen2.5-1.5b", progress=False)
-    folder = tmp_path_factory.mktemp("hf")
-    (folder / "prompt.txt").write_text(PROMPT, encoding="utf-8")
-    out = folder / "reference.npz"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "hf_reference.py"), path,
-                           str(folder / "prompt.txt"), str(out)],
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return np.load(out)
+    return transformers_reference("qwen2.5-1.5b", PROMPT, tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")
