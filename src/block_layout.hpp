@@ -13,8 +13,11 @@ struct BlockLayout {
   size_t key_corrections = 0;                // QJL: fp16[c][B], the outlier corrections τ
   size_t key_bits_in = 0;                    // QJL: [B][m/8]
   size_t key_outlier_idx = 0;                // QJL: uint8[c]
-  size_t key_scale = 0, key_min = 0;         // KIVI/OTT: fp16[d] each
-  size_t key_codes = 0;                      // KIVI/OTT: [B][d*key_bits/8]; EXACT: 16-bit[B][d]
+  size_t key_scale = 0, key_min = 0;         // KIVI/OTT: fp16[d] each; MIXED: key_min fp16[d]
+  size_t key_max = 0;                        // MIXED: fp16[d]
+  size_t key_widths = 0;                     // MIXED: 3-bit widths [d*3/8]
+  size_t key_codes = 0;                      // KIVI/OTT: [B][d*key_bits/8]; EXACT: 16-bit[B][d];
+                                             // MIXED: [B][key_token_bits/8]
   size_t key_mask = 0;                       // OTT: [B/8] bit t set = slot t moved to the pool
   size_t key_bytes_per_token_bits_in = 0, key_bytes_per_token_codes = 0;
   // values

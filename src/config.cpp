@@ -40,10 +40,12 @@ void check_shape(uint32_t num_layers, uint32_t num_q_heads, uint32_t num_kv_head
 
 // Every size of qjlkv_config that a release shipped, oldest first. 0.2 appended `backend` after
 // 0.1's tail padding, which became the named field unused_0_1; 0.4 appended memory_budget after
-// 0.3's, which became unused_0_3.
-constexpr uint32_t kConfigSizes[] = {QJLKV_CONFIG_SIZE_0_1, QJLKV_CONFIG_SIZE_0_3, uint32_t(sizeof(qjlkv_config))};
+// 0.3's, which became unused_0_3; 0.5 appended key_token_bits after 0.4's, which became unused_0_4.
+constexpr uint32_t kConfigSizes[] = {QJLKV_CONFIG_SIZE_0_1, QJLKV_CONFIG_SIZE_0_3, QJLKV_CONFIG_SIZE_0_4,
+                                     uint32_t(sizeof(qjlkv_config))};
 static_assert(offsetof(qjlkv_config, backend) == QJLKV_CONFIG_SIZE_0_1, "0.2's fields start after 0.1's struct");
 static_assert(offsetof(qjlkv_config, memory_budget) == QJLKV_CONFIG_SIZE_0_3, "0.4's fields start after 0.3's struct");
+static_assert(offsetof(qjlkv_config, key_token_bits) == QJLKV_CONFIG_SIZE_0_4, "0.5's fields start after 0.4's struct");
 
 namespace {
 
@@ -68,6 +70,7 @@ qjlkv_config complete_config(const qjlkv_config &cfg) {
   full.struct_size = sizeof full;
   full.unused_0_1 = 0;
   full.unused_0_3 = 0;
+  full.unused_0_4 = 0;
   if (cfg.struct_size == QJLKV_CONFIG_SIZE_0_1) {
     const int32_t device = legacy_device(cfg);
     QJLKV_REQUIRE(device >= -1,
@@ -87,6 +90,7 @@ void write_caller_config(qjlkv_config &dst, const qjlkv_config &full) {
   out.struct_size = size;
   out.unused_0_1 = 0;
   out.unused_0_3 = 0;
+  out.unused_0_4 = 0;
   if (size == QJLKV_CONFIG_SIZE_0_1) {
     switch (backend_of(full)) {
       case QJLKV_BACKEND_CPU: set_legacy_device(out, -1); break;
@@ -136,6 +140,7 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
   // assisted decoding starts at 20 and grows to at most its cap).
   cfg.rollback_tokens = 32;
   cfg.memory_budget = 0;
+  cfg.key_token_bits = 8 * ((17 * head_dim + 63) / 64);  // 2.125 bits a channel, whole bytes a token
   if (name.empty() || name == "q3" || name == "q4") {
     // The tiers (docs/ACCURACY.md, "Goal table"): per-channel 3- or 4-bit keys, the first tokens
     // exact (attention sinks), rotated 2- or 3-bit Lloyd-Max values. The 3-bit tier takes blocks
@@ -149,6 +154,15 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
     cfg.sink_tokens = four ? 4 : 16;
     cfg.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
     cfg.value_bits = four ? 3 : 2;
+  } else if (name == "q2") {
+    // The 2-bit tier (docs/ACCURACY.md, "2-bit candidates", Q2q): mixed-bit keys, 2.125 bits a
+    // channel where the block's ranges are, 16 sinks, q3's rotated 2-bit Lloyd-Max values.
+    cfg.key_method = QJLKV_KEYS_MIXED;
+    cfg.block_tokens = 128;
+    cfg.residual_tokens = 32;
+    cfg.sink_tokens = 16;
+    cfg.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
+    cfg.value_bits = 2;
   } else if (name == "qjl") {
     cfg.key_method = QJLKV_KEYS_QJL;
     cfg.block_tokens = 32;
@@ -165,7 +179,7 @@ void init_preset(qjlkv_config &out, const char *preset, uint32_t num_layers, uin
     cfg.residual_tokens = 0;
     cfg.value_bits = 16;
   } else {
-    fail(QJLKV_ERROR_INVALID_ARGUMENT, "preset \"%.64s\" is unknown; known presets: q3, q4, qjl, kivi, ott, exact",
+    fail(QJLKV_ERROR_INVALID_ARGUMENT, "preset \"%.64s\" is unknown; known presets: q2, q3, q4, qjl, kivi, ott, exact",
          preset);
   }
   write_caller_config(out, cfg);
@@ -178,8 +192,9 @@ void validate_config(const qjlkv_config &caller_cfg) {
   QJLKV_REQUIRE(cfg.dtype == QJLKV_DTYPE_F32 || cfg.dtype == QJLKV_DTYPE_F16 || cfg.dtype == QJLKV_DTYPE_BF16,
                 "config.dtype is %u, must be QJLKV_DTYPE_F32, _F16 or _BF16", cfg.dtype);
   QJLKV_REQUIRE(cfg.key_method == QJLKV_KEYS_QJL || cfg.key_method == QJLKV_KEYS_KIVI ||
-                    cfg.key_method == QJLKV_KEYS_OTT || cfg.key_method == QJLKV_KEYS_EXACT,
-                "config.key_method is %u, must be QJLKV_KEYS_QJL, _KIVI, _OTT or _EXACT", cfg.key_method);
+                    cfg.key_method == QJLKV_KEYS_OTT || cfg.key_method == QJLKV_KEYS_EXACT ||
+                    cfg.key_method == QJLKV_KEYS_MIXED,
+                "config.key_method is %u, must be QJLKV_KEYS_QJL, _KIVI, _OTT, _EXACT or _MIXED", cfg.key_method);
   QJLKV_REQUIRE(cfg.backend == QJLKV_BACKEND_CPU || cfg.backend == QJLKV_BACKEND_CUDA,
                 "config.backend is %u, must be QJLKV_BACKEND_CPU or _CUDA", cfg.backend);
   QJLKV_REQUIRE(cfg.backend != QJLKV_BACKEND_CPU || cfg.device_ordinal == 0,
@@ -241,6 +256,7 @@ CacheSpec make_cache_spec(const qjlkv_config &caller_cfg) {
   cfg.key_sketch_dim = cfg.outlier_channels = cfg.outlier_sketch_dim = 0;
   cfg.initial_layers = cfg.initial_key_sketch_dim = cfg.initial_outlier_sketch_dim = 0;
   cfg.key_bits = cfg.outlier_tokens = cfg.outlier_spill_tokens = cfg.outlier_skip_layers = 0;
+  cfg.key_token_bits = 0;
   cfg.value_group_size = 0;
   with_methods(cfg, [&](auto keys, auto values) {
     keys.copy_fields(spec.created_with, cfg);

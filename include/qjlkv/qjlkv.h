@@ -134,7 +134,7 @@ extern "C" {
  * Version
  * ======================================================================== */
 #define QJLKV_VERSION_MAJOR 0
-#define QJLKV_VERSION_MINOR 4
+#define QJLKV_VERSION_MINOR 5
 #define QJLKV_VERSION_PATCH 0
 /* MAJOR*10000 + MINOR*100 + PATCH, as zstd does. */
 #define QJLKV_VERSION_NUMBER \
@@ -192,7 +192,10 @@ typedef enum qjlkv_key_method {
   QJLKV_KEYS_QJL = 0,   /* sign bits of a JL sketch + norms (see the top)    */
   QJLKV_KEYS_KIVI = 1,  /* per-channel asymmetric key_bits quantization      */
   QJLKV_KEYS_OTT = 2,   /* KIVI + outlier-token tracing                      */
-  QJLKV_KEYS_EXACT = 3  /* 16-bit keys, no quantization                      */
+  QJLKV_KEYS_EXACT = 3, /* 16-bit keys, no quantization                      */
+  QJLKV_KEYS_MIXED = 4  /* per-channel codes of 0-4 bits chosen per block
+                           from the channels' ranges (config.key_token_bits
+                           a token; see "Mixed-bit keys" below)          */
 } qjlkv_key_method;
 
 /* Where a cache keeps its data and runs its kernels (config.backend); the
@@ -288,6 +291,7 @@ QJLKV_API void qjlkv_sketch_destroy(qjlkv_sketch *s);
  * which 0.1 did not require of qjlkv_config_init: packaging/VERSIONING.md). */
 #define QJLKV_CONFIG_SIZE_0_1 112u
 #define QJLKV_CONFIG_SIZE_0_3 128u /* 0.2's and 0.3's struct: fields up to sink_tokens */
+#define QJLKV_CONFIG_SIZE_0_4 144u /* 0.4's struct: fields up to rollback_tokens */
 typedef struct qjlkv_config {
   uint32_t struct_size;          /* sizeof(qjlkv_config), set by the caller   */
   uint32_t num_layers;           /* [1, QJLKV_MAX_LAYERS]                     */
@@ -353,6 +357,14 @@ typedef struct qjlkv_config {
                                     undo (stats.bytes_rollback);
                                     <= QJLKV_MAX_ROLLBACK_TOKENS; 32 in every
                                     preset, 0 for an older struct             */
+  uint32_t unused_0_4;           /* the tail padding of 0.4's struct: never
+                                    read, written as 0                        */
+  /* --- added in 0.5 --- */
+  uint32_t key_token_bits;       /* MIXED keys: the bits of one token's key
+                                    codes (one kv head), a multiple of 8 in
+                                    [8, 4 * head_dim]; every preset sets
+                                    8 * ceil(17 * head_dim / 64) (2.125 bits
+                                    a channel); 0 for an older struct         */
 } qjlkv_config;
 
 /* Fills the first cfg->struct_size bytes of *cfg with the defaults of the

@@ -151,6 +151,8 @@ size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out
   const size_t kivi = kivi_keys ? words(d * cfg.key_bits / 8) + 2 * (d + slack) + 4 * 16 * (d * cfg.key_bits / 4) +
                                       slack + 4 * Bp + slack
                                 : 0;
+  // Mixed-bit keys: a query row's per-channel factors and the codes of one token.
+  const size_t mixed = cfg.key_method == QJLKV_KEYS_MIXED ? 2 * (d + slack) : 0;
   const size_t groups = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX ? 1
                         : cfg.value_bits == 16                              ? 0
                                                                             : d / cfg.value_group_size;
@@ -160,7 +162,7 @@ size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out
   const size_t values = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX
                             ? 5 * Bp + 2 * slack
                             : 6 * (size_t(cfg.block_tokens) * groups + 32) + 64 + slack;
-  return std::max({qjl, qjl_integer, kivi, values});
+  return std::max({qjl, qjl_integer, kivi, mixed, values});
 }
 
 }  // namespace qjlkv::cpu

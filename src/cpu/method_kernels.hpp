@@ -8,5 +8,6 @@
 #include "../methods/kivi/cpu_kernels.hpp"
 #include "../methods/lloyd_max_values/cpu_kernels.hpp"
 #include "../methods/methods.hpp"
+#include "../methods/mixed/cpu_kernels.hpp"
 #include "../methods/qjl/cpu_kernels.hpp"
 #include "../methods/uniform_values/cpu_kernels.hpp"

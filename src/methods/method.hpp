@@ -1,5 +1,5 @@
 // What every key and value method provides (docs/DESIGN.md, "Methods"). A method is a policy type
-// with static members only, one folder per method here (exact/, qjl/, kivi/, uniform_values/,
+// with static members only, one folder per method here (exact/, qjl/, kivi/, mixed/, uniform_values/,
 // lloyd_max_values/, each with its policy header); methods.hpp lists them and dispatches a
 // configuration to its types once per call (per block at most, never per token).
 //

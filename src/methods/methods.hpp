@@ -6,6 +6,7 @@
 #include "exact/exact_keys.hpp"
 #include "kivi/kivi_keys.hpp"
 #include "lloyd_max_values/lloyd_max_values.hpp"
+#include "mixed/mixed_keys.hpp"
 #include "qjl/qjl_keys.hpp"
 #include "uniform_values/uniform_values.hpp"
 
@@ -19,6 +20,7 @@ decltype(auto) with_key_method(uint32_t method, Fn &&fn) {
     case QJLKV_KEYS_KIVI: return fn(KiviKeys{});
     case QJLKV_KEYS_OTT: return fn(OttKeys{});
     case QJLKV_KEYS_EXACT: return fn(ExactKeys{});
+    case QJLKV_KEYS_MIXED: return fn(MixedKeys{});
   }
   unreachable();
 }
