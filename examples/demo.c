@@ -77,8 +77,8 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: %s [tokens > 0] [decode_steps in 1..tokens] [f16]\n", argv[0]);
     return 2;
   }
-  const char *presets[] = {"exact", "q3", "q4", "qjl", "kivi", "ott"};
-  enum { NPRESETS = 6 };
+  const char *presets[] = {"exact", "q2", "q3", "q4", "qjl", "kivi", "ott"};
+  enum { NPRESETS = 7 };
   qjlkv_cache *caches[NPRESETS];
   for (int p = 0; p < NPRESETS; ++p) {
     qjlkv_config cfg;

@@ -32,9 +32,9 @@ namespace {
 
 // ---- the format's constants (docs/FORMAT.md) ----------------------------------------------------
 constexpr char kMagic[8] = {'Q', 'J', 'L', 'K', 'V', 'S', 'E', 'Q'};
-constexpr uint32_t kFormatVersion = 3;     // written; versions 1 to 3 are read
-constexpr uint32_t kHeaderBytes = 136;     // version 1: 128 (no value_method, sink_tokens)
-constexpr uint32_t kHeaderBytesV1 = 128;
+// Written: version 4 when the config has a field version 3 lacks (key_token_bits), else 3, so
+// that what 0.4 could store stays readable by it; versions 1 to 4 are read.
+constexpr uint32_t kFormatVersion = 4;
 constexpr uint32_t kCorrectionsVersion = 3;  // QJL outlier corrections replace the outlier sign bits
 constexpr uint32_t kSectionHeaderBytes = 16;  // tag, reserved, body bytes
 constexpr uint32_t kLayerFieldBytes = 32;     // the fixed fields that open a layer section
@@ -43,15 +43,21 @@ constexpr uint32_t kTrailerBytes = 4;         // CRC-32C of everything before it
 constexpr uint32_t kLayerTag = 1;
 
 // The header's config fields (docs/FORMAT.md): what determines the stored bytes, in stream order.
-// Version 1 has the first kConfigFieldsV1; the later ones are implied there (kConfigFieldsV1Implied).
+// Each version stores the first config_fields(version); a field a version predates has its
+// implied value there (kImpliedFields, from field kConfigFieldsV1 on).
 constexpr const char *kConfigFieldNames[] = {
     "dtype",          "key_method",     "num_kv_heads",          "head_dim",
     "block_tokens",   "residual_tokens", "sketch_flags",         "key_sketch_dim",
     "outlier_channels", "outlier_sketch_dim", "initial_layers",  "initial_key_sketch_dim",
     "initial_outlier_sketch_dim", "key_bits", "outlier_tokens",  "outlier_spill_tokens",
-    "outlier_skip_layers", "value_bits", "value_group_size", "value_method", "sink_tokens"};
+    "outlier_skip_layers", "value_bits", "value_group_size", "value_method", "sink_tokens", "key_token_bits"};
 constexpr size_t kConfigFieldsV1 = 19, kValueMethodField = 19;
-constexpr uint32_t kConfigFieldsV1Implied[] = {QJLKV_VALUES_UNIFORM, 0};  // value_method, sink_tokens
+constexpr uint32_t kImpliedFields[] = {QJLKV_VALUES_UNIFORM, 0, 0};  // value_method, sink_tokens, key_token_bits
+constexpr size_t config_fields(uint32_t version) {
+  return version == 1 ? kConfigFieldsV1 : version < 4 ? kConfigFieldsV1 + 2 : std::size(kConfigFieldNames);
+}
+constexpr uint32_t header_bytes_of(uint32_t version) { return uint32_t(48 + 4 * config_fields(version) + 4); }
+constexpr uint32_t kMaxHeaderBytes = header_bytes_of(kFormatVersion);
 struct StoredConfig {
   uint64_t seed;
   std::array<uint32_t, std::size(kConfigFieldNames)> fields;
@@ -68,12 +74,24 @@ StoredConfig stored_config(const qjlkv_config &cfg) {
            cfg.residual_tokens, sketched ? cfg.sketch_flags : 0, cfg.key_sketch_dim, cfg.outlier_channels,
            cfg.outlier_sketch_dim, cfg.initial_layers, cfg.initial_key_sketch_dim, cfg.initial_outlier_sketch_dim,
            cfg.key_bits, cfg.outlier_tokens, cfg.outlier_spill_tokens, cfg.outlier_skip_layers, cfg.value_bits,
-           cfg.value_group_size, cfg.value_method, cfg.sink_tokens}};
+           cfg.value_group_size, cfg.value_method, cfg.sink_tokens, cfg.key_token_bits}};
 }
-static_assert(48 + 4 * kConfigFieldsV1 == kHeaderBytesV1 - 4 &&
-                  48 + 4 * std::size(kConfigFieldNames) == kHeaderBytes - 4 &&
-                  kConfigFieldsV1 + std::size(kConfigFieldsV1Implied) == std::size(kConfigFieldNames),
-              "the config fields end where the header CRC starts");
+static_assert(header_bytes_of(1) == 128 && header_bytes_of(3) == 136 && kMaxHeaderBytes == 140 &&
+                  kConfigFieldsV1 + std::size(kImpliedFields) == std::size(kConfigFieldNames),
+              "the header sizes of docs/FORMAT.md");
+
+// The oldest version that holds every field of this config that differs from its implied value
+// (versions 3 and up: 1 and 2 are never written).
+uint32_t written_version(const qjlkv_config &cfg) {
+  const StoredConfig sc = stored_config(cfg);
+  for (uint32_t version = 3; version < kFormatVersion; ++version) {
+    bool implied = true;
+    for (size_t i = config_fields(version); i < sc.fields.size(); ++i)
+      implied = implied && sc.fields[i] == kImpliedFields[i - kConfigFieldsV1];
+    if (implied) return version;
+  }
+  return kFormatVersion;
+}
 
 // ---- little-endian fields ------------------------------------------------------------------------
 void put32(uint8_t *p, uint32_t v) { std::memcpy(p, &v, 4); }
@@ -245,14 +263,15 @@ uint64_t stream_bytes(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, 
     bytes += kSectionHeaderBytes +
              layer_body_bytes(c->spec(), layer_shape(c, l, seq), record_bytes(c->spec().layers[l].layout));
   if (payload) *payload = bytes;
-  return kHeaderBytes + bytes + kTrailerBytes;
+  return header_bytes_of(written_version(c->spec().cfg)) + bytes + kTrailerBytes;
 }
 
 void write_header(Writer &out, const qjlkv_cache *c, uint32_t first_layer, uint32_t num_layers, uint64_t payload) {
-  uint8_t h[kHeaderBytes] = {};
+  const uint32_t version = written_version(c->spec().cfg), header_bytes = header_bytes_of(version);
+  uint8_t h[kMaxHeaderBytes] = {};
   std::memcpy(h, kMagic, 8);
-  put32(h + 8, kFormatVersion);
-  put32(h + 12, kHeaderBytes);
+  put32(h + 8, version);
+  put32(h + 12, header_bytes);
   put32(h + 16, QJLKV_VERSION_NUMBER);
   put32(h + 20, 0);  // flags
   put32(h + 24, first_layer);
@@ -260,9 +279,9 @@ void write_header(Writer &out, const qjlkv_cache *c, uint32_t first_layer, uint3
   put64(h + 32, payload);
   const StoredConfig sc = stored_config(c->spec().cfg);
   put64(h + 40, sc.seed);
-  for (size_t i = 0; i < sc.fields.size(); ++i) put32(h + 48 + 4 * i, sc.fields[i]);
-  put32(h + kHeaderBytes - 4, crc32c(h, kHeaderBytes - 4));
-  out.bytes(h, kHeaderBytes);
+  for (size_t i = 0; i < config_fields(version); ++i) put32(h + 48 + 4 * i, sc.fields[i]);
+  put32(h + header_bytes - 4, crc32c(h, header_bytes - 4));
+  out.bytes(h, header_bytes);
 }
 
 // Export reads the blocks of a layer in runs of up to this many bytes (a backend whose reads
@@ -407,14 +426,14 @@ struct HeaderInfo {
 };
 
 HeaderInfo read_header(Reader &in, const qjlkv_cache *c, uint32_t seq) {
-  uint8_t h[kHeaderBytes];
+  uint8_t h[kMaxHeaderBytes];
   in.bytes(h, 12, "the header");
   if (std::memcmp(h, kMagic, 8) != 0) corrupt("the first 8 bytes are not the magic \"QJLKVSEQ\": not a qjlkv stream");
   const uint32_t version = get32(h + 8);
   if (version < 1 || version > kFormatVersion)
     fail(QJLKV_ERROR_INVALID_ARGUMENT, "the stream has format version %u; this library (%s) reads versions 1 to %u",
          version, qjlkv_version_string(), kFormatVersion);
-  const uint32_t header_bytes = version == 1 ? kHeaderBytesV1 : kHeaderBytes;
+  const uint32_t header_bytes = header_bytes_of(version);
   in.bytes(h + 12, header_bytes - 12, "the header");
   const uint32_t crc_at = header_bytes - 4;
   if (get32(h + crc_at) != crc32c(h, crc_at))
@@ -423,13 +442,17 @@ HeaderInfo read_header(Reader &in, const qjlkv_cache *c, uint32_t seq) {
     corrupt("header_bytes is %u, format version %u has %u", get32(h + 12), version, header_bytes);
   if (get32(h + 20) != 0) corrupt("flags is 0x%x, format version %u defines none", get32(h + 20), version);
   const StoredConfig mine = stored_config(c->spec().cfg);
-  const size_t stored_fields = version == 1 ? kConfigFieldsV1 : mine.fields.size();
+  const size_t stored_fields = config_fields(version);
   const auto compare = [&](size_t i) {
-    const uint32_t theirs = i < stored_fields ? get32(h + 48 + 4 * i) : kConfigFieldsV1Implied[i - kConfigFieldsV1];
-    if (theirs != mine.fields[i])
-      fail(QJLKV_ERROR_INVALID_ARGUMENT, "the stream's config does not match this cache: config.%s is %u in the %s, %u here",
-           kConfigFieldNames[i], theirs,
-           i < stored_fields ? "stream" : "stream (format version 1, which predates the field)", mine.fields[i]);
+    const uint32_t theirs = i < stored_fields ? get32(h + 48 + 4 * i) : kImpliedFields[i - kConfigFieldsV1];
+    if (theirs == mine.fields[i]) return;
+    if (i < stored_fields)
+      fail(QJLKV_ERROR_INVALID_ARGUMENT, "the stream's config does not match this cache: config.%s is %u in the stream, %u here",
+           kConfigFieldNames[i], theirs, mine.fields[i]);
+    fail(QJLKV_ERROR_INVALID_ARGUMENT,
+         "the stream's config does not match this cache: config.%s is %u in the stream (format version %u, which "
+         "predates the field), %u here",
+         kConfigFieldNames[i], theirs, version, mine.fields[i]);
   };
   // value_method first: it decides what value_bits and value_group_size mean, so that a
   // mismatch names the method rather than one of its consequences.

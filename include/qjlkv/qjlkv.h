@@ -16,8 +16,11 @@
  * quantized as one block:
  *   - keys with QJL (1-bit signs of a random orthogonalized sketch plus the
  *     key norms, with a second sketch for the few outlier channels of each
- *     block, stored as one fp16 correction per outlier channel), or KIVI (per-channel 2/3/4/8-bit), or OTT (KIVI plus tracing of
- *     outlier tokens), or kept exact in 16 bits;
+ *     block, stored as one fp16 correction per outlier channel), or KIVI
+ *     (per-channel 2/3/4/8-bit), or OTT (KIVI plus tracing of outlier
+ *     tokens), or mixed-bit (per-channel codes of 0 to 4 bits, the bits of a
+ *     token going to the channels whose block ranges are widest), or kept
+ *     exact in 16 bits;
  *   - values per token in groups of value_group_size channels with 2, 3, 4 or
  *     8 bits (or kept exact in 16 bits), or per token after a randomized
  *     Hadamard rotation with 2, 3 or 4-bit Lloyd-Max codes.
@@ -93,6 +96,15 @@
  *   even; a group whose values are all equal gets scale 0 and reproduces min.
  *   b-bit codes of a token (or a key block's token row) form one LSB-first bit
  *   stream: code j is bits j·b .. j·b+b-1 (3-bit: 8 codes in 3 bytes).
+ * - Mixed-bit keys ("q2"): per block and channel j the fp16 range [lo_j, hi_j]
+ *   (min rounded down, max rounded up, r_j = hi_j - lo_j) and a width w_j of
+ *   0 to 4 bits; the widths sum to key_token_bits: they are the key_token_bits
+ *   largest of r_j·2^-b over channels j and b = 0..3 (ties: lower channel,
+ *   then lower b), so each bit goes where it removes the most squared error.
+ *   Codes are floor((k - lo)/c_j) clamped to [0, 2^w_j - 1], c_j = r_j·2^-w_j,
+ *   and decode to lo_j + (code + 1/2)·c_j (0 bits: the middle of the range). A
+ *   token's codes form one LSB-first bit stream, channel j at bit
+ *   w_0 + ... + w_{j-1}; the widths are stored in 3 bits each.
  * - 16-bit exact storage (preset "exact", value_bits 16) is fp16 for fp32 and
  *   fp16 inputs, bf16 for bf16 inputs.
  * - Rotated Lloyd-Max values: y = H·diag(s)·v (H: normalized Walsh-Hadamard
@@ -194,8 +206,8 @@ typedef enum qjlkv_key_method {
   QJLKV_KEYS_OTT = 2,   /* KIVI + outlier-token tracing                      */
   QJLKV_KEYS_EXACT = 3, /* 16-bit keys, no quantization                      */
   QJLKV_KEYS_MIXED = 4  /* per-channel codes of 0-4 bits chosen per block
-                           from the channels' ranges (config.key_token_bits
-                           a token; see "Mixed-bit keys" below)          */
+                           from the channels' ranges, key_token_bits a
+                           token (see "Stored numbers"); added in 0.5  */
 } qjlkv_key_method;
 
 /* Where a cache keeps its data and runs its kernels (config.backend); the
@@ -364,7 +376,8 @@ typedef struct qjlkv_config {
                                     codes (one kv head), a multiple of 8 in
                                     [8, 4 * head_dim]; every preset sets
                                     8 * ceil(17 * head_dim / 64) (2.125 bits
-                                    a channel); 0 for an older struct         */
+                                    a channel); 0 for an older struct, which
+                                    therefore cannot configure MIXED keys     */
 } qjlkv_config;
 
 /* Fills the first cfg->struct_size bytes of *cfg with the defaults of the
@@ -380,6 +393,12 @@ typedef struct qjlkv_config {
  *           (sink_tokens = 16); rotated 2-bit Lloyd-Max values
  *           (value_method QJLKV_VALUES_ROTATED_LLOYD_MAX). 2.92 bits per
  *           number at 8192 tokens with fp16 I/O and d = 128 (2.98 at d = 64).
+ *   "q2"    the 2-bit tier: mixed-bit keys (QJLKV_KEYS_MIXED) of
+ *           key_token_bits = 8·ceil(17·d/64) bits a token (2.125 bits a
+ *           channel at d = 64 and 128), B = 128, R = 32, 16 sink tokens;
+ *           rotated 2-bit Lloyd-Max values. 2.48 bits per number at 8192
+ *           tokens with fp16 I/O and d = 128 (2.54 at d = 64). Needs a
+ *           0.5-sized struct (key_token_bits).
  *   "q4"    the 4-bit tier: KIVI keys, 4-bit, B = 128, R = 32, 4 sink
  *           tokens; rotated 3-bit Lloyd-Max values; 3.88 bits (3.94 at
  *           d = 64).
@@ -398,7 +417,8 @@ typedef struct qjlkv_config {
  *           inputs, bf16 for bf16 inputs), B = 32, R = 0: the baseline for
  *           comparisons.
  * The fields of the other key methods keep the values above (QJL sizes of
- * "qjl", key_bits 2, P 3, spill 32, skip min(2, num_layers)), so that switching
+ * "qjl", key_bits 2, P 3, spill 32, skip min(2, num_layers), key_token_bits
+ * of "q2"), so that switching
  * key_method gives sane sizes. dtype defaults to F32, backend to CPU,
  * device_ordinal to 0, seed to 0, num_threads to 0.
  *

@@ -73,7 +73,7 @@ TEST(Presets, DocumentedDefaults) {
     for (uint32_t d : {8u, 16u, 24u, 32u, 40u, 48u, 64u, 96u, 128u, 192u, 256u}) {
       const uint32_t g = d % 32 == 0 ? 32 : d % 16 == 0 ? 16 : 8;  // the largest of 32, 16, 8 dividing d
       const uint32_t c = d >= 16 ? 4 : 0;
-      for (const char *name : {"q3", "q4", "qjl", "kivi", "ott", "exact"}) {
+      for (const char *name : {"q2", "q3", "q4", "qjl", "kivi", "ott", "exact"}) {
         SCOPED_TRACE(std::string(name) + " d=" + std::to_string(d) + " layers=" + std::to_string(layers));
         qjlkv_config cfg;
         std::memset(&cfg, 0xEE, sizeof cfg);
@@ -93,8 +93,11 @@ TEST(Presets, DocumentedDefaults) {
         EXPECT_EQ(cfg.sketch_flags, QJLKV_SKETCH_ORTHOGONAL);
         const std::string preset = name;
         const bool tier = preset == "q3" || preset == "q4";
-        EXPECT_EQ(cfg.value_method, uint32_t(tier ? QJLKV_VALUES_ROTATED_LLOYD_MAX : QJLKV_VALUES_UNIFORM));
-        EXPECT_EQ(cfg.sink_tokens, preset == "q3" ? 16u : preset == "q4" ? 4u : 0u);
+        EXPECT_EQ(cfg.value_method,
+                  uint32_t(tier || preset == "q2" ? QJLKV_VALUES_ROTATED_LLOYD_MAX : QJLKV_VALUES_UNIFORM));
+        EXPECT_EQ(cfg.sink_tokens, preset == "q3" || preset == "q2" ? 16u : preset == "q4" ? 4u : 0u);
+        EXPECT_EQ(cfg.unused_0_4, 0u);
+        EXPECT_EQ(cfg.key_token_bits, 8 * ((17 * d + 63) / 64));  // 2.125 bits a channel, whole bytes
         // The fields of every key method, in every preset.
         EXPECT_EQ(cfg.key_sketch_dim, 2 * d);
         EXPECT_EQ(cfg.outlier_channels, c);
@@ -107,7 +110,13 @@ TEST(Presets, DocumentedDefaults) {
         EXPECT_EQ(cfg.outlier_spill_tokens, 32u);
         EXPECT_EQ(cfg.outlier_skip_layers, std::min(2u, layers));
         QT_EXPECT_OK(qjlkv_config_validate(&cfg));
-        if (tier) {
+        if (preset == "q2") {
+          EXPECT_EQ(cfg.key_method, uint32_t(QJLKV_KEYS_MIXED));
+          EXPECT_EQ(cfg.block_tokens, 128u);
+          EXPECT_EQ(cfg.residual_tokens, 32u);
+          EXPECT_EQ(cfg.value_bits, 2u);
+          EXPECT_EQ(cfg.value_group_size, g);
+        } else if (tier) {
           EXPECT_EQ(cfg.key_method, uint32_t(QJLKV_KEYS_KIVI));
           EXPECT_EQ(cfg.block_tokens, preset == "q3" ? 64u : 128u);
           EXPECT_EQ(cfg.residual_tokens, preset == "q3" ? 16u : 32u);
@@ -168,6 +177,11 @@ void expect_same_config(const qjlkv_config &a, const qjlkv_config &b) {
   QT_SAME(backend);
   QT_SAME(value_method);
   QT_SAME(sink_tokens);
+  QT_SAME(unused_0_3);
+  QT_SAME(memory_budget);
+  QT_SAME(rollback_tokens);
+  QT_SAME(unused_0_4);
+  QT_SAME(key_token_bits);
 #undef QT_SAME
 }
 
@@ -182,7 +196,7 @@ TEST(Presets, NullAndEmptyNameMeanQ3) {
 }
 
 TEST(Presets, EveryPresetRunsEndToEnd) {
-  for (const char *name : {"q3", "q4", "qjl", "kivi", "ott", "exact"}) {
+  for (const char *name : {"q2", "q3", "q4", "qjl", "kivi", "ott", "exact"}) {
     SCOPED_TRACE(name);
     qjlkv_config cfg = qt::make_config(name, 3, 4, 2, 64);
     qt::Cache cache = qt::make_cache(cfg);
@@ -209,7 +223,7 @@ TEST(Presets, EveryPresetRunsEndToEnd) {
 
 TEST(Config, ValidateAcceptsWhatInitProduces) {
   for (uint32_t d : {8u, 16u, 80u, 96u, 136u, 256u}) {
-    for (const char *name : {"q3", "q4", "qjl", "kivi", "ott", "exact"}) {
+    for (const char *name : {"q2", "q3", "q4", "qjl", "kivi", "ott", "exact"}) {
       qjlkv_config cfg{};
       cfg.struct_size = sizeof cfg;
       QT_ASSERT_OK(qjlkv_config_init(&cfg, name, 1, 6, 3, d));

@@ -105,7 +105,7 @@ TEST(Errors, ConfigValidateAndCacheCreateNameTheField) {
            {"backend", [](qjlkv_config &c) { c.backend = 2; }},
            {"device_ordinal", [](qjlkv_config &c) { c.device_ordinal = 1; }},  // CPU: only 0
            {"sketch_flags", [](qjlkv_config &c) { c.sketch_flags = 2; }},
-           {"key_method", [](qjlkv_config &c) { c.key_method = 4; }},
+           {"key_method", [](qjlkv_config &c) { c.key_method = 5; }},
            {"block_tokens", [](qjlkv_config &c) { c.block_tokens = 0; }},
            {"block_tokens", [](qjlkv_config &c) { c.block_tokens = 12; }},
            {"block_tokens", [](qjlkv_config &c) { c.block_tokens = 4104; }},

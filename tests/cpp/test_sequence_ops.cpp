@@ -309,7 +309,7 @@ TEST_P(SequenceOps, RefusalsChangeNothing) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, SequenceOps,
-                         ::testing::Combine(::testing::Values("q3", "q4", "qjl", "kivi", "ott", "exact"),
+                         ::testing::Combine(::testing::Values("q2", "q3", "q4", "qjl", "kivi", "ott", "exact"),
                                             ::testing::Values(QJLKV_DTYPE_F16, QJLKV_DTYPE_F32, QJLKV_DTYPE_BF16)),
                          [](const auto &info) {
                            return std::string(std::get<0>(info.param)) + "_" + qt::dtype_name(std::get<1>(info.param));

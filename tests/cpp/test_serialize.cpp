@@ -161,6 +161,12 @@ void exact_keys_rotated_3bit_sinks(qjlkv_config &c) {
   c.sink_tokens = 1;
 }
 
+void mixed_uniform_values(qjlkv_config &c) {  // mixed keys with another value method and fewer bits
+  c.value_method = QJLKV_VALUES_UNIFORM;
+  c.value_bits = 4;
+  c.key_token_bits = 48;
+}
+
 // Small shapes that reach every state in a few dozen tokens: B = 16, R = 8, 4 sink tokens where
 // the preset has sinks (the tiers), OTT's first layer untraced.
 qjlkv_config variant_config(const Variant &v) {
@@ -342,7 +348,9 @@ TEST_P(RoundTrip, AllLayersThenContinuedDecodeIsBitIdentical) {
   fill_source(source.get(), cfg, 7);
   const std::vector<uint8_t> stream = export_buffer(source.get(), 7, 0, cfg.num_layers);
   ASSERT_FALSE(stream.empty());
-  EXPECT_EQ(u32_of(stream, 8), 3u);  // the format version this library writes
+  // The format version this library writes: 4 where the config has key_token_bits, else 3.
+  EXPECT_EQ(u32_of(stream, 8), cfg.key_method == QJLKV_KEYS_MIXED ? 4u : 3u);
+  EXPECT_EQ(u32_of(stream, 12), cfg.key_method == QJLKV_KEYS_MIXED ? 140u : 136u);
 
   qjlkv_config other_threads = cfg;
   other_threads.num_threads = 3;  // the stream does not depend on the thread count
@@ -388,9 +396,9 @@ TEST_P(RoundTrip, LengthsAroundTheSinksAndTheFirstBlock) {
     Cache source = qt::make_cache(cfg);
     for (uint32_t l = 0; l < cfg.num_layers; ++l) append(source.get(), cfg, l, 4, length, 60 + l);
     const std::vector<uint8_t> stream = export_buffer(source.get(), 4, 0, cfg.num_layers);
-    // The first layer section's sink count (docs/FORMAT.md: header 136 bytes, then the section).
+    // The first layer section's sink count (docs/FORMAT.md: the header, then the section).
     uint32_t sinks = 0;
-    std::memcpy(&sinks, stream.data() + 136 + 16 + 28, 4);
+    std::memcpy(&sinks, stream.data() + u32_of(stream, 12) + 16 + 28, 4);
     EXPECT_EQ(sinks, std::min(length, S));
     Cache dest = qt::make_cache(cfg);
     QT_ASSERT_OK(qjlkv_cache_import(dest.get(), 4, stream.data(), stream.size()));
@@ -461,6 +469,9 @@ const Variant kVariants[] = {
     {"q4_f32", "q4", QJLKV_DTYPE_F32, no_tweak},
     {"q4_f16", "q4", QJLKV_DTYPE_F16, no_tweak},
     {"q4_bf16", "q4", QJLKV_DTYPE_BF16, no_tweak},
+    {"q2_f32", "q2", QJLKV_DTYPE_F32, no_tweak},
+    {"q2_f16", "q2", QJLKV_DTYPE_F16, no_tweak},
+    {"q2_bf16", "q2", QJLKV_DTYPE_BF16, mixed_uniform_values},
     // ... and each of their pieces alone.
     {"kivi_sinks_f32", "kivi", QJLKV_DTYPE_F32, sinks_alone},
     {"kivi_sinks_f16", "kivi", QJLKV_DTYPE_F16, sinks_alone},
@@ -546,7 +557,7 @@ TEST(RoundTripCoverage, SinkVariantsStreamTheirSinks) {
     Cache source = qt::make_cache(cfg);
     fill_source(source.get(), cfg, 1);
     const std::vector<uint8_t> s = export_buffer(source.get(), 1, 0, cfg.num_layers);
-    size_t at = 136;
+    size_t at = u32_of(s, 12);  // the header's bytes
     for (uint32_t l = 0; l < cfg.num_layers; ++l) {
       uint32_t sinks;
       uint64_t body;
@@ -556,7 +567,7 @@ TEST(RoundTripCoverage, SinkVariantsStreamTheirSinks) {
       at += 16 + body;
     }
   }
-  EXPECT_EQ(variants, 12);
+  EXPECT_EQ(variants, 15);
 }
 
 // ---- refusals ---------------------------------------------------------------------------------------
@@ -687,7 +698,7 @@ TEST_F(Refusal, TargetMustBeEmptyInTheStreamsLayers) {
 }
 
 TEST_F(Refusal, OtherFormatVersionAndNotAStream) {
-  for (const uint32_t version : {0u, 4u, 0x80000001u}) {
+  for (const uint32_t version : {0u, 5u, 0x80000001u}) {
     std::vector<uint8_t> other = stream_;
     set_u32(other, 8, version);
     fix_checksums(other);
@@ -939,6 +950,7 @@ TEST(OlderFormatVersions, StreamsImportAndContinueBitIdentically) {
   int converted = 0;
   for (const Variant &v : kVariants) {
     const qjlkv_config cfg = variant_config(v);
+    if (cfg.key_method == QJLKV_KEYS_MIXED) continue;  // no older version describes mixed keys
     SCOPED_TRACE(v.name);
     Cache source = qt::make_cache(cfg);
     fill_source(source.get(), cfg, 2);

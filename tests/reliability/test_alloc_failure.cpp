@@ -421,7 +421,7 @@ TEST_P(AllocationFailure, SketchCreate) {
 INSTANTIATE_TEST_SUITE_P(Presets, AllocationFailure,
                          ::testing::Values(Variant{"qjl", 1}, Variant{"kivi", 1}, Variant{"ott", 1},
                                            Variant{"exact", 1}, Variant{"qjl", 2}, Variant{"ott", 2},
-                                           Variant{"q3", 1}, Variant{"q4", 2}),
+                                           Variant{"q3", 1}, Variant{"q4", 2}, Variant{"q2", 1}),
                          [](const ::testing::TestParamInfo<Variant> &info) {
                            return std::string(info.param.preset) + "_threads" + std::to_string(info.param.threads);
                          });

@@ -231,7 +231,7 @@ TEST_P(SequenceModel, RandomInterleavingsMatchTheModel) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, SequenceModel,
-                         ::testing::Values(Case{"q3", QJLKV_DTYPE_F16}, Case{"q4", QJLKV_DTYPE_BF16},
+                         ::testing::Values(Case{"q2", QJLKV_DTYPE_BF16}, Case{"q3", QJLKV_DTYPE_F16}, Case{"q4", QJLKV_DTYPE_BF16},
                                            Case{"qjl", QJLKV_DTYPE_F16}, Case{"kivi", QJLKV_DTYPE_F32},
                                            Case{"ott", QJLKV_DTYPE_F16}, Case{"exact", QJLKV_DTYPE_F16}),
                          [](const auto &info) {

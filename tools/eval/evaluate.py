@@ -82,8 +82,9 @@ def headline_configurations(quick: bool = False) -> list[CacheConfig]:
             *presets,
             # blocks of 128 (the preset's 32): measured, not shipped (docs/ACCURACY.md, "Tried and not kept")
             library("qjl B128", "qjl", "qjl variants", block_tokens=128),
-            library("q3 preset", "q3", "3- and 4-bit tiers"),
-            library("q4 preset", "q4", "3- and 4-bit tiers"),
+            library("q2 preset", "q2", "2-, 3- and 4-bit tiers"),
+            library("q3 preset", "q3", "2-, 3- and 4-bit tiers"),
+            library("q4 preset", "q4", "2-, 3- and 4-bit tiers"),
             library("kivi k4", "kivi", "4-bit keys", key_bits=4),
             library("ott k4", "ott", "4-bit keys", key_bits=4),
             library("kivi k4 v4", "kivi", "4-bit keys", key_bits=4, value_bits=4),

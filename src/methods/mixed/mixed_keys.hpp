@@ -45,7 +45,7 @@ struct MixedKeys : KeyMethodDefaults {
       const float hi = half_to_float(at<uint16_t>(block, l.key_max)[j]);
       if (!(hi >= lo)) check.fail("channel %u's key maximum %g is below its minimum %g", j, double(hi), double(lo));
       const uint32_t width = width_of(l, block, j);
-      if (width > mixed::kMaxWidth) check.fail("channel %u has a %u-bit key code, at most 4 are stored", j, width);
+      if (width > mixed::kMaxWidth) check.fail("channel %u's key code width is %u bits, at most 4 are stored", j, width);
       bits += width;
     }
     if (bits != spec.cfg.key_token_bits)
