@@ -1,8 +1,8 @@
 /* Demo: a Llama-3-8B-shaped attention layer (32 query heads, 8 kv heads, head_dim 128) with
  * synthetic keys that carry outlier channels, as real keys of deeper layers do. Appends the
  * tokens to a cache of each preset, then compares decode attention against the exact cache.
- * Inputs are fp32, so the tokens every preset keeps exact (the newest ones, and q3's and q4's
- * first ones) take 32 bits each: a short run shows more bits per number than a long one.
+ * Inputs are fp32, so the tokens every preset keeps exact (the newest ones, and the first ones
+ * of q2, q3 and q4) take 32 bits each: a short run shows more bits per number than a long one.
  *
  *   usage: qjlkv_demo [tokens] [decode_steps] [f16]   (defaults: 8192 tokens, 16 steps, fp32)
  * With f16 the keys, values and queries go in as fp16 (_Float16), as an engine holds them, and

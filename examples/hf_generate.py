@@ -9,6 +9,7 @@ decoding steps run the library's fused attention on the compressed cache. It pri
 answers, the cache memory and the decode speed of each.
 
     python examples/hf_generate.py                      # the default preset, q3 (about 3 bits)
+    python examples/hf_generate.py --preset q2          # about 2.5 bits
     python examples/hf_generate.py --preset q4          # about 4 bits, closer to the exact cache
     python examples/hf_generate.py --preset ott --set key_bits=4 --set value_bits=4
 
@@ -97,7 +98,7 @@ def generate(model, prompt: torch.Tensor, cache, new_tokens: int) -> tuple[torch
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="q3",
-                   help="qjlkv preset: q3 (the default), q4, qjl, kivi, ott, exact")
+                   help="qjlkv preset: q3 (the default), q2, q4, qjl, kivi, ott, exact")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=N",
                    help="change a qjlkv.Config field of the preset, e.g. key_bits=4 (repeatable)")
     p.add_argument("--tokens", type=int, default=12, help="tokens to generate (default 12)")

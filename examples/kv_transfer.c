@@ -162,7 +162,7 @@ int main(int argc, char **argv) {
   }
   fprintf(stderr,
           "usage: %s prefill FILE [PRESET] | decode FILE N [PRESET] | both N [PRESET]\n"
-          "  (PRESET: q3, q4, qjl, kivi, ott or exact; default q3)\n",
+          "  (PRESET: q2, q3, q4, qjl, kivi, ott or exact; default q3)\n",
           argv[0]);
   return 2;
 }

@@ -57,7 +57,7 @@ int main(int argc, char **argv) {
   }
   const uint32_t hkv = (uint32_t)atoi(argv[1]), d = (uint32_t)atoi(argv[2]);
   const uint32_t hq = argc > 3 ? (uint32_t)atoi(argv[3]) : hkv;
-  const char *presets[] = {"q3", "q4", "qjl", "kivi", "ott", "exact"};
+  const char *presets[] = {"q2", "q3", "q4", "qjl", "kivi", "ott", "exact"};
   const int num_presets = (int)(sizeof presets / sizeof presets[0]);
   printf("%-6s %14s %14s %8s %22s\n", "preset", "bytes/token", "fp16 K+V", "ratio", "per-layer overhead");
   for (int p = 0; p < num_presets; ++p) {

@@ -66,6 +66,41 @@ def quantize_values(v: np.ndarray, bits: int, group: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------
+# Mixed-bit keys (key_method "mixed", the q2 preset): per block and channel the fp16 range
+# [lo, hi] of the block's tokens (minimum rounded down, maximum rounded up) and a width of 0-4
+# bits; a token's key_token_bits go to the candidates (channel j, bit b < 4) of largest priority
+# r_j * 2^-b (r_j = hi_j - lo_j), ties to the lower candidate 4j + b. A code cuts the range into
+# 2^w equal cells and decodes to its cell's centre; 0 bits decode to the middle of the range.
+# ---------------------------------------------------------------------------
+MIXED_MAX_WIDTH = 4
+
+
+def mixed_widths(ranges: np.ndarray, key_token_bits: int) -> np.ndarray:
+    """The code width of each channel of a block, given the channels' fp16 ranges (d,)."""
+    d = len(ranges)
+    candidate = np.arange(MIXED_MAX_WIDTH * d)
+    priority = np.ldexp(np.repeat(ranges.astype(np.float32), MIXED_MAX_WIDTH),
+                        -(candidate % MIXED_MAX_WIDTH)).astype(np.float32)
+    taken = np.lexsort((candidate, -priority))[:key_token_bits]  # largest first, then lower index
+    return np.bincount(taken // MIXED_MAX_WIDTH, minlength=d)
+
+
+def mixed_quantize_block(keys: np.ndarray, key_token_bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dense keys (B, d) float32, widths (d,)) of one block of one kv head."""
+    keys = np.asarray(keys, dtype=np.float32)
+    lo = f16_round_down(keys.min(axis=0))
+    hi = f16_round_up(keys.max(axis=0))
+    ranges = (hi - lo).astype(np.float32)
+    widths = mixed_widths(ranges, key_token_bits)
+    cell = np.ldexp(ranges, -widths).astype(np.float32)
+    top = (2.0**widths - 1).astype(np.float32)
+    safe = np.where(cell > 0, cell, np.float32(1))
+    codes = np.clip(np.floor((keys - lo) / safe), 0, top).astype(np.float32)
+    codes = np.where((widths == 0) | (cell == 0), np.float32(0), codes)
+    return (lo + (codes + np.float32(0.5)) * cell).astype(np.float32), widths
+
+
+# ---------------------------------------------------------------------------
 # SPEC §3: QJL keys
 # ---------------------------------------------------------------------------
 def qjl_constant(d: int, orthogonal: bool) -> float:
@@ -144,8 +179,8 @@ def quantized_length(length: int, block_tokens: int, residual_tokens: int) -> in
 
 
 class ReferenceLayer:
-    """The dense (keys, values) a cache layer's attention sees, per SPEC §3-§6, for QJL, KIVI
-    and EXACT keys. keys/values: (length, Hkv, d) float32 (already in the input dtype's
+    """The dense (keys, values) a cache layer's attention sees, per SPEC §3-§6, for QJL, KIVI,
+    mixed-bit and EXACT keys (no sink tokens; uniform values). keys/values: (length, Hkv, d) float32 (already in the input dtype's
     precision); storage16: np.float16 or "bfloat16" rounding for 16-bit storage."""
 
     def __init__(self, cfg, keys: np.ndarray, values: np.ndarray, sketch: np.ndarray | None, layer: int = 0,
@@ -173,6 +208,8 @@ class ReferenceLayer:
                     self.dense_keys[start:start + B, h] = qjl_dense_keys(blk, sketch, self.m, self.const)
                 elif cfg.key_method == "kivi":
                     self.dense_keys[start:start + B, h] = quantize_groups(k, cfg.key_bits, axis=0)
+                elif cfg.key_method == "mixed":
+                    self.dense_keys[start:start + B, h] = mixed_quantize_block(k, cfg.key_token_bits)[0]
                 elif cfg.key_method == "exact":
                     self.dense_keys[start:start + B, h] = round16(k, storage16)
                 else:

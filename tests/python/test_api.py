@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import qjlkv
-from conftest import randn, small_config
+from conftest import randn, raises, small_config
 
 HEADER = pathlib.Path(__file__).resolve().parents[2] / "include" / "qjlkv" / "qjlkv.h"
 
@@ -104,15 +104,19 @@ def test_last_error_message_is_the_c_message():
 
 
 def test_config_presets_and_fields():
+    assert qjlkv.PRESETS == ("q2", "q3", "q4", "qjl", "kivi", "ott", "exact")  # as qjlkv.h lists them
     for preset in qjlkv.PRESETS:
         cfg = qjlkv.Config(preset, num_layers=3, num_q_heads=8, num_kv_heads=2, head_dim=128)
         cfg.validate()
-        tier = preset in ("q3", "q4")
-        assert cfg.key_method == ("kivi" if tier else preset)
+        tier = preset in ("q2", "q3", "q4")
+        assert cfg.key_method == {"q2": "mixed", "q3": "kivi", "q4": "kivi"}.get(preset, preset)
         assert cfg.value_method == (qjlkv.ValueMethod.ROTATED_LLOYD_MAX if tier else qjlkv.ValueMethod.UNIFORM)
-        assert cfg.sink_tokens == {"q3": 16, "q4": 4}.get(preset, 0)
+        assert cfg.value_bits == {"q2": 2, "q3": 2, "q4": 3, "exact": 16}.get(preset, 2)
+        assert cfg.sink_tokens == {"q2": 16, "q3": 16, "q4": 4}.get(preset, 0)
         if tier:
             assert (cfg.block_tokens, cfg.residual_tokens) == ((64, 16) if preset == "q3" else (128, 32))
+        # 2.125 bits a channel, whole bytes a token: 8 * ceil(17 * 128 / 64) in every preset.
+        assert cfg.key_token_bits == 272
         assert (cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim) == (3, 8, 2, 128)
         assert cfg.dtype == "float32" and cfg.device == -1
     default = qjlkv.Config(num_layers=1, num_q_heads=4, num_kv_heads=4, head_dim=64)
@@ -139,6 +143,54 @@ def test_new_fields_pass_through(rng):
     assert not np.array_equal(v_hat[3:35], values[3:35])  # two quantized blocks of 16
     np.testing.assert_allclose(np.linalg.norm(v_hat[3:35], axis=-1), np.linalg.norm(values[3:35], axis=-1),
                                rtol=1e-3)
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 64, 96, 128, 256])
+def test_q2_preset_key_token_bits(head_dim):
+    """The 2-bit tier: mixed-bit keys with key_token_bits = 8 * ceil(17 * head_dim / 64) (qjlkv.h),
+    a field of the config (0.5) that reaches the cache and comes back from it."""
+    cfg = qjlkv.Config("q2", num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=head_dim)
+    assert cfg.key_method == "mixed" and cfg.to_dict()["key_method"] == qjlkv.KeyMethod.MIXED == 4
+    assert cfg.key_token_bits == 8 * -(-17 * head_dim // 64)
+    assert "key_token_bits" in qjlkv.Config.FIELDS and cfg.key_token_bits % 8 == 0
+    cache = qjlkv.Cache(cfg.replace(key_token_bits=4 * head_dim))
+    assert cache.config.key_token_bits == 4 * head_dim and cache.config.key_method == "mixed"
+    # Every preset sets it, so that switching another preset to mixed keys gives a sane size.
+    kivi = small_config("kivi", head_dim=head_dim, key_method="mixed")
+    assert kivi.key_token_bits == cfg.key_token_bits and kivi.to_dict()["key_method"] == 4
+    kivi.validate()
+
+
+def test_key_token_bits_rules():
+    """A multiple of 8 in [8, 4 * head_dim] when key_method is "mixed"; ignored otherwise."""
+    cfg = small_config("q2", head_dim=64)
+    for bits in (8, 136, 256):
+        cfg.replace(key_token_bits=bits).validate()
+    for bits in (0, 4, 137, 264, 2**32 - 8):
+        with raises(qjlkv.InvalidArgument, "key_token_bits", str(bits)):
+            cfg.replace(key_token_bits=bits).validate()
+        small_config("q3", key_token_bits=bits).validate()
+    with raises(qjlkv.InvalidArgument, "key_token_bits"):
+        qjlkv.Cache(cfg.replace(key_token_bits=0))
+
+
+def test_q2_stores_the_key_bits_it_is_given(rng):
+    """key_token_bits sets the size of a block's key codes: per kv head fp16 minima and maxima,
+    3-bit widths per channel and key_token_bits a token."""
+    d, B = 64, 32
+    sizes = {}
+    for bits in (8, 136, 256):
+        cache = qjlkv.Cache(small_config("q2", block_tokens=B, residual_tokens=8, sink_tokens=0, num_layers=1,
+                                         key_token_bits=bits))
+        keys = randn(rng, 3 * B + 8, 2, d)
+        cache.append(0, 0, keys, keys)
+        sizes[bits] = cache.stats()["bytes_keys_quantized"]
+        k_hat, _ = cache.reconstruct(0, 0)
+        assert not np.array_equal(k_hat[:3 * B], keys[:3 * B])
+        np.testing.assert_array_equal(k_hat[3 * B:], keys[3 * B:])
+    # 3 blocks of 2 kv heads: the codes grow by B * (bits / 8) bytes a block and head
+    assert sizes[136] - sizes[8] == 3 * 2 * B * (136 - 8) // 8
+    assert sizes[256] - sizes[136] == 3 * 2 * B * (256 - 136) // 8
 
 
 @pytest.mark.parametrize("given,name", [

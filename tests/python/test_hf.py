@@ -277,7 +277,7 @@ def test_float16_cache_on_a_float32_model(model, attention):
     assert got.shape == want.shape == (1, 208) and torch.equal(got[:, :201], want[:, :201])
 
 
-@pytest.mark.parametrize("preset", ["q3", "qjl"])
+@pytest.mark.parametrize("preset", ["q2", "q3", "qjl"])
 def test_left_padded_batch_rows_decode_as_they_do_alone(model, preset):
     """Fused attention: padding is never stored, each row is a sequence of its own length."""
     use_qjlkv_attention(model)

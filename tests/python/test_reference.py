@@ -187,11 +187,59 @@ def test_kivi_keys_equal_reference(rng, bits):
     assert_scores_within_budget(cache.scores(0, 0, query), model.scores(query, 4), query, keys, 4)
 
 
+def mixed_keys(rng, tokens, heads, d):
+    """Keys whose channels span ranges from 1/64 to 16 (and one constant channel), so that the
+    widths of a block run from 0 to 4 bits."""
+    keys = randn(rng, tokens, heads, d) * np.logspace(-6, 4, d, base=2, dtype=np.float32)
+    keys[:, :, 5] = 0.625
+    return keys
+
+
+@pytest.mark.parametrize("key_token_bits", [None, 8, 64, 256])
+def test_mixed_keys_equal_reference(rng, key_token_bits):
+    """Mixed-bit keys (preset "q2"): widths from the channels' ranges, key_token_bits a token."""
+    fields = {} if key_token_bits is None else dict(key_token_bits=key_token_bits)
+    cfg = small_config("q2", block_tokens=32, residual_tokens=8, sink_tokens=0,
+                       value_method=qjlkv.ValueMethod.UNIFORM, value_bits=4, **fields)
+    assert cfg.key_token_bits == (key_token_bits or 136)
+    cache = qjlkv.Cache(cfg)
+    keys, values = mixed_keys(rng, 100, 2, 64), randn(rng, 100, 2, 64)
+    cache.append(1, 0, keys, values)
+    model = ref.ReferenceLayer(cfg, keys, values, None, layer=1)
+    assert model.quantized == 64
+    k_hat, v_hat = cache.reconstruct(1, 0)
+    scale = np.abs(keys).max(axis=0)  # per (head, channel)
+    np.testing.assert_allclose(k_hat, model.dense_keys, rtol=0, atol=1e-6)
+    assert np.all(np.abs(k_hat - model.dense_keys) <= 1e-6 * scale)
+    np.testing.assert_array_equal(k_hat[64:], keys[64:])
+    np.testing.assert_allclose(v_hat, model.dense_values, rtol=1e-6, atol=1e-6)
+    # The widths spend exactly key_token_bits a token; more bits, smaller errors.
+    widths = ref.mixed_widths((ref.f16_round_up(keys[:32, 0].max(0)) - ref.f16_round_down(keys[:32, 0].min(0))),
+                              cfg.key_token_bits)
+    assert widths.sum() == cfg.key_token_bits and widths.max() <= 4
+    assert widths[5] == (4 if cfg.key_token_bits == 4 * 64 else 0)  # the constant channel comes last
+    query = randn(rng, 8, 64)
+    assert_scores_within_budget(cache.scores(1, 0, query), model.scores(query, 4), query, keys, 4)
+
+
+def test_mixed_keys_error_shrinks_with_key_token_bits(rng):
+    keys = mixed_keys(rng, 64, 2, 64)
+    errors = []
+    for bits in (8, 64, 136, 256):
+        cache = qjlkv.Cache(small_config("q2", block_tokens=64, residual_tokens=0, sink_tokens=0, key_token_bits=bits))
+        cache.append(0, 0, keys, keys)
+        k_hat, _ = cache.reconstruct(0, 0)
+        errors.append(float(np.sqrt(np.mean((k_hat - keys) ** 2))))
+    assert all(a > b for a, b in zip(errors, errors[1:])) and errors[-1] < errors[0] / 5, errors
+
+
 # --- §6 attention -------------------------------------------------------------------------
-@pytest.mark.parametrize("preset", ["qjl", "kivi", "exact"])
+@pytest.mark.parametrize("preset", ["qjl", "kivi", "exact", "q2"])
 @pytest.mark.parametrize("n_queries", [1, 5])
 def test_attend_equals_reference_softmax(rng, preset, n_queries):
-    cfg = small_config(preset, block_tokens=32)
+    # q2's keys with the model's values (uniform) and no sinks
+    extra = dict(sink_tokens=0, value_method=qjlkv.ValueMethod.UNIFORM) if preset == "q2" else {}
+    cfg = small_config(preset, block_tokens=32, **extra)
     cache = qjlkv.Cache(cfg)
     keys = keys_with_outlier_channels(rng, 140, 2, 64) * 0.3
     values = randn(rng, 140, 2, 64)

@@ -56,7 +56,7 @@ def test_exact_preset_round_trip(rng, kind, dtype):
     np.testing.assert_allclose(as_numpy_f32(out), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("preset", ["qjl", "kivi", "ott"])
+@pytest.mark.parametrize("preset", ["q2", "qjl", "kivi", "ott"])
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 @pytest.mark.parametrize("dtype", list(NUMPY_DTYPES))
 def test_attend_equals_attention_over_reconstruction(rng, preset, kind, dtype, request):

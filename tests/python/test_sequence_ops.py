@@ -11,7 +11,7 @@ import pytest
 import qjlkv
 from conftest import randn, raises, small_config
 
-PRESETS = ["q3", "q4", "qjl", "kivi", "ott", "exact"]
+PRESETS = ["q2", "q3", "q4", "qjl", "kivi", "ott", "exact"]
 
 
 def feed(cache: qjlkv.Cache, seq: int, keys: np.ndarray, values: np.ndarray, pieces=(1, 5, 17)) -> None:
@@ -139,7 +139,7 @@ def test_refusals_change_nothing(rng):
     assert cache.length(0, 5) == 0
 
 
-@pytest.mark.parametrize("preset", ["q3", "qjl", "ott"])
+@pytest.mark.parametrize("preset", ["q2", "q3", "qjl", "ott"])
 def test_bytes_needed_is_exact(rng, preset):
     cache = qjlkv.Cache(small_config(preset))
     keys, values = tokens(rng, 400)

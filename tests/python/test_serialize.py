@@ -34,7 +34,7 @@ def _decode_outputs(cache: qjlkv.Cache, seq: int, steps: int, dtype) -> list[np.
     return outputs
 
 
-@pytest.mark.parametrize("preset", ["q3", "q4", "qjl", "kivi", "ott", "exact"])
+@pytest.mark.parametrize("preset", ["q2", "q3", "q4", "qjl", "kivi", "ott", "exact"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_bytes_round_trip_then_identical_decode(preset: str, dtype, rng: np.random.Generator) -> None:
     cfg = small_config(preset, dtype="float32" if dtype == np.float32 else "float16", block_tokens=16,
@@ -50,6 +50,25 @@ def test_bytes_round_trip_then_identical_decode(preset: str, dtype, rng: np.rand
     for a, b in zip(_decode_outputs(source, 3, 20, dtype), _decode_outputs(dest, 11, 20, dtype)):
         assert a.tobytes() == b.tobytes()
     assert dest.export_bytes(11) == source.export_bytes(3)
+
+
+def test_mixed_keys_streams_carry_key_token_bits(rng: np.random.Generator) -> None:
+    """key_token_bits sizes a q2 cache's stored keys: a stream goes into a cache of the same
+    key_token_bits only, and any other is refused naming the field (docs/FORMAT.md: a new config
+    field that changes stored bytes is a header field the reader compares)."""
+    cfg = small_config("q2", block_tokens=16, residual_tokens=8, sink_tokens=4, num_threads=1)
+    source = qjlkv.Cache(cfg)
+    _fill(source, rng, seq=0, tokens=61, dtype=np.float32)
+    stream = source.export_bytes(0)
+    same = qjlkv.Cache(cfg)
+    same.import_bytes(1, stream)
+    assert same.export_bytes(1) == stream
+    for bits in (cfg.key_token_bits - 8, cfg.key_token_bits + 8):
+        other = qjlkv.Cache(cfg.replace(key_token_bits=bits))
+        before = other.stats()
+        with raises(qjlkv.InvalidArgument, "key_token_bits"):
+            other.import_bytes(1, stream)
+        assert other.stats() == before and other.length(0, 1) == 0
 
 
 def test_files_hold_several_streams(tmp_path, rng: np.random.Generator) -> None:

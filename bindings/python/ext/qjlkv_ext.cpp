@@ -365,12 +365,13 @@ const Field kConfigFields[] = {
     QJLKV_FIELD(sink_tokens, U32),
     QJLKV_FIELD(memory_budget, U64),
     QJLKV_FIELD(rollback_tokens, U32),
+    QJLKV_FIELD(key_token_bits, U32),
 };
 #undef QJLKV_FIELD
 // Fails to compile when the header grows qjlkv_config: the table above must list the new field.
 constexpr size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 static_assert(sizeof(qjlkv_config) ==
-                  round_up(offsetof(qjlkv_config, rollback_tokens) + sizeof(uint32_t), alignof(qjlkv_config)),
+                  round_up(offsetof(qjlkv_config, key_token_bits) + sizeof(uint32_t), alignof(qjlkv_config)),
               "qjlkv_config has fields that kConfigFields does not list");
 
 py::dict config_to_dict(const qjlkv_config &cfg) {
@@ -1012,6 +1013,7 @@ PYBIND11_MODULE(_qjlkv, m) {
       .value("KIVI", QJLKV_KEYS_KIVI)
       .value("OTT", QJLKV_KEYS_OTT)
       .value("EXACT", QJLKV_KEYS_EXACT)
+      .value("MIXED", QJLKV_KEYS_MIXED)
       .finalize();
   py::native_enum<qjlkv_value_method>(m, "ValueMethod", "enum.IntEnum", "qjlkv_value_method (config.value_method)")
       .value("UNIFORM", QJLKV_VALUES_UNIFORM)

@@ -83,7 +83,7 @@ status_string = _qjlkv.status_string
 last_error_message = _qjlkv.last_error_message
 
 #: Preset names accepted by :class:`Config` (``qjlkv_config_init``).
-PRESETS = ("q3", "q4", "qjl", "kivi", "ott", "exact")
+PRESETS = ("q2", "q3", "q4", "qjl", "kivi", "ott", "exact")
 
 _DTYPE_NAMES = {
     "float32": DType.F32, "fp32": DType.F32, "f32": DType.F32, "float": DType.F32,
@@ -91,7 +91,8 @@ _DTYPE_NAMES = {
     "bfloat16": DType.BF16, "bf16": DType.BF16,
 }
 _DTYPE_CANONICAL = {DType.F32: "float32", DType.F16: "float16", DType.BF16: "bfloat16"}
-_KEY_METHOD_NAMES = {"qjl": KeyMethod.QJL, "kivi": KeyMethod.KIVI, "ott": KeyMethod.OTT, "exact": KeyMethod.EXACT}
+_KEY_METHOD_NAMES = {"qjl": KeyMethod.QJL, "kivi": KeyMethod.KIVI, "ott": KeyMethod.OTT, "exact": KeyMethod.EXACT,
+                     "mixed": KeyMethod.MIXED}
 
 
 def _error(cls: type, message: str) -> Error:
@@ -124,7 +125,7 @@ def _key_method_code(method: _Any) -> KeyMethod:
         return method
     if isinstance(method, str) and method.lower() in _KEY_METHOD_NAMES:
         return _KEY_METHOD_NAMES[method.lower()]
-    raise _error(InvalidArgument, f"config.key_method is {method!r}, must be one of 'qjl', 'kivi', 'ott', 'exact'")
+    raise _error(InvalidArgument, f"config.key_method is {method!r}, must be one of {', '.join(map(repr, _KEY_METHOD_NAMES))}")
 
 
 def _device_code(device: _Any) -> int:
@@ -149,7 +150,7 @@ class Config:
 
     The fields are those of ``qjlkv_config`` (see ``Config.FIELDS``); ``dtype`` takes
     "float32"/"float16"/"bfloat16" or a numpy/torch dtype, ``key_method`` takes
-    "qjl"/"kivi"/"ott"/"exact", ``device`` takes -1/"cpu" or a CUDA ordinal/"cuda:N".
+    "qjl"/"kivi"/"ott"/"exact"/"mixed", ``device`` takes -1/"cpu" or a CUDA ordinal/"cuda:N".
     Reading ``dtype`` and ``key_method`` gives their names. Fields can also be set as
     attributes afterwards; :meth:`validate` (and :class:`Cache`) checks the whole config.
     """

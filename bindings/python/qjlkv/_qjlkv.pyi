@@ -29,6 +29,7 @@ class KeyMethod(enum.IntEnum):
     KIVI = 1
     OTT = 2
     EXACT = 3
+    MIXED = 4
 
 class ValueMethod(enum.IntEnum):
     UNIFORM = 0

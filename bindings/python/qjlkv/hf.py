@@ -169,7 +169,8 @@ class QJLLayer(CacheLayerMixin):
 class QJLCache(Cache):
     """A transformers ``Cache`` whose keys and values live compressed in a ``qjlkv.Cache``.
 
-    ``QJLCache(model.config, preset="q3", **fields)``: ``fields`` are ``qjlkv.Config`` fields
+    ``QJLCache(model.config, preset="q3", **fields)``: ``preset`` is one of ``qjlkv.PRESETS``
+    (``"q2"`` about 2.5 bits a number, ``"q3"`` about 3, ...); ``fields`` are ``qjlkv.Config`` fields
     (e.g. ``seed=1``, ``num_threads=2``, ``rollback_tokens=64``, ``memory_budget=...``;
     ``dtype=torch.float16`` stores fp16 whatever the model computes in). The library cache is
     created on the first update, with the dtype and device of the model's keys unless

@@ -28,6 +28,7 @@ fn main() -> Result<(), Error> {
     // (label, preset, value bits): the "/v16" rows keep values exact, isolating the key error.
     let presets = [
         ("exact", "exact", None),
+        ("q2", "q2", None),
         ("q3", "q3", None),
         ("q4", "q4", None),
         ("qjl", "qjl", None),

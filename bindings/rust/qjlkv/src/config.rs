@@ -18,6 +18,9 @@ pub enum KeyMethod {
     Ott,
     /// 16-bit keys, no quantization.
     Exact,
+    /// Per-channel codes of 0-4 bits chosen per block from the channels' ranges,
+    /// [`Config::key_token_bits`] a token (the `"q2"` preset's keys).
+    Mixed,
 }
 
 impl KeyMethod {
@@ -27,6 +30,7 @@ impl KeyMethod {
             KeyMethod::Kivi => sys::QJLKV_KEYS_KIVI,
             KeyMethod::Ott => sys::QJLKV_KEYS_OTT,
             KeyMethod::Exact => sys::QJLKV_KEYS_EXACT,
+            KeyMethod::Mixed => sys::QJLKV_KEYS_MIXED,
         }
     }
 
@@ -36,6 +40,7 @@ impl KeyMethod {
             sys::QJLKV_KEYS_KIVI => Some(KeyMethod::Kivi),
             sys::QJLKV_KEYS_OTT => Some(KeyMethod::Ott),
             sys::QJLKV_KEYS_EXACT => Some(KeyMethod::Exact),
+            sys::QJLKV_KEYS_MIXED => Some(KeyMethod::Mixed),
             _ => None,
         }
     }
@@ -133,7 +138,8 @@ macro_rules! u32_fields {
 }
 
 impl Config {
-    /// The named preset (`"q3"`, `"q4"`, `"qjl"`, `"kivi"`, `"ott"` or `"exact"`; see `qjlkv_config_init`)
+    /// The named preset (`"q2"`, `"q3"`, `"q4"`, `"qjl"`, `"kivi"`, `"ott"` or `"exact"`; see
+    /// `qjlkv_config_init`)
     /// for a model of the given shape. Errors name the argument: an unknown preset, zero
     /// sizes, `num_q_heads` not a multiple of `num_kv_heads`, `head_dim` not a multiple of 8
     /// in [8, 256].
@@ -223,6 +229,12 @@ impl Config {
     /// D: how many positions a truncate can undo exactly (32 in every preset).
     pub fn get_rollback_tokens(&self) -> u32 {
         self.raw.rollback_tokens
+    }
+
+    /// Mixed-bit keys: the bits of one token's key codes (one kv head); every preset sets
+    /// `8 * ceil(17 * head_dim / 64)`, 2.125 bits a channel.
+    pub fn get_key_token_bits(&self) -> u32 {
+        self.raw.key_token_bits
     }
 
     /// Element type of keys, values, queries and outputs (default `F32`).
@@ -321,5 +333,10 @@ impl Config {
         /// ([`Cache::truncate`](crate::Cache::truncate)), at the cost of exact copies of the
         /// blocks it may undo (`Stats::bytes_rollback`); <= 65536, 32 in every preset.
         rollback_tokens;
+        /// [`KeyMethod::Mixed`]: the bits of one token's key codes (one kv head), a multiple
+        /// of 8 in [8, 4 * `head_dim`], spent per block on the channels whose ranges are
+        /// widest; every preset sets `8 * ceil(17 * head_dim / 64)` (2.125 bits a channel).
+        /// Ignored by the other key methods.
+        key_token_bits;
     }
 }

@@ -1,10 +1,10 @@
 //! Safe Rust API for libqjlkv: an LLM key/value cache stored compressed (by default `q3`:
-//! 3-bit per-channel keys and rotated 2-bit values, about 3 bits per number; `q4` about 4;
-//! the QJL, KIVI and OTT methods as published) with decode attention computed directly on the
-//! compressed bytes.
+//! 3-bit per-channel keys and rotated 2-bit values, about 3 bits per number; `q2` about 2.5
+//! with mixed-bit keys; `q4` about 4; the QJL, KIVI and OTT methods as published) with decode
+//! attention computed directly on the compressed bytes.
 //!
-//! - [`Config`]: a preset (`"q3"`, `"q4"`, `"qjl"`, `"kivi"`, `"ott"`, `"exact"`) for a model shape, refined
-//!   with builder methods.
+//! - [`Config`]: a preset (`"q2"`, `"q3"`, `"q4"`, `"qjl"`, `"kivi"`, `"ott"`, `"exact"`) for a
+//!   model shape, refined with builder methods.
 //! - [`Cache`]: append keys/values per (layer, sequence), attend queries, read statistics;
 //!   truncate (rollback) and fork sequences, predict and cap their memory.
 //! - [`Sketch`]: the QJL projection matrix, standalone or borrowed from a cache.

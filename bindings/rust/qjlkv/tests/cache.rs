@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use qjlkv::{Bf16, Cache, Config, Dtype, Element, Shape, F16};
+use qjlkv::{Bf16, Cache, Config, Dtype, Element, KeyMethod, Shape, F16};
 
 fn exact_cache(shape: Shape) -> Cache {
     let config = Config::preset(
@@ -98,7 +98,7 @@ fn token_by_token_appends_match_reference() {
 
 #[test]
 fn appending_at_once_stores_what_single_appends_store() {
-    for preset in ["qjl", "kivi", "ott", "exact"] {
+    for preset in ["q2", "qjl", "kivi", "ott", "exact"] {
         let config = Config::preset(preset, 1, 8, 2, 64).unwrap().outlier_skip_layers(0);
         let (mut at_once, mut one_by_one) = (Cache::new(&config).unwrap(), Cache::new(&config).unwrap());
         let kv = at_once.shape().kv_token_len();
@@ -213,10 +213,11 @@ fn compressed_attention_stays_close_to_exact() {
     let mut exact = exact_cache(shape);
     exact.append(0, 0, &keys, &values).unwrap();
     let want = exact.attend(0, 0, &query, None).unwrap();
-    for preset in ["qjl", "kivi", "ott"] {
-        // 8-bit values isolate the key error.
+    for preset in ["q2", "qjl", "kivi", "ott"] {
+        // 8-bit values isolate the key error (uniform: q2's rotated values take 2 to 4 bits).
         let config = Config::preset(preset, 1, 8, 2, 128)
             .unwrap()
+            .value_method(0)
             .value_bits(8)
             .outlier_skip_layers(0);
         let mut cache = Cache::new(&config).unwrap();
@@ -423,4 +424,41 @@ fn sketches_of_a_cache() {
             }
         }
     }
+}
+
+#[test]
+fn q2_preset_has_mixed_keys_of_key_token_bits() {
+    for head_dim in [8u32, 64, 128, 256] {
+        let config = Config::preset("q2", 1, 4, 2, head_dim).unwrap();
+        assert_eq!(config.get_key_method(), Some(KeyMethod::Mixed));
+        // 2.125 bits a channel in whole bytes: 8 * ceil(17 * d / 64), in every preset.
+        let bits = 8 * (17 * head_dim).div_ceil(64);
+        assert_eq!(config.get_key_token_bits(), bits, "head_dim {head_dim}");
+        let kivi = Config::preset("kivi", 1, 4, 2, head_dim).unwrap();
+        assert_eq!(kivi.get_key_token_bits(), bits);
+        kivi.key_method(KeyMethod::Mixed).validate().unwrap();
+        let cache = Cache::new(&config.key_token_bits(4 * head_dim)).unwrap();
+        assert_eq!(cache.config().get_key_token_bits(), 4 * head_dim);
+        assert_eq!(cache.config().get_key_method(), Some(KeyMethod::Mixed));
+    }
+}
+
+#[test]
+fn key_token_bits_sizes_the_stored_keys() {
+    // Per block and kv head the codes take B * key_token_bits / 8 bytes.
+    let mut stored = Vec::new();
+    for bits in [8u32, 136, 256] {
+        let config = Config::preset("q2", 1, 4, 2, 64)
+            .unwrap()
+            .block_tokens(32)
+            .residual_tokens(8)
+            .sink_tokens(0)
+            .key_token_bits(bits);
+        let mut cache = Cache::new(&config).unwrap();
+        let keys = Rng(3).normals((3 * 32 + 8) * 2 * 64);
+        cache.append(0, 0, &keys, &keys).unwrap();
+        stored.push(cache.stats().unwrap().bytes_keys_quantized);
+    }
+    assert_eq!(stored[1] - stored[0], 3 * 2 * 32 * (136 - 8) / 8);
+    assert_eq!(stored[2] - stored[1], 3 * 2 * 32 * (256 - 136) / 8);
 }

@@ -37,6 +37,7 @@ fn bad_presets_and_shapes() {
 #[test]
 fn bad_config_fields_fail_validate_and_create_with_the_same_message() {
     let base = Config::preset("qjl", 2, 4, 2, 32).unwrap();
+    let mixed = base.key_method(KeyMethod::Mixed);
     let cases = [
         (base.value_group_size(12), "value_group_size"),
         (base.value_bits(5), "value_bits"),
@@ -51,6 +52,9 @@ fn bad_config_fields_fail_validate_and_create_with_the_same_message() {
         (base.key_method(KeyMethod::Ott).outlier_tokens(40), "outlier_tokens"),
         (base.num_threads(5000), "num_threads"),
         (base.device_ordinal(1), "device_ordinal"),
+        (mixed.key_token_bits(0), "key_token_bits"),
+        (mixed.key_token_bits(12), "key_token_bits"),
+        (mixed.key_token_bits(4 * 32 + 8), "key_token_bits"),
     ];
     for (config, field) in cases {
         let invalid = assert_invalid(config.validate(), field);
@@ -58,6 +62,10 @@ fn bad_config_fields_fail_validate_and_create_with_the_same_message() {
         assert_eq!(invalid.message(), created.message());
     }
     base.validate().unwrap();
+    // key_token_bits belongs to mixed-bit keys: the other key methods ignore it.
+    base.key_token_bits(0).validate().unwrap();
+    mixed.key_token_bits(8).validate().unwrap();
+    mixed.key_token_bits(4 * 32).validate().unwrap();
 }
 
 #[test]

@@ -10,7 +10,7 @@ use common::*;
 use qjlkv::{Cache, Config, Error, SequenceBytes, Status};
 
 const LAYERS: u32 = 2;
-const PRESETS: [&str; 6] = ["q3", "q4", "qjl", "kivi", "ott", "exact"];
+const PRESETS: [&str; 7] = ["q2", "q3", "q4", "qjl", "kivi", "ott", "exact"];
 
 fn config(preset: &str) -> Config {
     Config::preset(preset, LAYERS, 4, 2, 64)

@@ -45,7 +45,7 @@ fn decode_identically(a: &mut Cache, seq_a: u32, b: &mut Cache, seq_b: u32, step
 
 #[test]
 fn every_method_round_trips_and_decodes_identically() {
-    for preset in ["q3", "q4", "qjl", "kivi", "ott", "exact"] {
+    for preset in ["q2", "q3", "q4", "qjl", "kivi", "ott", "exact"] {
         let cfg = config(preset);
         let mut rng = Rng(1);
         let mut source = Cache::new(&cfg).expect("cache");
