@@ -138,6 +138,13 @@ class CudaCache final : public qjlkv_cache {
   uint64_t bytes_used() const override { return used_; }
   void stats(qjlkv_stats &out) const override;
   void set_stream(void *stream) override;
+  // Soft-capping and sink logits are not in the CUDA attention kernels yet: refused, not ignored.
+  void set_attention(uint32_t layer, LayerAttention attention) override {
+    if (attention.softcap != 0.0f || !attention.sink_logits.empty())
+      fail(QJLKV_ERROR_UNSUPPORTED, "layer %u: soft-capping and sink logits are not available on the CUDA backend yet",
+           layer);
+    qjlkv_cache::set_attention(layer, std::move(attention));
+  }
   void set_workers(std::shared_ptr<ThreadPool> workers) override {
     if (workers)
       fail(QJLKV_ERROR_UNSUPPORTED, "workers must be NULL on a CUDA cache (config.backend = QJLKV_BACKEND_CUDA): "

@@ -199,6 +199,34 @@ qjlkv_status qjlkv_cache_set_workers(qjlkv_cache *c, qjlkv_workers *workers) {
   });
 }
 
+constexpr uint32_t kLayerAttentionSizes[] = {QJLKV_LAYER_ATTENTION_SIZE_0_5};
+static_assert(sizeof(void *) != 8 || sizeof(qjlkv_layer_attention) == QJLKV_LAYER_ATTENTION_SIZE_0_5,
+              "0.5's qjlkv_layer_attention on 64-bit targets");
+
+qjlkv_status qjlkv_cache_set_layer_attention(qjlkv_cache *c, uint32_t layer, const qjlkv_layer_attention *attention) {
+  return guarded([&] {
+    require_pointer(c, "c");
+    require_pointer(attention, "attention");
+    qjlkv::require_shipped_size("attention->struct_size", attention->struct_size, kLayerAttentionSizes,
+                                "qjlkv_layer_attention");
+    require_layer(c, layer);
+    const float cap = attention->logit_softcap;
+    QJLKV_REQUIRE(std::isfinite(cap) && cap >= 0.0f,
+                  "attention->logit_softcap is %g, must be finite and >= 0 (0 = no soft-capping)", double(cap));
+    QJLKV_REQUIRE(attention->reserved == 0, "attention->reserved is %u, must be 0", attention->reserved);
+    qjlkv::LayerAttention variant;
+    variant.softcap = cap;
+    if (attention->sink_logits) {
+      const uint32_t heads = c->spec().cfg.num_q_heads;
+      variant.sink_logits.assign(attention->sink_logits, attention->sink_logits + heads);
+      for (uint32_t h = 0; h < heads; ++h)
+        QJLKV_REQUIRE(std::isfinite(variant.sink_logits[h]), "attention->sink_logits[%u] is %g, must be finite", h,
+                      double(variant.sink_logits[h]));
+    }
+    c->set_attention(layer, std::move(variant));
+  });
+}
+
 qjlkv_status qjlkv_cache_append(qjlkv_cache *c, uint32_t layer, uint32_t seq, uint32_t n_tokens, const void *keys,
                                 const void *values) {
   return guarded([&] {

@@ -103,13 +103,31 @@ class StagedLayers {
 
 }  // namespace qjlkv
 
+namespace qjlkv {
+
+// A layer's attention variant (qjlkv_cache_set_layer_attention), validated: the default is plain
+// softmax attention.
+struct LayerAttention {
+  float softcap = 0.0f;            // > 0: logits s become softcap·tanh(s / softcap)
+  std::vector<float> sink_logits;  // empty, or one per query head: exp(sink) joins the denominator
+};
+
+}  // namespace qjlkv
+
 struct qjlkv_cache {
-  explicit qjlkv_cache(qjlkv::CacheSpec spec) : spec_(std::move(spec)) {}
+  explicit qjlkv_cache(qjlkv::CacheSpec spec)
+      : spec_(std::move(spec)), attention_(spec_.cfg.num_layers) {}
   virtual ~qjlkv_cache() = default;
   qjlkv_cache(const qjlkv_cache &) = delete;
   qjlkv_cache &operator=(const qjlkv_cache &) = delete;
 
   const qjlkv::CacheSpec &spec() const { return spec_; }
+  const qjlkv::LayerAttention &attention(uint32_t layer) const { return attention_[layer]; }
+  // A backend that keeps a copy of the variant elsewhere (CUDA: the sink logits on the device)
+  // prepares it first and then calls this, which cannot fail.
+  virtual void set_attention(uint32_t layer, qjlkv::LayerAttention attention) {
+    attention_[layer] = std::move(attention);
+  }
 
   // tokens_per_seq tokens for each of n_seqs distinct sequences; keys/values are
   // [n_seqs][tokens_per_seq][Hkv][d] in the I/O dtype (append: n_seqs = 1; append_batch: 1 token).
@@ -166,6 +184,7 @@ struct qjlkv_cache {
 
  private:
   qjlkv::CacheSpec spec_;
+  std::vector<qjlkv::LayerAttention> attention_;  // per layer
 };
 
 namespace qjlkv {

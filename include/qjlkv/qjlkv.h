@@ -721,6 +721,41 @@ QJLKV_API qjlkv_status qjlkv_cache_sequence_bytes(const qjlkv_cache *c, uint32_t
                                                   uint64_t *shared);
 
 /* ===========================================================================
+ * Attention variants of a layer (added in 0.5)
+ * ======================================================================== */
+/* How a layer's attention departs from softmax(scale·q·Kᵀ)·V, as today's model
+ * families define it. Growing struct: see "Growing structs". */
+#define QJLKV_LAYER_ATTENTION_SIZE_0_5 24u
+typedef struct qjlkv_layer_attention {
+  uint32_t struct_size;       /* sizeof(qjlkv_layer_attention), set by the caller */
+  float logit_softcap;        /* c > 0: every logit s = scale·<q, k> becomes
+                                 c·tanh(s / c) before the softmax (Gemma 2's
+                                 attention soft-capping); 0 = none. Finite,
+                                 >= 0                                         */
+  const float *sink_logits;   /* NULL, or num_q_heads finite logits, one per
+                                 query head h: a term exp(sink_logits[h]) in
+                                 that head's softmax denominator that attends
+                                 to no value (gpt-oss's learned sinks), so the
+                                 weights sum to less than 1. Host memory, read
+                                 during the call and copied                   */
+  uint32_t reserved;          /* 0                                            */
+} qjlkv_layer_attention;
+
+/* Sets the attention variant of one layer, for every later attend and
+ * attend_batch on it (each fused into the same pass over the cache: the
+ * soft-cap applies per score as the scores are made, the sink term joins the
+ * softmax's running sum). A cache starts with every layer plain (no soft-cap,
+ * no sinks); setting a zeroed variant makes the layer plain again. The stored
+ * bytes do not change: qjlkv_cache_scores still returns the raw <q, k>, and
+ * export/import carry no variant (set it on the importing cache).
+ * Errors: INVALID_ARGUMENT (NULL c or attention, a struct_size that is not a
+ * shipped size, layer out of range, a logit_softcap that is negative or not
+ * finite, a sink logit that is not finite — the message names its index —,
+ * reserved not 0), OUT_OF_MEMORY; the layer's variant is then unchanged. */
+QJLKV_API qjlkv_status qjlkv_cache_set_layer_attention(qjlkv_cache *c, uint32_t layer,
+                                                       const qjlkv_layer_attention *attention);
+
+/* ===========================================================================
  * Export and import (docs/FORMAT.md describes the stream)
  * ======================================================================== */
 /* One sequence of a cache, in all its layers or a range of them, becomes a

@@ -936,6 +936,18 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
   float *weights = scratch;  // [rows][Bp]
   float *kernel_scratch = weights + size_t(rows) * Bp;
   const uint64_t first_query_position = seq.length - call.queries_per_seq;
+  // Soft-capping (qjlkv_layer_attention): the logits scale·s become cap·tanh(scale·s/cap) as the
+  // scores of n tokens are made, and the fold then takes them unscaled.
+  const float softcap = attention(layer).softcap, fold_scale = softcap > 0.0f ? 1.0f : call.scale;
+  const auto cap_scores = [&](uint32_t n) {
+    if (softcap == 0.0f) return;
+    const float inside = call.scale / softcap;
+    for (uint32_t r = 0; r < rows; ++r)
+      for (uint32_t t = 0; t < n; ++t) {
+        float &w = weights[size_t(r) * Bp + t];
+        w = w == kNegInf ? kNegInf : softcap * std::tanh(inside * w);
+      }
+  };
   // Causal masking of n scored tokens, for the rows whose query comes before some of them.
   const auto mask_causal = [&](uint32_t n, auto position_of) {
     for (uint32_t r = 0; r < rows; ++r) {
@@ -952,9 +964,10 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
       for (uint32_t b = task.first_block; b < end; ++b) {
         const uint8_t *block = seq.blocks[b].head(head, stride);  // the kernels prefetch the next one (simd.hpp)
         kernels_of(key_method).score(context, block, q, sq, rows, weights, Bp, kernel_scratch);
+        cap_scores(B);
         const uint64_t first = seq.sink_tokens + uint64_t(b) * B;
         if (first + B - 1 > first_query_position) mask_causal(B, [first](uint32_t t) { return first + t; });
-        if (K.softmax_fold(state, weights, Bp, rows, B, call.scale, acc, d))
+        if (K.softmax_fold(state, weights, Bp, rows, B, fold_scale, acc, d))
           kernels_of(value_method).accumulate(context, block, weights, Bp, rows, acc, kernel_scratch);
       }
       kernels_of(value_method).in_channel_order(context, rows, acc);
@@ -969,8 +982,9 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
       const uint32_t n = std::min(B, count - start);
       const size_t offset = start * row_stride * io;
       K.dense.scores(keys + offset, dtype_of(cfg), row_stride, n, d, q, rows, weights, Bp);
+      cap_scores(n);
       mask_causal(n, [&](uint32_t t) { return position_of(start + t); });
-      if (K.softmax_fold(state, weights, Bp, rows, n, call.scale, acc, d))
+      if (K.softmax_fold(state, weights, Bp, rows, n, fold_scale, acc, d))
         K.dense.values(values + offset, dtype_of(cfg), row_stride, n, d, weights, Bp, rows, acc);
     }
   };
@@ -1053,11 +1067,15 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
     float *merged_rotated = merged + dp;  // rotated Lloyd-Max values: Σ p·v̂_rot, rotated back once
     const bool rotated = with_value_method(cfg.value_method, [](auto value_method) { return value_method.kRotated; });
     const uint32_t head = uint32_t(index % Hkv), first = attend_first_task_[index], end = attend_first_task_[index + 1];
+    const std::vector<float> &sinks = attention(layer).sink_logits;
     for (uint32_t r = 0; r < rows; ++r) {
       float top = kNegInf;
       for (uint32_t t = first; t < end; ++t)
         top = std::max(top, reinterpret_cast<const SoftmaxRow *>(partials + t * partial_floats + size_t(rows) * dp)[r].max);
-      float sum = 0.0f;
+      // A learned sink logit: one more term of the denominator, attending to no value.
+      const float sink = sinks.empty() ? kNegInf : sinks[head * G + r % G];
+      top = std::max(top, sink);
+      float sum = sink == kNegInf ? 0.0f : std::exp(sink - top);
       std::fill(merged, merged + d, 0.0f);
       std::fill(merged_rotated, merged_rotated + d, 0.0f);
       for (uint32_t t = first; t < end; ++t) {
