@@ -373,6 +373,7 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   k.B = cfg.block_tokens;
   k.ring = cfg.residual_tokens + cfg.block_tokens;
   k.key_bits = cfg.key_bits;
+  k.key_token_bits = cfg.key_token_bits;
   k.value_method = static_cast<qjlkv_value_method>(cfg.value_method);
   k.value_bits = cfg.value_bits;
   k.sinks = cfg.sink_tokens;
