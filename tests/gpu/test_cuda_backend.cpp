@@ -752,6 +752,7 @@ struct ExportCase {
 void PrintTo(const ExportCase &c, std::ostream *os) { *os << c.name; }
 const ExportCase kExportCases[] = {
     {"q3_bf16", "q3", QJLKV_DTYPE_BF16, [](qjlkv_config &c) { c.block_tokens = 32; }},
+    {"q2_f16", "q2", QJLKV_DTYPE_F16, [](qjlkv_config &c) { c.block_tokens = 32; }},
     {"q4_f32_sinks20_b8", "q4", QJLKV_DTYPE_F32,
      [](qjlkv_config &c) {
        c.block_tokens = 8;
