@@ -125,6 +125,7 @@ class CudaCache final : public qjlkv_cache {
   void scores(uint32_t layer, uint32_t seq, const void *query, float *out) override;
   void reconstruct(uint32_t layer, uint32_t seq, uint64_t first, uint64_t count, float *keys,
                    float *values) override;
+  bool layer_holds_tokens(uint32_t layer) const override { return !layers_[layer].seqs.empty(); }
   uint64_t length(uint32_t layer, uint32_t seq) const override {
     const auto &map = layers_[layer].seqs;
     const auto it = map.find(seq);
@@ -140,9 +141,9 @@ class CudaCache final : public qjlkv_cache {
   void set_stream(void *stream) override;
   // Soft-capping and sink logits are not in the CUDA attention kernels yet: refused, not ignored.
   void set_attention(uint32_t layer, LayerAttention attention) override {
-    if (attention.softcap != 0.0f || !attention.sink_logits.empty())
-      fail(QJLKV_ERROR_UNSUPPORTED, "layer %u: soft-capping and sink logits are not available on the CUDA backend yet",
-           layer);
+    if (attention.softcap != 0.0f || !attention.sink_logits.empty() || attention.window != 0)
+      fail(QJLKV_ERROR_UNSUPPORTED,
+           "layer %u: soft-capping, sink logits and windows are not available on the CUDA backend yet", layer);
     qjlkv_cache::set_attention(layer, std::move(attention));
   }
   void set_workers(std::shared_ptr<ThreadPool> workers) override {
