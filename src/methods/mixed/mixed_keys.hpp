@@ -74,15 +74,20 @@ struct MixedKeys : KeyMethodDefaults {
   }
 
   // ---- the reference kernels (both backends' fast paths store the same bytes) ----
-  // The widths of d channels of these ranges: the token_bits candidates taken first
+  // The widths of d channels of these ranges: the token_bits (>= 1) candidates taken first
   // (mixed_math.hpp's order); width[] starts zeroed.
   static void choose_widths(uint32_t d, uint32_t token_bits, const float *range, uint32_t *width) {
     uint16_t order[mixed::kMaxWidth * QJLKV_MAX_HEAD_DIM];
+    float priority[mixed::kMaxWidth * QJLKV_MAX_HEAD_DIM];  // once each: ldexpf is a library call
     const uint32_t candidates = mixed::kMaxWidth * d;
-    for (uint32_t i = 0; i < candidates; ++i) order[i] = uint16_t(i);
-    const auto priority = [&](uint32_t i) { return mixed::bit_priority(range[i / mixed::kMaxWidth], i % mixed::kMaxWidth); };
-    std::partial_sort(order, order + token_bits, order + candidates, [&](uint32_t a, uint32_t b) {
-      return mixed::taken_before(priority(a), a, priority(b), b);
+    for (uint32_t i = 0; i < candidates; ++i) {
+      order[i] = uint16_t(i);
+      priority[i] = mixed::bit_priority(range[i / mixed::kMaxWidth], i % mixed::kMaxWidth);
+    }
+    // The order is total (ties go by index), so the first token_bits after nth_element are the
+    // same set a sort would take, in linear time.
+    std::nth_element(order, order + (token_bits - 1), order + candidates, [&](uint32_t a, uint32_t b) {
+      return mixed::taken_before(priority[a], a, priority[b], b);
     });
     for (uint32_t i = 0; i < token_bits; ++i) ++width[order[i] / mixed::kMaxWidth];
   }
