@@ -63,6 +63,7 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
       case QJLKV_KEYS_EXACT:
         K.store_16bit(keys.data(), keys.size(), spec.stored_dtype, reinterpret_cast<uint16_t *>(block + layout.key_codes));
         break;
+      case QJLKV_KEYS_MIXED: K.mixed.quantize(key_args, keys.data(), block); break;
       default: K.kivi.quantize(key_args, keys.data(), block); break;
     }
     value_kernels.quantize(value_args, values.data(), block);
@@ -84,6 +85,7 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
         case QJLKV_KEYS_EXACT:
           K.dense.scores(block + layout.key_codes, spec.stored_dtype, kDim, B, kDim, q.data(), kRows, w, Bp);
           break;
+        case QJLKV_KEYS_MIXED: K.mixed.scores(key_args, block, q.data(), kRows, w, Bp, scratch); break;
         default: K.kivi.scores(key_args, block, q.data(), kRows, w, Bp, scratch); break;
       }
     }
@@ -114,7 +116,7 @@ void bm_kernels(benchmark::State &state, Isa isa, const char *preset) {
 void register_kernel_benchmarks() {
   for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni}) {
     if (!isa_supported(isa)) continue;
-    for (const char *preset : {"exact", "q3", "q4", "qjl", "kivi"})
+    for (const char *preset : {"exact", "q2", "q3", "q4", "qjl", "kivi"})
       benchmark::RegisterBenchmark((std::string("Kernels/") + isa_name(isa) + "/" + preset).c_str(), bm_kernels, isa,
                                    preset)
           ->Unit(benchmark::kMicrosecond);

@@ -59,7 +59,7 @@ struct Shape {
   uint32_t layers, q_heads, kv_heads, head_dim;
 };
 constexpr Shape kShapes[] = {{"llama3_8b", 32, 32, 8, 128}, {"smollm2_135m", 30, 9, 3, 64}};
-constexpr const char *kPresets[] = {"exact", "q3", "q4", "qjl", "kivi", "ott"};  // exact first
+constexpr const char *kPresets[] = {"exact", "q2", "q3", "q4", "qjl", "kivi", "ott"};  // exact first
 constexpr uint32_t kContexts[] = {1024, 4096, 16384, 32768, 131072};
 constexpr double kWorkingSetBytes = 256e6;  // cache bytes cycled through: well beyond the LLC
 constexpr uint32_t kChunk = 4096;           // tokens per append call while filling
@@ -449,7 +449,7 @@ void register_all() {
       RegisterBenchmark(("ExactOver/" + model + "/" + std::to_string(context)).c_str(), bm_exact_over, shape, context)
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
-    for (const char *preset : {"exact", "q3", "qjl"})
+    for (const char *preset : {"exact", "q2", "q3", "qjl"})
       RegisterBenchmark((std::string("AttendBatch/") + model + "/" + preset + "/" + std::to_string(kBatchContext) +
                          "/seqs:" + std::to_string(kBatchSeqs))
                             .c_str(),

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "../error.hpp"
+#include "../methods/mixed/mixed_keys.hpp"
 #include "simd.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -114,6 +115,16 @@ void kivi_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_
   kivi_quantize_block(reference_config(a), *a.layout, keys, block);
 }
 
+void mixed_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_t *block) {
+  qjlkv_config cfg = reference_config(a);
+  cfg.key_token_bits = uint32_t(a.layout->key_bytes_per_token_codes * 8);
+  MixedKeys::quantize_block(cfg, *a.layout, keys, block);
+}
+
+void mixed_choose_widths(uint32_t d, uint32_t token_bits, const float *range, uint32_t *width) {
+  MixedKeys::choose_widths(d, token_bits, range, width);
+}
+
 QjlArgs make_qjl_args(const CacheSpec &spec, const LayerSpec &layer, QjlTables &tables) {
   const qjlkv_config &cfg = spec.cfg;
   const uint32_t d = cfg.head_dim;
@@ -151,8 +162,14 @@ size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out
   const size_t kivi = kivi_keys ? words(d * cfg.key_bits / 8) + 2 * (d + slack) + 4 * 16 * (d * cfg.key_bits / 4) +
                                       slack + 4 * Bp + slack
                                 : 0;
-  // Mixed-bit keys: a query row's per-channel factors and the codes of one token.
-  const size_t mixed = cfg.key_method == QJLKV_KEYS_MIXED ? 2 * (d + slack) : 0;
+  // Mixed-bit keys (key_token_bits unvalidated otherwise): the nibble-table kernel's transposed
+  // rows, ranges, per-bit channels and weights, 4 rows of tables and sums; or the integer kernels'
+  // tables and query codes (avx512vnni: 464 floats per 64 channels; avx2: under 8 per channel).
+  const size_t bits = cfg.key_method == QJLKV_KEYS_MIXED ? cfg.key_token_bits : 0;
+  const size_t mixed_tables = words(bits / 8) + 2 * (d + slack) + 3 * (bits + slack) + 4 * 16 * (bits / 4) + slack +
+                              4 * Bp + slack;
+  const size_t mixed_integer = 464 * ((d + 63) / 64) + 8 * (d + 16) + 8 * slack;
+  const size_t mixed = bits ? std::max(mixed_tables, mixed_integer) : 0;
   const size_t groups = cfg.value_method == QJLKV_VALUES_ROTATED_LLOYD_MAX ? 1
                         : cfg.value_bits == 16                              ? 0
                                                                             : d / cfg.value_group_size;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../config.hpp"
+#include "../methods/mixed/mixed_math.hpp"
 #include "../rotation.hpp"
 #include "isa.hpp"
 #include "kernels.hpp"
@@ -186,6 +187,15 @@ struct KiviKernels {  // KIVI and OTT keys
   void (*quantize)(const CodesArgs &a, const float *keys, uint8_t *block);
 };
 
+// Mixed-bit keys (CodesArgs: layout, block_tokens, head_dim; a row's bytes are the layout's
+// key_bytes_per_token_codes).
+struct MixedKernels {
+  void (*scores)(const CodesArgs &a, const uint8_t *block, const float *q, uint32_t rows, float *out,
+                 size_t out_stride, float *scratch);
+  // MixedKeys::quantize_block, byte for byte (block zeroed).
+  void (*quantize)(const CodesArgs &a, const float *keys, uint8_t *block);
+};
+
 // Full-precision rows (exact keys, 16-bit values, the exact tokens of any method): rows of
 // `dtype` elements, `row_stride` elements apart.
 struct DenseKernels {
@@ -199,6 +209,7 @@ struct KernelTable {
   Isa isa;
   QjlKernels qjl;
   KiviKernels kivi;
+  MixedKernels mixed;
   DenseKernels dense;
   ValueKernels uniform_values;    // bits 2, 3, 4, 8 or 16
   ValueKernels lloyd_max_values;  // bits 2, 3 or 4
@@ -225,6 +236,9 @@ const KernelTable &kernel_table(Isa isa);
 void uniform_values_quantize_reference(const CodesArgs &a, const float *values, uint8_t *block);
 void lloyd_max_values_quantize_reference(const CodesArgs &a, const float *values, uint8_t *block);
 void kivi_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_t *block);
+void mixed_quantize_block_reference(const CodesArgs &a, const float *keys, uint8_t *block);
+// MixedKeys::choose_widths: the widths of d channels of these ranges (width[] zeroed).
+void mixed_choose_widths(uint32_t d, uint32_t token_bits, const float *range, uint32_t *width);
 const KernelTable &scalar_kernels();
 const KernelTable &avx2_kernels();
 const KernelTable &avx512_kernels();
@@ -234,7 +248,7 @@ const KernelTable &avx512_vnni_kernels();  // avx512 with integer decode kernels
 void qjl_project_avx512(const QjlArgs &a, const float *q, uint32_t rows, float *sq);
 void qjl_code_rows_avx2(const QjlArgs &a, uint32_t rows, float *sq);
 
-// Scratch (floats) that qjl_scores, kivi_scores and the values' accumulate need for one block.
+// Scratch (floats) that the key scores and the values' accumulate need for one block.
 size_t kernel_scratch_floats(const qjlkv_config &cfg, uint32_t m, uint32_t m_out);
 
 }  // namespace qjlkv::cpu

@@ -43,6 +43,7 @@ struct V {
     return _mm256_blendv_ps(set1(fill), _mm256_maskload_ps(p, mask), _mm256_castsi256_ps(mask));
   }
   static I loadi(const uint32_t *p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); }
+  static void storei(uint32_t *p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i *>(p), v); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
@@ -217,7 +218,9 @@ struct V {
 
 #include "simd_impl.inc"
 
+#include "avx2_code_scores.inc"
 #include "../methods/kivi/cpu_avx2.inc"
+#include "../methods/mixed/cpu_avx2.inc"
 #include "../methods/qjl/cpu_avx2.inc"
 
 }  // namespace
@@ -236,6 +239,7 @@ const KernelTable &avx2_kernels() {
   static constexpr KernelTable table = [] {
     KernelTable t = avx2::make_table(Isa::Avx2);
     t.kivi.scores = &avx2::kivi_scores_integer;
+    t.mixed.scores = &avx2::mixed_scores_integer;
     t.qjl.project = &avx2::qjl_project_integer;
     t.qjl.scores = &avx2::qjl_scores_integer;
     return t;

@@ -38,6 +38,7 @@ struct V {
     return _mm512_mask_loadu_ps(set1(fill), __mmask16((1u << n) - 1u), p);
   }
   static I loadi(const uint32_t *p) { return _mm512_loadu_si512(p); }
+  static void storei(uint32_t *p, I v) { _mm512_storeu_si512(p, v); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -222,6 +223,13 @@ void kivi_scores_fastest(const CodesArgs &a, const uint8_t *block, const float *
   else kivi_scores(a, block, q, rows, out, out_stride, scratch);
 }
 
+// Mixed-bit keys likewise, at any head_dim: the AVX2 integer kernel (keys 19.7 ns per token and kv
+// head on `Kernels/avx512/q2`, these fp32 tables 45).
+void mixed_scores_fastest(const CodesArgs &a, const uint8_t *block, const float *q, uint32_t rows, float *out,
+                          size_t out_stride, float *scratch) {
+  avx2_kernels().mixed.scores(a, block, q, rows, out, out_stride, scratch);
+}
+
 // QJL keys likewise: the AVX2 integer kernel (keys about 1.6x faster than these fp32 tables on
 // this machine's `Kernels` benchmark) for the layers it takes, these tables else.
 void qjl_project_fastest(const QjlArgs &a, const float *q, uint32_t rows, float *sq) {
@@ -252,6 +260,7 @@ const KernelTable &avx512_kernels() {
   static constexpr KernelTable table = [] {
     KernelTable t = avx512::make_table(Isa::Avx512);
     t.kivi.scores = &avx512::kivi_scores_fastest;
+    t.mixed.scores = &avx512::mixed_scores_fastest;
     t.qjl.project = &avx512::qjl_project_fastest;
     t.qjl.scores = &avx512::qjl_scores_fastest;
     return t;

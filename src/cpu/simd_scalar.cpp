@@ -19,6 +19,7 @@ struct V {
   static void store(float *p, F v) { *p = v; }
   static F loadn(const float *p, uint32_t n, float fill) { return n ? *p : fill; }
   static I loadi(const uint32_t *p) { return *p; }
+  static void storei(uint32_t *p, I v) { *p = v; }
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }
   static F mul(F a, F b) { return a * b; }

@@ -42,12 +42,12 @@ std::vector<Isa> supported_isas() {
 // budget (ScoresWithinErrorBudget), not to float tolerance. (QJL sketches whose rows are not a
 // power-of-two number of 32-bit words fall back to the fp32 kernel; they are held to the budget
 // all the same.) AVX2 and AVX-512 score KIVI/OTT keys in integers (the AVX2 kernel) when
-// head_dim is a multiple of 16, and QJL keys (the AVX2 kernel) too.
+// head_dim is a multiple of 16, and QJL and mixed-bit keys (the AVX2 kernels) always.
 bool integer_key_scores(Isa isa, const qjlkv_config &cfg) {
   const bool codes = cfg.key_method == QJLKV_KEYS_KIVI || cfg.key_method == QJLKV_KEYS_OTT;
-  const bool qjl = cfg.key_method == QJLKV_KEYS_QJL;
-  return (isa == Isa::Avx512Vnni && (codes || qjl)) ||
-         ((isa == Isa::Avx2 || isa == Isa::Avx512) && ((codes && cfg.head_dim % 16 == 0) || qjl));
+  const bool qjl = cfg.key_method == QJLKV_KEYS_QJL, mixed = cfg.key_method == QJLKV_KEYS_MIXED;
+  return (isa == Isa::Avx512Vnni && (codes || qjl || mixed)) ||
+         ((isa == Isa::Avx2 || isa == Isa::Avx512) && ((codes && cfg.head_dim % 16 == 0) || qjl || mixed));
 }
 // Likewise for value sums (ValueSumsWithinErrorBudget): rotated Lloyd-Max codes of 2 to 4 bits
 // in 16-channel chunks; uniform codes of 2 to 8 bits in 16-channel chunks, with groups of 8 or a
@@ -141,6 +141,7 @@ struct KernelCase {
   uint32_t key_bits, value_bits, value_group_size;
   uint32_t rows;
   uint32_t value_method = QJLKV_VALUES_UNIFORM;
+  uint32_t key_token_bits = 0;  // mixed-bit keys: 0 for the preset's
 };
 
 // Odd sizes on purpose: sketch rows not a multiple of 32, blocks not a multiple of 16, groups
@@ -188,6 +189,20 @@ const KernelCase kCases[] = {
     // 2-bit Lloyd-Max values in 64-channel tiles, the rest in 16-channel chunks of either half.
     {"rotated2_d96", "kivi", 96, 40, 192, 8, 48, 2, 2, 32, 5, QJLKV_VALUES_ROTATED_LLOYD_MAX},
     {"rotated2_d160", "kivi", 160, 24, 320, 8, 80, 2, 2, 32, 3, QJLKV_VALUES_ROTATED_LLOYD_MAX},
+    // Mixed-bit keys: the preset's shape; d = 64, 256, and 72 and 96 (not multiples of 64, 72 not
+    // of 16); head_dim 8 and 16 (the smallest the avx512vnni rows take); rows of 1024 bits (every
+    // channel 4 bits: a zero-range channel gets bits) and of one byte (most channels 0 bits, the
+    // row loads start before the row). SetUp adds a constant channel, two channels of the same
+    // range and one of a tiny range.
+    {"mixed_q2_llama", "q2", 128, 128, 256, 8, 64, 2, 2, 32, 4, QJLKV_VALUES_ROTATED_LLOYD_MAX},
+    {"mixed_d64", "q2", 64, 64, 128, 8, 32, 2, 2, 32, 3, QJLKV_VALUES_ROTATED_LLOYD_MAX},
+    {"mixed_d256_rows5", "q2", 256, 32, 512, 8, 128, 2, 4, 64, 5},
+    {"mixed_d72_rows6", "q2", 72, 24, 144, 8, 40, 2, 2, 8, 6},
+    {"mixed_d96_rows9", "q2", 96, 40, 192, 8, 48, 2, 3, 32, 9, QJLKV_VALUES_ROTATED_LLOYD_MAX},
+    {"mixed_d8", "q2", 8, 16, 16, 8, 8, 2, 2, 8, 2},
+    {"mixed_d16", "q2", 16, 8, 32, 8, 16, 2, 2, 16, 3},
+    {"mixed_all_4bit_d256", "q2", 256, 16, 512, 8, 128, 2, 2, 32, 2, QJLKV_VALUES_UNIFORM, 1024},
+    {"mixed_one_byte_d64", "q2", 64, 24, 128, 8, 32, 2, 2, 32, 4, QJLKV_VALUES_UNIFORM, 8},
     {"exact16", "exact", 128, 32, 256, 8, 64, 2, 16, 32, 4},
     {"exact_odd", "exact", 72, 8, 144, 8, 40, 2, 16, 8, 7},
 };
@@ -208,6 +223,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     cfg_.value_bits = k.value_bits;
     cfg_.value_group_size = k.value_group_size;
     cfg_.value_method = k.value_method;
+    if (k.key_token_bits) cfg_.key_token_bits = k.key_token_bits;
     cfg_.dtype = QJLKV_DTYPE_F16;
     spec_ = make_cache_spec(cfg_);
     const LayerSpec &ls = spec_.layers[0];
@@ -234,6 +250,13 @@ class Kernels : public testing::TestWithParam<KernelCase> {
     for (uint32_t t = 0; t < B; ++t) keys_[size_t(t) * d + 1] = std::fabs(keys_[size_t(t) * d + 1]);
     keys_[2 * size_t(d) + 1] = -0.0f;
     keys_[5 * size_t(d) + 1] = 0.0f;
+    if (cfg_.key_method == QJLKV_KEYS_MIXED && d >= 8)
+      for (uint32_t t = 0; t < B; ++t) {  // a constant channel, two of one range, one of a tiny range
+        float *key = &keys_[size_t(t) * d];
+        key[2] = 0.3f;
+        key[5] = key[4];
+        key[6] *= 1e-3f;
+      }
     block_.assign(ls.layout.stride, 0);
     std::vector<float> scratch(qjl_quantize_scratch_floats(d, ls.m_out));
     switch (cfg_.key_method) {
@@ -243,6 +266,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
       case QJLKV_KEYS_EXACT:
         exact_keys_store_block(cfg_, spec_.stored_dtype, ls.layout, keys_.data(), block_.data());
         break;
+      case QJLKV_KEYS_MIXED: MixedKeys::quantize_block(cfg_, ls.layout, keys_.data(), block_.data()); break;
       default: kivi_quantize_block(cfg_, ls.layout, keys_.data(), block_.data()); break;
     }
     values_quantize_block(cfg_, spec_.stored_dtype, ls.layout, ls.value_signs.data(), values_.data(), block_.data());
@@ -299,6 +323,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
       case QJLKV_KEYS_EXACT:
         K.dense.scores(block_.data() + ls.layout.key_codes, spec_.stored_dtype, d, B, d, q.data(), rows, out, Bp);
         break;
+      case QJLKV_KEYS_MIXED: K.mixed.scores(keys_args_, block_.data(), q.data(), rows, out, Bp, scratch); break;
       default: K.kivi.scores(keys_args_, block_.data(), q.data(), rows, out, Bp, scratch); break;
     }
     return out;
@@ -349,6 +374,7 @@ class Kernels : public testing::TestWithParam<KernelCase> {
           for (uint32_t j = 0; j < d; ++j)
             k_hat[j] = load_element(block_.data() + ls.layout.key_codes, size_t(t) * d + j, spec_.stored_dtype);
           break;
+        case QJLKV_KEYS_MIXED: MixedKeys::dequantize_token(spec_, ls, block_.data(), t, k_hat.data()); break;
         default: KiviKeys::dequantize_token(spec_, ls, block_.data(), t, k_hat.data()); break;
       }
       double norm = 0.0;
@@ -410,6 +436,11 @@ TEST_P(Kernels, ScoresMatchReference) {
       break;
     case QJLKV_KEYS_EXACT:
       exact_keys_score_block(cfg_, spec_.stored_dtype, ls.layout, block_.data(), queries_.data(), rows, want.data(),
+                             ref_scratch.data());
+      for (float x : queries_) scale += std::fabs(x) * 30.0;
+      break;
+    case QJLKV_KEYS_MIXED:
+      MixedKeys::score_block(cfg_, ls.layout, block_.data(), queries_.data(), d, rows, want.data(), B,
                              ref_scratch.data());
       for (float x : queries_) scale += std::fabs(x) * 30.0;
       break;
@@ -622,6 +653,10 @@ TEST_P(Kernels, QuantizersMatchReferenceByteForByte) {
                       reinterpret_cast<uint16_t *>(got.data() + ls.layout.key_codes));
         EXPECT_EQ(0, std::memcmp(got.data(), block_.data(), ls.layout.key_bytes)) << isa_name(isa);
         break;
+      case QJLKV_KEYS_MIXED:
+        K.mixed.quantize(keys_args_, keys_.data(), got.data());
+        EXPECT_EQ(0, std::memcmp(got.data(), block_.data(), ls.layout.key_bytes)) << isa_name(isa) << ": mixed keys";
+        break;
       default:
         K.kivi.quantize(keys_args_, keys_.data(), got.data());
         EXPECT_EQ(0, std::memcmp(got.data(), block_.data(), ls.layout.key_bytes)) << isa_name(isa) << ": key codes";
@@ -752,6 +787,8 @@ const CacheCase kCacheCases[] = {
     {"kivi", QJLKV_DTYPE_BF16, 4, 1, 64}, {"ott", QJLKV_DTYPE_F16, 6, 2, 64},
     {"exact", QJLKV_DTYPE_F16, 4, 2, 72}, {"exact", QJLKV_DTYPE_BF16, 3, 3, 32},
     {"q3", QJLKV_DTYPE_F16, 8, 2, 128},   {"q4", QJLKV_DTYPE_F32, 6, 2, 64},
+    {"q2", QJLKV_DTYPE_F16, 8, 2, 128},   {"q2", QJLKV_DTYPE_F32, 6, 3, 64},
+    {"q2", QJLKV_DTYPE_BF16, 4, 1, 72},
 };
 
 void PrintTo(const CacheCase &c, std::ostream *os) {

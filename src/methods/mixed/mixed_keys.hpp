@@ -74,10 +74,27 @@ struct MixedKeys : KeyMethodDefaults {
   }
 
   // ---- the reference kernels (both backends' fast paths store the same bytes) ----
+  // The widths of d channels of these ranges: the token_bits (>= 1) candidates taken first
+  // (mixed_math.hpp's order); width[] starts zeroed.
+  static void choose_widths(uint32_t d, uint32_t token_bits, const float *range, uint32_t *width) {
+    uint16_t order[mixed::kMaxWidth * QJLKV_MAX_HEAD_DIM];
+    float priority[mixed::kMaxWidth * QJLKV_MAX_HEAD_DIM];  // once each: ldexpf is a library call
+    const uint32_t candidates = mixed::kMaxWidth * d;
+    for (uint32_t i = 0; i < candidates; ++i) {
+      order[i] = uint16_t(i);
+      priority[i] = mixed::bit_priority(range[i / mixed::kMaxWidth], i % mixed::kMaxWidth);
+    }
+    // The order is total (ties go by index), so the first token_bits after nth_element are the
+    // same set a sort would take, in linear time.
+    std::nth_element(order, order + (token_bits - 1), order + candidates, [&](uint32_t a, uint32_t b) {
+      return mixed::taken_before(priority[a], a, priority[b], b);
+    });
+    for (uint32_t i = 0; i < token_bits; ++i) ++width[order[i] / mixed::kMaxWidth];
+  }
   // The block's B tokens of keys [B][d] into its zeroed block.
   static void quantize_block(const qjlkv_config &cfg, const BlockLayout &l, const float *keys, uint8_t *block) {
     const uint32_t B = cfg.block_tokens, d = cfg.head_dim;
-    float lo[QJLKV_MAX_HEAD_DIM], range[QJLKV_MAX_HEAD_DIM];
+    float lo[QJLKV_MAX_HEAD_DIM], range[QJLKV_MAX_HEAD_DIM] = {};  // zeroed: GCC 12 cannot see the loop fill it
     uint32_t width[QJLKV_MAX_HEAD_DIM] = {};
     for (uint32_t j = 0; j < d; ++j) {
       float low = keys[j], high = keys[j];
@@ -91,15 +108,7 @@ struct MixedKeys : KeyMethodDefaults {
       lo[j] = half_to_float(low16);
       range[j] = half_to_float(high16) - lo[j];
     }
-    // The key_token_bits candidates taken first (mixed_math.hpp's order).
-    uint16_t order[mixed::kMaxWidth * QJLKV_MAX_HEAD_DIM];
-    const uint32_t candidates = mixed::kMaxWidth * d;
-    for (uint32_t i = 0; i < candidates; ++i) order[i] = uint16_t(i);
-    const auto priority = [&](uint32_t i) { return mixed::bit_priority(range[i / mixed::kMaxWidth], i % mixed::kMaxWidth); };
-    std::partial_sort(order, order + cfg.key_token_bits, order + candidates, [&](uint32_t a, uint32_t b) {
-      return mixed::taken_before(priority(a), a, priority(b), b);
-    });
-    for (uint32_t i = 0; i < cfg.key_token_bits; ++i) ++width[order[i] / mixed::kMaxWidth];
+    choose_widths(d, cfg.key_token_bits, range, width);
     std::memset(block + l.key_widths, 0, d * mixed::kWidthBits / 8);
     for (uint32_t j = 0; j < d; ++j) pack_code(block + l.key_widths, j, mixed::kWidthBits, width[j]);
     std::memset(block + l.key_codes, 0, B * l.key_bytes_per_token_codes);
