@@ -744,10 +744,12 @@ typedef struct qjlkv_layer_attention {
 /* Sets the attention variant of one layer, for every later attend and
  * attend_batch on it (each fused into the same pass over the cache: the
  * soft-cap applies per score as the scores are made, the sink term joins the
- * softmax's running sum). A cache starts with every layer plain (no soft-cap,
- * no sinks); setting a zeroed variant makes the layer plain again. The stored
- * bytes do not change: qjlkv_cache_scores still returns the raw <q, k>, and
- * export/import carry no variant (set it on the importing cache).
+ * softmax's running sum). A CUDA cache does not wait for the device: the
+ * sink logits are copied on the cache's stream, so attends enqueued before
+ * the call keep the old variant. A cache starts with every layer plain (no
+ * soft-cap, no sinks); setting a zeroed variant makes the layer plain again.
+ * The stored bytes do not change: qjlkv_cache_scores still returns the raw
+ * <q, k>, and export/import carry no variant (set it on the importing cache).
  * Errors: INVALID_ARGUMENT (NULL c or attention, a struct_size that is not a
  * shipped size, layer out of range, a logit_softcap that is negative or not
  * finite, a sink logit that is not finite — the message names its index —,
