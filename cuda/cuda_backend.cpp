@@ -128,6 +128,7 @@ class CudaCache final : public qjlkv_cache {
   void scores(uint32_t layer, uint32_t seq, const void *query, float *out) override;
   void reconstruct(uint32_t layer, uint32_t seq, uint64_t first, uint64_t count, float *keys,
                    float *values) override;
+  bool layer_holds_tokens(uint32_t layer) const override { return !layers_[layer].seqs.empty(); }
   uint64_t length(uint32_t layer, uint32_t seq) const override {
     const auto &map = layers_[layer].seqs;
     const auto it = map.find(seq);
@@ -370,6 +371,7 @@ void CudaCache::init_layer(uint32_t l, size_t smem_optin) {
   k.B = cfg.block_tokens;
   k.ring = cfg.residual_tokens + cfg.block_tokens;
   k.key_bits = cfg.key_bits;
+  k.key_token_bits = cfg.key_token_bits;
   k.value_method = static_cast<qjlkv_value_method>(cfg.value_method);
   k.value_bits = cfg.value_bits;
   k.sinks = cfg.sink_tokens;
@@ -493,8 +495,13 @@ void CudaCache::set_stream(void *stream) {
 
 // The sink logits go to the layer's device buffer on the cache's stream, so attends enqueued
 // before read the old ones and later ones the new; the buffer is allocated (once) before anything
-// changes, so a failure leaves the layer's variant as it was.
+// changes, so a failure leaves the layer's variant as it was. Windows are not in the kernels yet:
+// refused, not ignored.
 void CudaCache::set_attention(uint32_t layer_index, LayerAttention attention) {
+  if (attention.window != 0)
+    fail(QJLKV_ERROR_UNSUPPORTED,
+         "layer %u: sliding windows (window_tokens %u) are not available on the CUDA backend yet", layer_index,
+         attention.window);
   if (!attention.sink_logits.empty()) {
     DeviceGuard guard(device_);
     DeviceBuffer &sinks = layers_[layer_index].sink_logits;

@@ -25,6 +25,7 @@ struct KernelShape {
   uint32_t B;               // block_tokens
   uint32_t ring;            // tail ring capacity in tokens (residual_tokens + block_tokens)
   uint32_t key_bits, value_bits, value_group;
+  uint32_t key_token_bits;  // MIXED: the bits of one token's codes (config.key_token_bits)
   const float *value_signs;  // rotated Lloyd-Max values: the layer's rotation signs s_j, [d]
   uint32_t sinks;            // config.sink_tokens: the positions before the first block
   uint32_t m, m_out, sketch_rows, outlier_channels;  // QJL, for this layer
@@ -137,6 +138,7 @@ inline AttendShape attend_shape(const KernelShape &shape, uint32_t rows) {
   s.m = shape.m;
   s.outlier_channels = shape.outlier_channels;
   s.key_bits = shape.key_bits;
+  s.key_token_bits = shape.key_token_bits;
   s.value_method = shape.value_method;
   s.value_bits = shape.value_bits;
   s.value_groups = uniform_value_codes(s) ? shape.d / shape.value_group : 1;

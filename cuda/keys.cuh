@@ -4,6 +4,7 @@
 #pragma once
 #include "../src/methods/exact/cuda_keys.cuh"
 #include "../src/methods/kivi/cuda_keys.cuh"
+#include "../src/methods/mixed/cuda_keys.cuh"
 #include "../src/methods/qjl/cuda_keys.cuh"
 
 namespace qjlkv::cuda {
@@ -16,6 +17,7 @@ auto with_key_policy(qjlkv_key_method method, F &&f) {
     case QJLKV_KEYS_KIVI: return f(KiviKeys{});
     case QJLKV_KEYS_OTT: return f(OttKeys{});
     case QJLKV_KEYS_EXACT: return f(ExactKeys{});
+    case QJLKV_KEYS_MIXED: return f(MixedKeys{});
     case QJLKV_KEYS_QJL: break;
   }
   return f(QjlKeys{});

@@ -33,6 +33,15 @@ QJLKV_HD uint32_t padded_row_words(uint32_t bytes) {
   return words | 1u;
 }
 
+// MIXED keys (src/methods/mixed/cuda_keys.cuh) score a token row in field groups: channels
+// [8g, 8g + 8), at most 32 bits (4 a channel) from the group's first bit, read as one 32-bit window
+// whose two halves of 4 channels are spread into words of four 8-bit codes for dp4a. A group's
+// descriptor (mixed_group) is kMixedGroupWords words per block in shared memory.
+inline constexpr uint32_t kMixedGroupWords = 12;
+// The block setup's scratch (the stage's space): int Q [rows][d32], then float lo, cell and
+// uint32 widths [d32] each.
+QJLKV_HD uint32_t mixed_setup_floats(uint32_t rows, uint32_t d) { return (rows + 3) * round_up(d, 32); }
+
 // What the attention kernel needs to know about a layer to lay out its shared memory.
 struct AttendShape {
   qjlkv_key_method key_method = QJLKV_KEYS_QJL;
@@ -40,6 +49,7 @@ struct AttendShape {
   uint32_t d = 0;
   uint32_t m = 0, outlier_channels = 0;        // QJL
   uint32_t key_bits = 0;                       // KIVI, OTT
+  uint32_t key_token_bits = 0;                 // MIXED: the bits of one token's codes
   qjlkv_value_method value_method = QJLKV_VALUES_UNIFORM;
   uint32_t value_bits = 0, value_groups = 0;   // value_groups = d / g (uniform codes)
   uint32_t io_elem = 4;                        // bytes of a tail element
@@ -60,13 +70,14 @@ struct AttendSmem {
   uint32_t outlier = 0;    // QJL uint32 [c]: outlier channels of the current block
   uint32_t qdigits = 0;    // KIVI {hi, lo} int8x4 words [rows][d32 / 4]: the current block's query digits
   uint32_t koff = 0;       // KIVI float [2][rows]: the current block's score offset, then its step
+  uint32_t kgroups = 0;    // MIXED uint32 [d/8][kMixedGroupWords]: the current block's field groups
   uint32_t scores = 0;     // float [rows][kTile]: scores, then softmax weights
   uint32_t red = 0;        // float [2][kParts][rows][kTile]: partial dot products
   uint32_t state = 0;      // float [3][rows]: running max, running sum, rescale factor
   uint32_t levels = 0;     // rotated Lloyd-Max values: float [kMaxLevels], code c's level
   uint32_t stage_k = 0;    // staged key bytes of a tile
   uint32_t stage_v = 0;    // staged value bytes of a tile
-  uint32_t final_buf = 0;  // float [lanes][rows][d] at the end (aliases the stage); KIVI setup scratch
+  uint32_t final_buf = 0;  // float [lanes][rows][d] at the end (aliases the stage); KIVI/MIXED setup scratch
   uint32_t total = 0;
   // Inside stage_k, for QJL blocks: the tile's norms, outlier corrections fp16 [c][kTile] and sign bits.
   uint32_t k_norm_in = 0, k_norm_out = 0, k_corrections = 0, k_bits_in = 0;
@@ -94,6 +105,11 @@ QJLKV_HD AttendSmem attend_smem(const AttendShape &s) {
       o.qdigits = take(2 * s.rows * d32);
       o.koff = take(4 * 2 * s.rows);
       break;
+    case QJLKV_KEYS_MIXED:
+      o.qdigits = take(2 * s.rows * d32);
+      o.koff = take(4 * 2 * s.rows);
+      o.kgroups = take(4 * kMixedGroupWords * (s.d / 8));
+      break;
     case QJLKV_KEYS_EXACT: break;
   }
   o.scores = take(4 * s.rows * kTile);
@@ -114,6 +130,9 @@ QJLKV_HD AttendSmem attend_smem(const AttendShape &s) {
     case QJLKV_KEYS_KIVI:
     case QJLKV_KEYS_OTT:  // + 16: 3-bit rows are read in whole 12-byte groups
       key_stage = round_up(kTile * s.d * s.key_bits / 8 + 16, 16);
+      break;
+    case QJLKV_KEYS_MIXED:  // + 4: a field group's window reads the word after the last row's
+      key_stage = 4 * kTile * padded_row_words(s.key_token_bits / 8) + 4;
       break;
     case QJLKV_KEYS_EXACT: key_stage = 4 * kTile * padded_row_words(2 * s.d); break;
   }
@@ -142,7 +161,9 @@ QJLKV_HD AttendSmem attend_smem(const AttendShape &s) {
   uint32_t end = round_up(o.stage_v + value_stage, 16);
   o.final_buf = o.stage_k;
   const uint32_t lanes = kAttendThreads / (s.d / kSliceChannels);
-  const uint32_t final_floats = s.rows * (lanes * s.d > d32 ? lanes * s.d : d32);
+  uint32_t final_floats = s.rows * (lanes * s.d > d32 ? lanes * s.d : d32);
+  if (s.key_method == QJLKV_KEYS_MIXED && mixed_setup_floats(s.rows, s.d) > final_floats)
+    final_floats = mixed_setup_floats(s.rows, s.d);
   if (o.final_buf + 4 * final_floats > end) end = round_up(o.final_buf + 4 * final_floats, 16);
   o.total = end;
   return o;
@@ -178,6 +199,34 @@ QJLKV_HD uint32_t kivi_unpacked_channel(uint32_t bits, uint32_t g, uint32_t u, u
 // Four 3-bit codes at bits 0, 6, 12, 18 of x into the four bytes of a word.
 QJLKV_HD uint32_t spread3(uint32_t x) {
   return (x & 7u) | (x >> 6 & 7u) << 8 | (x >> 12 & 7u) << 16 | (x >> 18 & 7u) << 24;
+}
+
+// The descriptor of a MIXED field group from its 8 widths and its first bit in the row: word 0
+// that bit; 1 the first bit of the second half, counted from the group's; 2, 3 each half's mask
+// (byte k: the low w bits of channel k's byte); 4..6 and 7..9 each half's left shifts of channels
+// 1..3 (channel k's first bit moves to bit 8k; k = 0 needs none); 10, 11 padding.
+QJLKV_HD void mixed_group(const uint32_t *widths, uint32_t first_bit, uint32_t *out) {
+  out[0] = first_bit;
+  uint32_t bit = 0;
+  for (uint32_t h = 0; h < 2; ++h) {
+    const uint32_t half = bit;
+    if (h == 1) out[1] = half;
+    uint32_t mask = 0;
+    for (uint32_t k = 0; k < 4; ++k) {
+      const uint32_t width = widths[4 * h + k];
+      mask |= ((1u << width) - 1u) << (8 * k);
+      if (k > 0) out[4 + 3 * h + k - 1] = 8 * k - (bit - half);  // >= 4k: widths are at most 4
+      bit += width;
+    }
+    out[2 + h] = mask;
+  }
+  out[10] = out[11] = 0;
+}
+// The four codes of one half (window: 32 bits from the half's first bit) as the bytes of a word.
+QJLKV_HD uint32_t mixed_spread(uint32_t window, uint32_t shift1, uint32_t shift2, uint32_t shift3, uint32_t mask) {
+  return ((window & 0xffu) | (window << shift1 & 0xff00u) | (window << shift2 & 0xff0000u) |
+          (window << shift3 & 0xff000000u)) &
+         mask;
 }
 
 // Outlier channel selection sorts these keys in descending order: larger energy first, and for

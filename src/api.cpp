@@ -213,9 +213,14 @@ qjlkv_status qjlkv_cache_set_layer_attention(qjlkv_cache *c, uint32_t layer, con
     const float cap = attention->logit_softcap;
     QJLKV_REQUIRE(std::isfinite(cap) && cap >= 0.0f,
                   "attention->logit_softcap is %g, must be finite and >= 0 (0 = no soft-capping)", double(cap));
-    QJLKV_REQUIRE(attention->reserved == 0, "attention->reserved is %u, must be 0", attention->reserved);
+    const uint32_t window = attention->window_tokens;
+    QJLKV_REQUIRE(window == c->attention(layer).window || !c->layer_holds_tokens(layer),
+                  "attention->window_tokens is %u, layer %u's is %u: a window changes only while the layer holds no "
+                  "tokens",
+                  window, layer, c->attention(layer).window);
     qjlkv::LayerAttention variant;
     variant.softcap = cap;
+    variant.window = window;
     if (attention->sink_logits) {
       const uint32_t heads = c->spec().cfg.num_q_heads;
       variant.sink_logits.assign(attention->sink_logits, attention->sink_logits + heads);

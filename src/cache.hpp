@@ -110,7 +110,13 @@ namespace qjlkv {
 struct LayerAttention {
   float softcap = 0.0f;            // > 0: logits s become softcap·tanh(s / softcap)
   std::vector<float> sink_logits;  // empty, or one per query head: exp(sink) joins the denominator
+  uint32_t window = 0;             // > 0: the query at position p sees positions [p − window + 1, p]
 };
+
+// The first position the query at `position` sees under a window of `window` tokens (0: all).
+inline uint64_t window_start(uint64_t position, uint32_t window) {
+  return window > 0 && position + 1 > window ? position + 1 - window : 0;
+}
 
 }  // namespace qjlkv
 
@@ -123,6 +129,8 @@ struct qjlkv_cache {
 
   const qjlkv::CacheSpec &spec() const { return spec_; }
   const qjlkv::LayerAttention &attention(uint32_t layer) const { return attention_[layer]; }
+  // Whether any sequence holds tokens in the layer (a window changes only while none does).
+  virtual bool layer_holds_tokens(uint32_t layer) const = 0;
   // A backend that keeps a copy of the variant elsewhere (CUDA: the sink logits on the device)
   // prepares it first and then calls this, which cannot fail.
   virtual void set_attention(uint32_t layer, qjlkv::LayerAttention attention) {

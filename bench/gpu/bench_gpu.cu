@@ -1,5 +1,5 @@
 // GPU benchmark of the CUDA backend (built and run by tests/gpu/run.sh):
-//   decode attention time for the presets q3, q4 (the tiers, first), qjl, kivi and exact on a
+//   decode attention time for the presets q2, q3, q4 (the tiers, first), qjl, kivi and exact on a
 //   Llama-3-8B layer shape
 //   (32 query heads, 8 kv heads, head_dim 128, bf16), contexts 4k..128k, batch 1 and 32;
 //   the effective bandwidth (compressed bytes read per second) next to the device's measured
@@ -106,7 +106,7 @@ int main(int argc, char **argv) {
   std::vector<uint32_t> seqs(batch);
   for (uint32_t i = 0; i < batch; ++i) seqs[i] = i;
 
-  for (const char *preset : {"q3", "q4", "qjl", "kivi", "exact"}) {
+  for (const char *preset : {"q2", "q3", "q4", "qjl", "kivi", "exact"}) {
     qjlkv_config cfg{};
     cfg.struct_size = sizeof cfg;
     CHECK_QJLKV(qjlkv_config_init(&cfg, preset, 1, Hq, Hkv, d));

@@ -738,13 +738,20 @@ typedef struct qjlkv_layer_attention {
                                  to no value (gpt-oss's learned sinks), so the
                                  weights sum to less than 1. Host memory, read
                                  during the call and copied                   */
-  uint32_t reserved;          /* 0                                            */
+  uint32_t window_tokens;     /* W > 0: a sliding window: the query at
+                                 position p attends to positions
+                                 [p - W + 1, p] only (sinks and OTT's outlier
+                                 tokens included: each by its position), as
+                                 Gemma's, Mistral's and gpt-oss's local layers
+                                 do; 0 = every position. Can change only while
+                                 the layer holds no tokens                    */
 } qjlkv_layer_attention;
 
 /* Sets the attention variant of one layer, for every later attend and
  * attend_batch on it (each fused into the same pass over the cache: the
  * soft-cap applies per score as the scores are made, the sink term joins the
- * softmax's running sum). A CUDA cache does not wait for the device: the
+ * softmax's running sum, the window masks each query's positions and skips
+ * the blocks no query sees). A CUDA cache does not wait for the device: the
  * sink logits are copied on the cache's stream, so attends enqueued before
  * the call keep the old variant. A cache starts with every layer plain (no
  * soft-cap, no sinks); setting a zeroed variant makes the layer plain again.
@@ -753,7 +760,9 @@ typedef struct qjlkv_layer_attention {
  * Errors: INVALID_ARGUMENT (NULL c or attention, a struct_size that is not a
  * shipped size, layer out of range, a logit_softcap that is negative or not
  * finite, a sink logit that is not finite — the message names its index —,
- * reserved not 0), OUT_OF_MEMORY; the layer's variant is then unchanged. */
+ * a window_tokens other than the layer's while any sequence holds tokens in
+ * it), UNSUPPORTED (a window_tokens > 0 on a CUDA cache), OUT_OF_MEMORY; the
+ * layer's variant is then unchanged. */
 QJLKV_API qjlkv_status qjlkv_cache_set_layer_attention(qjlkv_cache *c, uint32_t layer,
                                                        const qjlkv_layer_attention *attention);
 

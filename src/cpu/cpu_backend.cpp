@@ -191,6 +191,7 @@ class CpuCache final : public qjlkv_cache {
   void scores(uint32_t layer, uint32_t seq, const void *query, float *out) override;
   void reconstruct(uint32_t layer, uint32_t seq, uint64_t first, uint64_t count, float *keys,
                    float *values) override;
+  bool layer_holds_tokens(uint32_t layer) const override { return !layers_[layer].empty(); }
   uint64_t length(uint32_t layer, uint32_t seq) const override {
     const auto &map = layers_[layer];
     const auto it = map.find(seq);
@@ -948,12 +949,14 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
         w = w == kNegInf ? kNegInf : softcap * std::tanh(inside * w);
       }
   };
-  // Causal masking of n scored tokens, for the rows whose query comes before some of them.
+  // Causal masking of n scored tokens, for the rows whose query comes before some of them, and
+  // the window's: positions before a row's window start.
+  const uint32_t window = attention(layer).window;
   const auto mask_causal = [&](uint32_t n, auto position_of) {
     for (uint32_t r = 0; r < rows; ++r) {
-      const uint64_t query_position = first_query_position + r / G;
+      const uint64_t query_position = first_query_position + r / G, start = window_start(query_position, window);
       for (uint32_t t = 0; t < n; ++t)
-        if (position_of(t) > query_position) weights[size_t(r) * Bp + t] = kNegInf;
+        if (const uint64_t p = position_of(t); p > query_position || p < start) weights[size_t(r) * Bp + t] = kNegInf;
     }
   };
   if (!task.exact) {
@@ -966,7 +969,8 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
         kernels_of(key_method).score(context, block, q, sq, rows, weights, Bp, kernel_scratch);
         cap_scores(B);
         const uint64_t first = seq.sink_tokens + uint64_t(b) * B;
-        if (first + B - 1 > first_query_position) mask_causal(B, [first](uint32_t t) { return first + t; });
+        if (first + B - 1 > first_query_position || first < window_start(seq.length - 1, window))
+          mask_causal(B, [first](uint32_t t) { return first + t; });
         if (K.softmax_fold(state, weights, Bp, rows, B, fold_scale, acc, d))
           kernels_of(value_method).accumulate(context, block, weights, Bp, rows, acc, kernel_scratch);
       }
@@ -1025,10 +1029,15 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
   const uint32_t heads = n_seqs * Hkv;
   attend_tasks_.clear();
   attend_first_task_.clear();
+  const uint32_t window = attention(layer).window;
   for (uint32_t index = 0; index < heads; ++index) {
     attend_first_task_.push_back(uint32_t(attend_tasks_.size()));
-    const uint32_t blocks = found[index / Hkv]->block_count();
-    for (uint32_t b = 0; b < blocks; b += run) attend_tasks_.push_back({index, b, std::min(run, blocks - b), false});
+    const Sequence &seq = *found[index / Hkv];
+    const uint32_t blocks = seq.block_count();
+    // The blocks that end before the first query's window starts take no part.
+    const uint64_t start = window_start(seq.length - queries_per_seq, window);
+    const uint32_t first = start > seq.sink_tokens ? uint32_t(std::min<uint64_t>((start - seq.sink_tokens) / cfg.block_tokens, blocks)) : 0;
+    for (uint32_t b = first; b < blocks; b += run) attend_tasks_.push_back({index, b, std::min(run, blocks - b), false});
     attend_tasks_.push_back({index, 0, 0, true});
   }
   attend_first_task_.push_back(uint32_t(attend_tasks_.size()));

@@ -198,7 +198,7 @@ class Harness {
 };
 
 bool Harness::setup() {
-  static const char *const kPresets[] = {"qjl", "kivi", "ott", "exact", "q3", "q4"};
+  static const char *const kPresets[] = {"qjl", "kivi", "ott", "exact", "q3", "q4", "q2"};
   static const qjlkv_dtype kDtypes[] = {QJLKV_DTYPE_F32, QJLKV_DTYPE_F16, QJLKV_DTYPE_BF16};
   static const uint32_t kDims[] = {8, 16, 32};
   const char *preset = in_.pick(kPresets);
@@ -233,6 +233,8 @@ bool Harness::setup() {
     cfg_.initial_key_sketch_dim = in_.pick(kSketch);
     cfg_.initial_outlier_sketch_dim = cfg_.outlier_channels ? in_.pick(kSketch) : 0;
   }
+  if (cfg_.key_method == QJLKV_KEYS_MIXED)  // a multiple of 8 in [8, 4d]
+    cfg_.key_token_bits = in_.flag() ? cfg_.key_token_bits : 8 * (1 + in_.byte() % (d / 2));
   if (cfg_.key_method == QJLKV_KEYS_OTT) {
     cfg_.outlier_tokens = in_.byte() % 4;
     cfg_.outlier_spill_tokens = in_.byte() % 5;
@@ -242,12 +244,13 @@ bool Harness::setup() {
   const qjlkv_status s = qjlkv_cache_create(&cfg_, &cache_);
   FUZZ_CHECK(s == QJLKV_OK, "create: %s", qjlkv_status_string(s));
   FUZZ_TRACE("config: key_method %d, dtype %d, layers %u, Hq %u, Hkv %u, d %u, B %u, R %u, threads %u, key_bits %u, "
-             "value_bits %u, group %u, m %u, c %u, m_out %u, initial %u (%u, %u), P %u, spill %u, skip %u\n",
+             "value_bits %u, group %u, m %u, c %u, m_out %u, initial %u (%u, %u), P %u, spill %u, skip %u, "
+             "key_token_bits %u\n",
              int(cfg_.key_method), int(cfg_.dtype), cfg_.num_layers, cfg_.num_q_heads, cfg_.num_kv_heads,
              cfg_.head_dim, cfg_.block_tokens, cfg_.residual_tokens, cfg_.num_threads, cfg_.key_bits, cfg_.value_bits,
              cfg_.value_group_size, cfg_.key_sketch_dim, cfg_.outlier_channels, cfg_.outlier_sketch_dim,
              cfg_.initial_layers, cfg_.initial_key_sketch_dim, cfg_.initial_outlier_sketch_dim, cfg_.outlier_tokens,
-             cfg_.outlier_spill_tokens, cfg_.outlier_skip_layers);
+             cfg_.outlier_spill_tokens, cfg_.outlier_skip_layers, cfg_.key_token_bits);
   io_ = cfg_.dtype == QJLKV_DTYPE_F32 ? 4 : 2;
   token_elems_ = size_t(cfg_.num_kv_heads) * cfg_.head_dim;
   query_elems_ = size_t(cfg_.num_q_heads) * cfg_.head_dim;
@@ -732,7 +735,8 @@ void Harness::do_reconstruct() {
   FUZZ_CHECK(scored == QJLKV_OK, "scores after reconstruct: %s", qjlkv_status_string(scored));
   const uint32_t G = cfg_.num_q_heads / cfg_.num_kv_heads;
   const double m = cfg_.key_method == QJLKV_KEYS_QJL ? double(std::max(cfg_.key_sketch_dim, cfg_.initial_key_sketch_dim)) : 0.0;
-  const bool codes_keys = cfg_.key_method == QJLKV_KEYS_KIVI || cfg_.key_method == QJLKV_KEYS_OTT;
+  const bool codes_keys = cfg_.key_method == QJLKV_KEYS_KIVI || cfg_.key_method == QJLKV_KEYS_OTT ||
+                          cfg_.key_method == QJLKV_KEYS_MIXED;
   for (uint32_t h = 0; h < cfg_.num_q_heads; ++h)
     for (uint64_t t = 0; t < length; ++t) {
       const float score = scores[h * length + t];
@@ -748,7 +752,7 @@ void Harness::do_reconstruct() {
         k2 += double(k[j]) * k[j];
         kin2 += double(kin[j]) * kin[j];
       }
-      // KIVI/OTT scores sum q·(code·scale) and q·min separately: their rounding follows the
+      // KIVI/OTT (and mixed-bit) scores sum q·(code·scale) and q·min separately: their rounding follows the
       // terms' size (up to 3× the block's largest |k| per channel), not |k̂|, which cancels to
       // near 0 for a token at the middle of its channels' ranges.
       double terms2 = 0.0;

@@ -43,13 +43,16 @@ bool asks_for_cuda(const qjlkv_config &c) {
   return c.struct_size == QJLKV_CONFIG_SIZE_0_1 ? legacy_device(c) >= 0 : c.backend == QJLKV_BACKEND_CUDA;
 }
 
-// The sizes a caller may pass: this header's, 0.1's, 0.2's and 0.3's.
+// The sizes a caller may pass: this header's (0.5's), 0.1's, 0.2's and 0.3's, and 0.4's.
 bool shipped_size(uint32_t size) {
-  return size == sizeof(qjlkv_config) || size == QJLKV_CONFIG_SIZE_0_1 || size == QJLKV_CONFIG_SIZE_0_3;
+  return size == sizeof(qjlkv_config) || size == QJLKV_CONFIG_SIZE_0_1 || size == QJLKV_CONFIG_SIZE_0_3 ||
+         size == QJLKV_CONFIG_SIZE_0_4;
 }
+static_assert(sizeof(qjlkv_config) == 152, "a new config size: teach this harness its fields");
 
 uint32_t fuzz_struct_size(Input &in) {
-  static constexpr uint32_t kSizes[] = {uint32_t(sizeof(qjlkv_config)), QJLKV_CONFIG_SIZE_0_1, QJLKV_CONFIG_SIZE_0_3};
+  static constexpr uint32_t kSizes[] = {uint32_t(sizeof(qjlkv_config)), QJLKV_CONFIG_SIZE_0_1, QJLKV_CONFIG_SIZE_0_3,
+                                        QJLKV_CONFIG_SIZE_0_4};
   return in.pick(kSizes);
 }
 
@@ -70,7 +73,9 @@ std::vector<std::string> wrong_fields(const qjlkv_config &caller) {
   // An older struct: the fields added after its release are never read and take their defaults (0).
   qjlkv_config c = caller;
   if (c.struct_size == QJLKV_CONFIG_SIZE_0_1) c.value_method = c.sink_tokens = 0;
-  if (c.struct_size < sizeof(qjlkv_config)) c.memory_budget = c.rollback_tokens = 0;
+  if (c.struct_size < QJLKV_CONFIG_SIZE_0_4) c.memory_budget = c.rollback_tokens = 0;
+  // An older struct cannot configure mixed-bit keys: key_token_bits 0 is never valid for them.
+  if (c.struct_size < sizeof(qjlkv_config)) c.key_token_bits = 0;
   rule(c.num_layers >= 1 && c.num_layers <= 65536, "num_layers");
   rule(c.num_kv_heads >= 1 && c.num_kv_heads <= 4096, "num_kv_heads");
   rule(c.num_q_heads >= 1 && c.num_q_heads <= 4096 && c.num_kv_heads != 0 && c.num_q_heads % c.num_kv_heads == 0,
@@ -111,6 +116,10 @@ std::vector<std::string> wrong_fields(const qjlkv_config &caller) {
       break;
     case QJLKV_KEYS_EXACT:
       break;
+    case QJLKV_KEYS_MIXED:  // at most 4 bits a channel, whole bytes a token
+      rule(c.key_token_bits >= 8 && uint64_t(c.key_token_bits) <= 4ull * c.head_dim && c.key_token_bits % 8 == 0,
+           "key_token_bits");
+      break;
     default:
       wrong.push_back("key_method");
   }
@@ -136,7 +145,8 @@ bool small(const qjlkv_config &c) {
 }
 
 void fuzz_config_init(Input &in, qjlkv_config &cfg) {
-  static const char *const kPresets[] = {"qjl", "kivi", "ott", "exact", "", nullptr, "QJL", "qjl ", "exactly", "q3", "q4", "q5"};
+  static const char *const kPresets[] = {"qjl", "kivi", "ott", "exact", "", nullptr, "QJL", "qjl ",
+                                         "exactly", "q3", "q4", "q5", "q2", "Q2", "q1"};
   const char *preset = in.pick(kPresets);
   const uint32_t layers = fuzz_u32(in), hq = fuzz_u32(in), hkv = fuzz_u32(in), d = fuzz_u32(in);
   std::memset(&cfg, 0xA5, sizeof cfg);
@@ -146,7 +156,8 @@ void fuzz_config_init(Input &in, qjlkv_config &cfg) {
   const qjlkv_config before = cfg;
   const qjlkv_status s = qjlkv_config_init(&cfg, preset, layers, hq, hkv, d);
   const std::string p = preset ? preset : "";
-  const bool preset_ok = p.empty() || p == "q3" || p == "q4" || p == "qjl" || p == "kivi" || p == "ott" || p == "exact";
+  const bool preset_ok =
+      p.empty() || p == "q2" || p == "q3" || p == "q4" || p == "qjl" || p == "kivi" || p == "ott" || p == "exact";
   const bool shape_ok = layers >= 1 && layers <= 65536 && hkv >= 1 && hkv <= 4096 && hq >= 1 && hq <= 4096 &&
                         hq % hkv == 0 && d >= 8 && d <= 256 && d % 8 == 0;
   FUZZ_CHECK((s == QJLKV_OK) == (size_ok && preset_ok && shape_ok),
@@ -166,10 +177,23 @@ void fuzz_config_init(Input &in, qjlkv_config &cfg) {
   if (cfg.struct_size == QJLKV_CONFIG_SIZE_0_1)
     FUZZ_CHECK(cfg.value_method == 0xA5A5A5A5u && cfg.sink_tokens == 0xA5A5A5A5u,
                "config_init must write nothing past a 0.1-sized struct");
-  if (cfg.struct_size < sizeof cfg)
+  if (cfg.struct_size < QJLKV_CONFIG_SIZE_0_4)
     FUZZ_CHECK(cfg.rollback_tokens == 0xA5A5A5A5u && cfg.memory_budget == 0xA5A5A5A5A5A5A5A5ull,
                "config_init must write nothing past an older struct");
+  if (cfg.struct_size < sizeof cfg)
+    FUZZ_CHECK(cfg.key_token_bits == 0xA5A5A5A5u, "config_init must write nothing past an older struct");
+  else  // every preset: 2.125 bits a channel, whole bytes a token
+    FUZZ_CHECK(cfg.key_token_bits == 8 * ((17 * d + 63) / 64), "key_token_bits %u at head_dim %u",
+               cfg.key_token_bits, d);
   const qjlkv_status v = qjlkv_config_validate(&cfg);
+  if (p == "q2" && cfg.struct_size < sizeof cfg) {
+    // An older struct has no key_token_bits, so the mixed-bit keys that "q2" fills in are not
+    // valid there: validate and create refuse them, naming the field.
+    FUZZ_CHECK(cfg.key_method == QJLKV_KEYS_MIXED, "q2's key_method is %u", cfg.key_method);
+    FUZZ_CHECK(v == QJLKV_ERROR_INVALID_ARGUMENT && names(qjlkv_last_error_message(), "key_token_bits"),
+               "q2 in a struct of %u bytes -> %s", cfg.struct_size, qjlkv_status_string(v));
+    return;
+  }
   FUZZ_CHECK(v == QJLKV_OK, "config_init(\"%s\", %u, %u, %u, %u) filled a config that does not validate",
              p.c_str(), layers, hq, hkv, d);
 }
@@ -183,7 +207,8 @@ void mutate(Input &in, qjlkv_config &cfg) {
                               &cfg.initial_key_sketch_dim, &cfg.initial_outlier_sketch_dim, &cfg.key_bits,
                               &cfg.outlier_tokens,    &cfg.outlier_spill_tokens, &cfg.outlier_skip_layers,
                               &cfg.value_bits,        &cfg.value_group_size,    &cfg.num_threads,
-                              &cfg.value_method,      &cfg.sink_tokens,         &cfg.rollback_tokens};
+                              &cfg.value_method,      &cfg.sink_tokens,         &cfg.rollback_tokens,
+                              &cfg.key_token_bits};
   constexpr size_t kFields = sizeof fields / sizeof fields[0];
   for (uint32_t n = in.byte() % 6; n > 0; --n) {
     const uint32_t which = in.byte() % (kFields + 7);
@@ -192,7 +217,7 @@ void mutate(Input &in, qjlkv_config &cfg) {
     } else if (which == kFields) {
       cfg.dtype = uint32_t(int(in.byte() % 5) - 1);
     } else if (which == kFields + 1) {
-      cfg.key_method = uint32_t(int(in.byte() % 6) - 1);
+      cfg.key_method = uint32_t(int(in.byte() % 7) - 1);  // -1, the five methods, one past them
     } else if (which == kFields + 2) {  // for a 0.1-sized config: its int32_t device
       cfg.device_ordinal = in.flag() ? in.u32() : uint32_t(int(in.byte() % 4) - 2);
     } else if (which == kFields + 3) {
@@ -299,12 +324,13 @@ void fuzz_fields(Input &in, qjlkv_config cfg) {
   const qjlkv_status s = qjlkv_cache_create(&cfg, &c);
   FUZZ_TRACE("create: size %u, key_method %u, dtype %u, backend %u, device_ordinal %u, layers %u, Hq %u, Hkv %u, d %u, B %u, R %u, threads %u, "
              "key_bits %u, value_bits %u, group %u, m %u, c %u, m_out %u, initial %u (%u, %u), P %u, spill %u, "
-             "skip %u -> %s\n",
+             "skip %u, key_token_bits %u -> %s\n",
              cfg.struct_size, cfg.key_method, cfg.dtype, cfg.backend, cfg.device_ordinal, cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads,
              cfg.head_dim, cfg.block_tokens, cfg.residual_tokens, cfg.num_threads, cfg.key_bits, cfg.value_bits,
              cfg.value_group_size, cfg.key_sketch_dim, cfg.outlier_channels, cfg.outlier_sketch_dim,
              cfg.initial_layers, cfg.initial_key_sketch_dim, cfg.initial_outlier_sketch_dim, cfg.outlier_tokens,
-             cfg.outlier_spill_tokens, cfg.outlier_skip_layers, qjlkv_status_string(s));
+             cfg.outlier_spill_tokens, cfg.outlier_skip_layers, cfg.struct_size == sizeof cfg ? cfg.key_token_bits : 0,
+             qjlkv_status_string(s));
   if (v != QJLKV_OK) {
     FUZZ_CHECK(s == v, "create -> %s but validate -> %s", qjlkv_status_string(s), qjlkv_status_string(v));
     FUZZ_CHECK(c == nullptr, "a failed create left *out non-NULL");

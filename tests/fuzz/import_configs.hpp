@@ -1,5 +1,5 @@
 // The small caches of the import harness (fuzz_import.cpp) and of its seed maker
-// (make_import_seeds.cpp): every key method, attention sinks and rotated values (the q3/q4
+// (make_import_seeds.cpp): every key method, attention sinks and rotated values (the q2/q3/q4
 // tiers, and sinks with OTT), tiny shapes, so that a stream of a few blocks per layer stays far
 // below libFuzzer's -max_len of 4096 bytes. Configs 0-4 are those of format version 1 (the
 // corpus's v1_* streams were written for them): change them only with those streams.
@@ -13,16 +13,18 @@
 
 namespace qjlkv_fuzz {
 
-inline constexpr uint32_t kImportConfigs = 8;
+inline constexpr uint32_t kImportConfigs = 9;
 
 // Config `index` (taken modulo kImportConfigs): 2 layers, Hq 2, Hkv 1, d 8, B 8, R 2; q3/q4 with
 // 4 sink tokens (q4's, and q3's before its preset took 16: the v2_seed_5_* streams hold 4),
-// config 7 ("q4" with OTT keys) with 3.
+// config 7 ("q4" with OTT keys) with 3, config 8 ("q2": mixed-bit keys of the preset's 24 bits a
+// token, 3 bits a channel at d 8) with 4.
 inline qjlkv_config import_config(uint32_t index) {
-  static const char *const kPresets[kImportConfigs] = {"qjl", "kivi", "ott", "exact", "qjl", "q3", "q4", "q4"};
+  static const char *const kPresets[kImportConfigs] = {"qjl", "kivi", "ott", "exact", "qjl",
+                                                       "q3",  "q4",   "q4",  "q2"};
   static const qjlkv_dtype kDtypes[kImportConfigs] = {QJLKV_DTYPE_F32, QJLKV_DTYPE_F16,  QJLKV_DTYPE_F32,
                                                       QJLKV_DTYPE_BF16, QJLKV_DTYPE_F16, QJLKV_DTYPE_F32,
-                                                      QJLKV_DTYPE_BF16, QJLKV_DTYPE_F16};
+                                                      QJLKV_DTYPE_BF16, QJLKV_DTYPE_F16, QJLKV_DTYPE_F32};
   index %= kImportConfigs;
   qjlkv_config cfg;
   std::memset(&cfg, 0, sizeof cfg);
@@ -43,7 +45,7 @@ inline qjlkv_config import_config(uint32_t index) {
   cfg.outlier_skip_layers = 1;
   cfg.value_group_size = 4;
   cfg.value_bits = index == 4 ? 4 : cfg.value_bits;
-  if (index == 5) cfg.sink_tokens = 4;
+  if (index == 5 || index == 8) cfg.sink_tokens = 4;
   if (index == 7) {
     cfg.key_method = QJLKV_KEYS_OTT;
     cfg.sink_tokens = 3;

@@ -8,7 +8,7 @@
 #   1. build for sm_90: the library, the GPU tests (when GoogleTest is installed), the benchmark
 #   2. GPU tests: the CUDA backend against the CPU backend (tests/gpu/test_cuda_backend.cpp)
 #   3. compute-sanitizer: memcheck on a short run of the tests, racecheck and synccheck on one test
-#   4. benchmarks: bench/gpu/bench_gpu.cu (q3/q4/qjl/kivi/exact, contexts 4k..128k, batch 1 and 32, copy
+#   4. benchmarks: bench/gpu/bench_gpu.cu (q2/q3/q4/qjl/kivi/exact, contexts 4k..128k, batch 1 and 32, copy
 #      bandwidth, append throughput, export/import of one layer) and torch SDPA on a bf16 cache
 #      when torch is importable
 #
@@ -113,13 +113,15 @@ elif [ -x "$TEST" ]; then
   short+=':AllMethods/CudaVsCpu.SameBytesScoresAndOutputs/kivi_bf16_d128_g7'
   short+=':AllMethods/CudaVsCpu.SameBytesScoresAndOutputs/exact_f32_d256_g1'
   short+=':AllMethods/CudaVsCpu.SameBytesScoresAndOutputs/q3_bf16_d128_g7'
+  short+=':AllMethods/CudaVsCpu.SameBytesScoresAndOutputs/q2_bf16_d128_g7'
   short+=':Presets/CudaExportImport.StreamsAreBackendIndependentAndRoundTrip/q4_f32_sinks20_b8'
   short+=':CudaBackend.RejectsBadDataAndStaysUnchanged:CudaBackend.StreamsOrderWork'
   step memcheck sanitizer 100 "$SAN" --tool memcheck --error-exitcode 9 --leak-check full "$TEST" \
     --gtest_filter="$short" || true
-  # Shared memory hazards and barrier misuse: small tests that reach every kernel (QJL, OTT, KIVI).
+  # Shared memory hazards and barrier misuse: small tests that reach every kernel (QJL, OTT, KIVI,
+  # mixed).
   step racecheck sanitizer 75 "$SAN" --tool racecheck --racecheck-report all --error-exitcode 9 "$TEST" \
-    --gtest_filter='CudaBackend.RejectsBadDataAndStaysUnchanged:AllMethods/CudaVsCpu.SameBytesScoresAndOutputs/ott_f16_d64_g4' ||
+    --gtest_filter='CudaBackend.RejectsBadDataAndStaysUnchanged:AllMethods/CudaVsCpu.SameBytesScoresAndOutputs/ott_f16_d64_g4:AllMethods/CudaVsCpu.SameBytesScoresAndOutputs/q2_f16_d64_g4' ||
     true
   step synccheck sanitizer 45 "$SAN" --tool synccheck --error-exitcode 9 "$TEST" \
     --gtest_filter='CudaBackend.StreamsOrderWork:AllMethods/CudaVsCpu.SameBytesScoresAndOutputs/exact_bf16_d64_g7' || true

@@ -51,11 +51,8 @@ void PrintTo(const VariantCase &c, std::ostream *os) { *os << c.preset << ", " <
 
 std::vector<VariantCase> variant_cases() {
   std::vector<VariantCase> cases;
-  const char *presets[] = {"q3", "q4", "qjl", "kivi", "ott", "exact"};
-  const qjlkv_dtype dtypes[] = {QJLKV_DTYPE_F32, QJLKV_DTYPE_F16, QJLKV_DTYPE_BF16};
-  for (uint32_t p = 0; p < 6; ++p)
-    for (uint32_t t = 0; t < 3; ++t)
-      cases.push_back({presets[p], dtypes[t]});
+  for (const char *preset : {"q2", "q3", "q4", "qjl", "kivi", "ott", "exact"})
+    for (qjlkv_dtype dtype : {QJLKV_DTYPE_F32, QJLKV_DTYPE_F16, QJLKV_DTYPE_BF16}) cases.push_back({preset, dtype});
   return cases;
 }
 
@@ -154,8 +151,8 @@ void enqueue_attend(qjlkv_cache *c, uint32_t layer, uint32_t seq, const DeviceBy
 }
 
 // The C call's checks are the CPU's (the message names the field), a refused variant changes
-// nothing, a variant is per layer and reversible, scores stay raw, and a variant set between two
-// attends applies to the second alone (stream order).
+// nothing (sliding windows are refused on CUDA), a variant is per layer and reversible, scores stay
+// raw, and a variant set between two attends applies to the second alone (stream order).
 TEST(CudaLayerAttentionRules, ChecksLayersScoresAndStreamOrder) {
   REQUIRE_CUDA_DEVICE();
   CachePair pair(variant_config("q3", QJLKV_DTYPE_F16));
@@ -163,6 +160,11 @@ TEST(CudaLayerAttentionRules, ChecksLayersScoresAndStreamOrder) {
   const qjlkv_dtype dtype = QJLKV_DTYPE_F16;
   std::mt19937 rng(5);
   const size_t te = pair.token_elems();
+  // A window, set while the layer is empty: the CUDA backend has none yet.
+  qjlkv_layer_attention window = make_attention(2.0f, nullptr);
+  window.window_tokens = 16;
+  EXPECT_EQ(qjlkv_cache_set_layer_attention(pair.gpu(), 0, &window), QJLKV_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(qjlkv_last_error_message()).find("window"), std::string::npos) << qjlkv_last_error_message();
   for (uint32_t layer : {0u, 1u}) pair.append(layer, 2, make_keys(rng, 120, 2, 64), make_values(rng, 120 * te));
   const auto query = make_values(rng, pair.query_elems());
   const auto encoded = encode(query, dtype);
@@ -187,9 +189,9 @@ TEST(CudaLayerAttentionRules, ChecksLayersScoresAndStreamOrder) {
                           {make_attention(INFINITY, nullptr), 0, "logit_softcap"},
                           {make_attention(1.0f, bad_sinks), 0, "sink_logits[3]"},
                           {make_attention(1.0f, nullptr), 0, "struct_size"},
-                          {make_attention(1.0f, nullptr), 0, "reserved"}};
+                          {make_attention(1.0f, nullptr), 0, "window_tokens"}};  // the layer holds tokens
   bad[5].attention.struct_size = 20;
-  bad[6].attention.reserved = 1;
+  bad[6].attention.window_tokens = 32;
   for (const Bad &b : bad) {
     SCOPED_TRACE(b.names);
     EXPECT_EQ(qjlkv_cache_set_layer_attention(pair.cpu(), b.layer, &b.attention), QJLKV_ERROR_INVALID_ARGUMENT);

@@ -1,8 +1,8 @@
 // The CUDA backend against the CPU backend on the same inputs: stored bytes (through their
 // reconstructions, which decode the bytes with the same CPU code on both backends), scores and
-// attention outputs, for every key method (QJL, KIVI, OTT, exact; 2/3/4/8-bit codes), every value
-// method (uniform 2/3/4/8-bit, 16-bit, rotated Lloyd-Max 2/3/4-bit), attention sinks, the tiers q3
-// and q4, every dtype, head dims 64/128/256 and GQA ratios 1/4/7; batching, causal multi-query
+// attention outputs, for every key method (QJL, KIVI, OTT, exact, mixed; 2/3/4/8-bit codes), every
+// value method (uniform 2/3/4/8-bit, 16-bit, rotated Lloyd-Max 2/3/4-bit), attention sinks, the
+// tiers q2, q3 and q4, every dtype, head dims 64/128/256 and GQA ratios 1/4/7; batching, causal multi-query
 // attention, sequence reuse, data validation, streams, long contexts, large batches, and export /
 // import between the backends.
 //
@@ -40,7 +40,7 @@ std::string case_name(const testing::TestParamInfo<Case> &info) {
 
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
-  for (const char *preset : {"q3", "q4", "qjl", "kivi", "ott", "exact"})
+  for (const char *preset : {"q2", "q3", "q4", "qjl", "kivi", "ott", "exact"})
     for (qjlkv_dtype dtype : {QJLKV_DTYPE_F32, QJLKV_DTYPE_F16, QJLKV_DTYPE_BF16})
       for (uint32_t d : {64u, 128u, 256u})
         for (uint32_t g : {1u, 4u, 7u}) {
@@ -61,7 +61,8 @@ qjlkv_config make_config(const Case &c, uint32_t kv_heads = 2, uint32_t layers =
   cfg.dtype = c.dtype;
   cfg.seed = 1234;
   const std::string preset = c.preset;
-  if (preset == "kivi" || preset == "ott" || preset == "q3" || preset == "q4") cfg.block_tokens = 32;  // more blocks
+  if (preset == "kivi" || preset == "ott" || preset == "q2" || preset == "q3" || preset == "q4")
+    cfg.block_tokens = 32;  // more blocks
   if (std::string(c.preset) == "ott") cfg.outlier_skip_layers = std::min(1u, layers - 1);  // layer 1 traced
   if (std::string(c.preset) == "exact") cfg.residual_tokens = 16;
   return cfg;
@@ -259,6 +260,25 @@ const Corner kCorners[] = {
     // The tiers with their 128-token blocks (a residual of 8 so that 161 tokens fill a block).
     {"q3_preset_b128_r8", "q3", QJLKV_DTYPE_BF16, 8, 2, 128, [](qjlkv_config &c) { c.residual_tokens = 8; }},
     {"q4_preset_b128_r8", "q4", QJLKV_DTYPE_F16, 8, 2, 128, [](qjlkv_config &c) { c.residual_tokens = 8; }},
+    {"q2_preset_b128_r8", "q2", QJLKV_DTYPE_F32, 8, 2, 128, [](qjlkv_config &c) { c.residual_tokens = 8; }},
+    // Mixed-bit keys: rows of 20 bytes (d 72) and 68 (d 256), every width from 0 to 4 bits.
+    {"q2_d72_b24_sinks0", "q2", QJLKV_DTYPE_BF16, 6, 2, 72,
+     [](qjlkv_config &c) {
+       c.block_tokens = 24;
+       c.sink_tokens = 0;
+     }},
+    {"q2_d256_bits600_b16", "q2", QJLKV_DTYPE_F16, 4, 1, 256,
+     [](qjlkv_config &c) {
+       c.key_token_bits = 600;
+       c.block_tokens = 16;
+     }},
+    {"q2_d8_bits32_uniform_values", "q2", QJLKV_DTYPE_F32, 2, 1, 8,
+     [](qjlkv_config &c) {
+       c.key_token_bits = 32;  // 4 bits a channel: every channel full
+       c.value_method = QJLKV_VALUES_UNIFORM;
+       c.value_bits = 4;
+       c.block_tokens = 8;
+     }},
     {"kivi_kbits3_vbits3_d96_g32_b40", "kivi", QJLKV_DTYPE_F16, 4, 2, 96,
      [](qjlkv_config &c) {
        c.key_bits = 3;
@@ -328,9 +348,61 @@ TEST_P(CudaVsCpuCorners, SameBytesScoresAndOutputs) {
 INSTANTIATE_TEST_SUITE_P(Corners, CudaVsCpuCorners, testing::ValuesIn(kCorners),
                          [](const testing::TestParamInfo<Corner> &info) { return std::string(info.param.name); });
 
+// Mixed-bit keys on blocks that test the width allocation: channels of zero range (constant),
+// many equal ranges (small integers: ties go to the lower channel, then the lower bit), ranges
+// too small for a bit next to wide ones that take 4; head dims off multiples of 32, few and many
+// bits a token.
+TEST(CudaBackend, MixedKeysAllocateTheCpuWidths) {
+  REQUIRE_CUDA_DEVICE();
+  struct MixedCase {
+    qjlkv_dtype dtype;
+    uint32_t head_dim, token_bits;  // token_bits 0: the preset's
+  };
+  const MixedCase cases[] = {{QJLKV_DTYPE_F32, 64, 0},  {QJLKV_DTYPE_F16, 72, 0},  {QJLKV_DTYPE_BF16, 128, 0},
+                             {QJLKV_DTYPE_F32, 256, 0}, {QJLKV_DTYPE_F16, 128, 512}, {QJLKV_DTYPE_BF16, 40, 8},
+                             {QJLKV_DTYPE_F32, 24, 96}};
+  for (const MixedCase &c : cases) {
+    const uint32_t d = c.head_dim, kv_heads = 2;
+    SCOPED_TRACE(std::string(dtype_name(c.dtype)) + ", head_dim " + std::to_string(d) + ", key_token_bits " +
+                 std::to_string(c.token_bits));
+    qjlkv_config cfg{};
+    cfg.struct_size = sizeof cfg;
+    QJLKV_OK(qjlkv_config_init(&cfg, "q2", 1, 2 * kv_heads, kv_heads, d));
+    cfg.dtype = c.dtype;
+    cfg.block_tokens = 16;
+    cfg.residual_tokens = 4;
+    cfg.sink_tokens = 2;
+    if (c.token_bits) cfg.key_token_bits = c.token_bits;
+    QJLKV_OK(qjlkv_config_validate(&cfg));
+    CachePair pair(cfg);
+    ASSERT_TRUE(pair.ok()) << pair.error();
+    std::mt19937 rng(d + c.token_bits);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const auto keys_of = [&](uint32_t tokens) {
+      std::vector<float> x(size_t(tokens) * kv_heads * d);
+      for (size_t i = 0; i < x.size(); ++i) {
+        const uint32_t j = uint32_t(i % d);
+        switch (j % 6) {
+          case 0: x[i] = 0.25f * float(j % 5); break;           // constant: zero range
+          case 1: x[i] = float(int(rng() % 5) - 2); break;      // ranges of 4 (ties)
+          case 2: x[i] = 30.0f * normal(rng); break;            // wide
+          case 3: x[i] = 1e-3f * normal(rng); break;            // too small for a bit
+          case 4: x[i] = float(rng() % 3); break;               // ranges of 2 (ties)
+          default: x[i] = normal(rng);
+        }
+      }
+      return x;
+    };
+    const size_t te = pair.token_elems();
+    pair.append(0, 1, keys_of(70), make_values(rng, 70 * te));
+    for (int step = 0; step < 20; ++step) pair.append(0, 1, keys_of(1), make_values(rng, te));
+    expect_same_sequence(pair, 0, 1, rng, "mixed blocks");
+  }
+}
+
 // Batched decode: append_batch and attend_batch over many sequences of different lengths.
-// SPEC §9's error budget for the GPU's integer key scores (KIVI/OTT: dp4a with the query's int8
-// digits), measured against double-precision references over the cache's own reconstruction k̂,
+// SPEC §9's error budget for the GPU's integer key scores (KIVI/OTT/mixed: dp4a with the query's
+// int8 digits), measured against double-precision references over the cache's own reconstruction k̂,
 // v̂ (the stored bytes, decoded on the host): scores as rms over the quantized positions of
 // (score − q·k̂) / (‖q‖·‖k‖) ≤ 1e-3, attention outputs as rms(output − softmax(q·k̂/√d)·v̂) /
 // rms(reference) ≤ 1e-3 (bf16 outputs: plus their own rounding, 2.3e-3, as in tests/cpu_paths).
@@ -344,6 +416,7 @@ const BudgetCase kBudgetCases[] = {
     {"kivi2_f32_d128", "kivi", QJLKV_DTYPE_F32, 128, 0}, {"q3_f32_d128", "q3", QJLKV_DTYPE_F32, 128, 0},
     {"q4_f16_d64", "q4", QJLKV_DTYPE_F16, 64, 0},         {"kivi8_bf16_d96", "kivi", QJLKV_DTYPE_BF16, 96, 8},
     {"ott3_f32_d40", "ott", QJLKV_DTYPE_F32, 40, 3},
+    {"q2_f32_d128", "q2", QJLKV_DTYPE_F32, 128, 0},    {"q2_bf16_d72", "q2", QJLKV_DTYPE_BF16, 72, 0},
 };
 
 class CudaErrorBudget : public testing::TestWithParam<BudgetCase> {};
@@ -679,6 +752,7 @@ struct ExportCase {
 void PrintTo(const ExportCase &c, std::ostream *os) { *os << c.name; }
 const ExportCase kExportCases[] = {
     {"q3_bf16", "q3", QJLKV_DTYPE_BF16, [](qjlkv_config &c) { c.block_tokens = 32; }},
+    {"q2_f16", "q2", QJLKV_DTYPE_F16, [](qjlkv_config &c) { c.block_tokens = 32; }},
     {"q4_f32_sinks20_b8", "q4", QJLKV_DTYPE_F32,
      [](qjlkv_config &c) {
        c.block_tokens = 8;

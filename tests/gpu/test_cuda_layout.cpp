@@ -10,6 +10,7 @@
 #include "config.hpp"
 #include "cpu/kernels.hpp"
 #include "layout.hpp"
+#include "methods/mixed/mixed_math.hpp"
 #include "positions.hpp"
 
 namespace {
@@ -201,6 +202,64 @@ TEST(CudaLayout, KiviUnpackedCodesAreTheDeclaredChannels) {
   }
 }
 
+// MIXED keys' regions: query digits, per-row offset and step, the field groups, staged rows of
+// odd word strides with one word of slack (a group's window reads the word after its first), and
+// the block setup's scratch in the stage's space.
+TEST(CudaLayout, MixedKeysHaveTheirRegions) {
+  for (uint32_t rows : {1u, 2u, 4u, 8u})
+    for (uint32_t d : {8u, 40u, 64u, 72u, 128u, 256u})
+      for (uint32_t token_bits : {8u, 8 * ((17 * d + 63) / 64), 4 * d})
+        for (uint32_t io : {2u, 4u}) {
+          AttendShape s = shape(QJLKV_KEYS_MIXED, rows, d, io, 2, 8);
+          s.key_token_bits = token_bits;
+          s.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
+          s.value_groups = 1;
+          const AttendSmem m = attend_smem(s);
+          const uint32_t d32 = round_up(d, 32);
+          for (uint32_t offset : {m.qdigits, m.koff, m.kgroups, m.stage_k, m.stage_v, m.final_buf})
+            EXPECT_EQ(offset % 16, 0u);
+          EXPECT_GE(m.koff - m.qdigits, 2 * rows * d32);
+          EXPECT_GE(m.kgroups - m.koff, 4 * 2 * rows);
+          EXPECT_GE(m.scores - m.kgroups, 4 * kMixedGroupWords * (d / 8));
+          EXPECT_EQ(padded_row_words(token_bits / 8) % 2, 1u);
+          EXPECT_GE(m.stage_v - m.stage_k, 4 * kTile * padded_row_words(token_bits / 8) + 4);
+          EXPECT_GE(m.total - m.final_buf, 4 * mixed_setup_floats(rows, d));
+        }
+}
+
+// A MIXED field group's spread words hold the codes mixed::get_field reads from a row (the bits
+// around the fields random), for widths of 0 to 4 bits and any first bit.
+TEST(CudaLayout, MixedGroupsSpreadTheStoredFields) {
+  std::mt19937 rng(6);
+  for (int trial = 0; trial < 4000; ++trial) {
+    uint32_t widths[8], total = 0;
+    for (uint32_t &w : widths) total += w = trial % 50 == 0 ? 4 : trial % 50 == 1 ? 0 : rng() % 5;
+    const uint32_t first = rng() % 97;
+    uint8_t row[24];
+    for (uint8_t &b : row) b = uint8_t(rng());
+    uint32_t codes[8], bit = first;
+    for (uint32_t k = 0; k < 8; ++k) {
+      codes[k] = rng() & ((1u << widths[k]) - 1u);
+      for (uint32_t i = 0; i < widths[k]; ++i, ++bit) {
+        row[bit / 8] = uint8_t(row[bit / 8] & ~(1u << (bit % 8)));
+        row[bit / 8] = uint8_t(row[bit / 8] | ((codes[k] >> i) & 1u) << (bit % 8));
+      }
+    }
+    ASSERT_EQ(bit, first + total);
+    uint32_t desc[kMixedGroupWords];
+    mixed_group(widths, first, desc);
+    uint64_t pair = 0;  // the two words that hold bit `first`, as the kernel reads them
+    for (uint32_t i = 0; i < 8; ++i) pair |= uint64_t(row[4 * (first / 32) + i]) << (8 * i);
+    const uint32_t window = uint32_t(pair >> (first % 32));
+    const uint32_t u[2] = {mixed_spread(window, desc[4], desc[5], desc[6], desc[2]),
+                           mixed_spread(window >> desc[1], desc[7], desc[8], desc[9], desc[3])};
+    for (uint32_t k = 0, at = first; k < 8; at += widths[k], ++k) {
+      EXPECT_EQ(u[k / 4] >> (8 * (k % 4)) & 0xffu, codes[k]) << "trial " << trial << ", channel " << k;
+      EXPECT_EQ(qjlkv::mixed::get_field(row, at, widths[k]), codes[k]);
+    }
+  }
+}
+
 // Rotated Lloyd-Max values stage one fp16 scale per token and the codes; the level table has its
 // own region before the stage. 3-bit key codes keep 16 bytes of slack for their 12-byte groups.
 TEST(CudaLayout, LloydMaxValuesAndThreeBitKeysHaveTheirRegions) {
@@ -237,12 +296,20 @@ TEST(CudaLayout, PresetShapesFitTheDevices) {
       s.value_groups = 1;
       EXPECT_LE(attend_smem(s).total, 166912u) << "d " << d << ", key_bits " << key_bits;
     }
+  for (uint32_t d : {64u, 128u, 256u})  // q2: mixed-bit keys, 2-bit rotated values
+    for (uint32_t token_bits : {8 * ((17 * d + 63) / 64), 4 * d}) {
+      AttendShape s = shape(QJLKV_KEYS_MIXED, 8, d, 4, 2);
+      s.key_token_bits = token_bits;
+      s.value_method = QJLKV_VALUES_ROTATED_LLOYD_MAX;
+      s.value_groups = 1;
+      EXPECT_LE(attend_smem(s).total, 166912u) << "d " << d << ", key_token_bits " << token_bits;
+    }
 }
 
 // A rollback copy on the device holds at least the bytes the statistics count for it (positions.hpp),
 // its regions in order and 16-byte aligned, every saved pool inside its own OttLayout.
 TEST(CudaLayout, RollbackCopiesHoldWhatTheStatisticsCount) {
-  for (const char *preset : {"q3", "ott", "qjl"})
+  for (const char *preset : {"q2", "q3", "ott", "qjl"})
     for (qjlkv_dtype dtype : {QJLKV_DTYPE_F32, QJLKV_DTYPE_F16})
       for (uint32_t d : {40u, 128u}) {
         qjlkv_config cfg{};

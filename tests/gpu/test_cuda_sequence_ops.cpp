@@ -31,7 +31,7 @@ std::string ops_case_name(const testing::TestParamInfo<OpsCase> &info) {
 }
 std::vector<OpsCase> ops_cases() {
   std::vector<OpsCase> cases;
-  for (const char *preset : {"q3", "q4", "qjl", "kivi", "ott", "exact"})
+  for (const char *preset : {"q2", "q3", "q4", "qjl", "kivi", "ott", "exact"})
     for (qjlkv_dtype dtype : {QJLKV_DTYPE_F32, QJLKV_DTYPE_F16, QJLKV_DTYPE_BF16}) cases.push_back({preset, dtype});
   // No rollback copies at all (every truncate that reopens a block reconstructs it); sinks longer
   // than a block with a rollback depth that is not a multiple of it.
