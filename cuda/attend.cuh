@@ -6,15 +6,17 @@
 // tiles of 32 positions:
 //   stage   the tile's key and value bytes go to shared memory (coalesced 4-byte loads);
 //   score   lane = position, warp = a quarter of the position's key bytes; partial dot products;
-//   combine the four partials + the method's per-token factors, scale, causal mask;
+//   combine the four partials + the method's per-token factors, scale (or soft-cap), causal mask;
 //   softmax online: running max / sum per row, rescale factor for the accumulators;
 //   values  each thread owns 8 channels of a few positions and accumulates weight · value.
 // It ends by writing its (max, sum, unnormalized output) per row; attend_reduce_kernel merges the
-// splits. The kernel is a template over the key policy (keys.cuh: per-block setup, staging, partial
-// dot products, per-token score) and the value policy (values.cuh: staging, decoding, whether the
-// sum is rotated); nothing in it branches on a method. AttendCta holds one CTA's state and names
-// its phases. Per-element math is shared with the CPU
-// backend (quant_math.hpp, lloyd_max.hpp, layout.hpp).
+// splits. A layer's attention variant (qjlkv_layer_attention) is fused: the soft-cap applies to
+// each logit as combine makes it, and a sink logit joins its row's denominator in the merge. The
+// kernel is a template over the key policy (keys.cuh: per-block setup, staging, partial dot
+// products, per-token score) and the value policy (values.cuh: staging, decoding, whether the sum
+// is rotated); nothing in it branches on a method. AttendCta holds one CTA's state and names its
+// phases. Per-element math is shared with the CPU backend (quant_math.hpp, lloyd_max.hpp,
+// layout.hpp).
 #pragma once
 #include <cfloat>
 
@@ -122,8 +124,14 @@ struct AttendCta {
       const uint32_t position = valid ? position_of(t) : 0;
       if (a.scores && valid && listed)
         a.scores[size_t(kv_head * G + (row0 + r) % G) * sd.length + position] = raw;
-      scores[r * kTile + t] = valid && position <= query_position(r) ? raw * a.scale : kNegInf;
+      scores[r * kTile + t] = valid && position <= query_position(r) ? logit(raw) : kNegInf;
     }
+  }
+  // The logit of a raw score: scale·raw, or soft-capped softcap·tanh(scale·raw / softcap) (as the
+  // CPU backend computes it); a -inf score (OTT's moved slots) stays -inf.
+  __device__ __forceinline__ float logit(float raw) const {
+    if (a.softcap > 0.0f) return raw == kNegInf ? kNegInf : a.softcap * tanhf(a.softcap_inside * raw);
+    return raw * a.scale;
   }
   // Online softmax: the tile's weights, and per row the running max and sum and the factor that
   // rescales the value sums.
@@ -367,7 +375,9 @@ __global__ void __launch_bounds__(kAttendThreads) attend_kernel(const AttendArgs
   cta.write_partial_results();
 }
 
-// One CTA per output row (sequence, query, head): merges the splits' partial softmax states.
+// One CTA per output row (sequence, query, head): merges the splits' partial softmax states, and
+// the head's sink logit (a term of the denominator that attends to no value) when the layer has
+// them. Every attend path ends here, so the sinks cost no pass over the cache.
 template <class IO>
 __global__ void __launch_bounds__(kAttendThreads) attend_reduce_kernel(const AttendArgs a) {
   const size_t row = blockIdx.x;
@@ -375,9 +385,10 @@ __global__ void __launch_bounds__(kAttendThreads) attend_reduce_kernel(const Att
   const size_t seq = row / rows_per_seq, query_row = row % rows_per_seq;
   const uint32_t splits = a.split.splits, d = a.shape.d;
   const auto part = [&](uint32_t split) { return (seq * splits + split) * rows_per_seq + query_row; };
-  float global_max = kNegInf;
+  const float sink = a.sink_logits ? a.sink_logits[query_row % a.shape.Hq] : kNegInf;
+  float global_max = sink;
   for (uint32_t sp = 0; sp < splits; ++sp) global_max = fmaxf(global_max, a.part_ml[part(sp) * 2]);
-  float total = 0.0f;
+  float total = a.sink_logits ? __expf(sink - global_max) : 0.0f;
   for (uint32_t sp = 0; sp < splits; ++sp)
     total += a.part_ml[part(sp) * 2 + 1] * __expf(a.part_ml[part(sp) * 2] - global_max);
   const float inverse = 1.0f / total;  // every query sees at least its own position

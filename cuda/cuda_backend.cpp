@@ -73,6 +73,9 @@ struct LayerState {
   uint32_t max_rows = 1;  // query rows per attention CTA that fit the device's shared memory
   DeviceBuffer sketch_t;
   DeviceBuffer value_signs;  // rotated Lloyd-Max values: the rotation's signs [d]
+  // The sink logits of the layer's attention variant, [Hq] (allocated by the first variant that has
+  // them, rewritten in stream order by later ones; read while attention(layer) has sinks).
+  DeviceBuffer sink_logits;
   std::unique_ptr<SlotPool> blocks, rings, otts, sinks;  // otts: traced layers only; sinks: sink_tokens > 0
   std::unique_ptr<SlotPool> copies;                      // rollback copies (CopyLayout)
   std::unordered_map<uint32_t, SeqState> seqs;
@@ -139,13 +142,7 @@ class CudaCache final : public qjlkv_cache {
   uint64_t bytes_used() const override { return used_; }
   void stats(qjlkv_stats &out) const override;
   void set_stream(void *stream) override;
-  // Soft-capping and sink logits are not in the CUDA attention kernels yet: refused, not ignored.
-  void set_attention(uint32_t layer, LayerAttention attention) override {
-    if (attention.softcap != 0.0f || !attention.sink_logits.empty() || attention.window != 0)
-      fail(QJLKV_ERROR_UNSUPPORTED,
-           "layer %u: soft-capping, sink logits and windows are not available on the CUDA backend yet", layer);
-    qjlkv_cache::set_attention(layer, std::move(attention));
-  }
+  void set_attention(uint32_t layer, LayerAttention attention) override;
   void set_workers(std::shared_ptr<ThreadPool> workers) override {
     if (workers)
       fail(QJLKV_ERROR_UNSUPPORTED, "workers must be NULL on a CUDA cache (config.backend = QJLKV_BACKEND_CUDA): "
@@ -472,6 +469,7 @@ void CudaCache::release_all() noexcept {
     if (layer.copies) layer.copies->release_all(*pool_, stream_);
     layer.sketch_t.release(*pool_, stream_);
     layer.value_signs.release(*pool_, stream_);
+    layer.sink_logits.release(*pool_, stream_);
   }
   layers_.clear();
   scratch_.release(*pool_, stream_);
@@ -493,6 +491,25 @@ void CudaCache::set_stream(void *stream) {
   check_cuda(cudaEventRecord(switch_event_, stream_), "cudaEventRecord (set_stream)");
   check_cuda(cudaStreamWaitEvent(next, switch_event_, 0), "cudaStreamWaitEvent (set_stream)");
   stream_ = next;
+}
+
+// The sink logits go to the layer's device buffer on the cache's stream, so attends enqueued
+// before read the old ones and later ones the new; the buffer is allocated (once) before anything
+// changes, so a failure leaves the layer's variant as it was. Windows are not in the kernels yet:
+// refused, not ignored.
+void CudaCache::set_attention(uint32_t layer_index, LayerAttention attention) {
+  if (attention.window != 0)
+    fail(QJLKV_ERROR_UNSUPPORTED,
+         "layer %u: sliding windows (window_tokens %u) are not available on the CUDA backend yet", layer_index,
+         attention.window);
+  if (!attention.sink_logits.empty()) {
+    DeviceGuard guard(device_);
+    DeviceBuffer &sinks = layers_[layer_index].sink_logits;
+    const size_t bytes = attention.sink_logits.size() * sizeof(float);
+    sinks.ensure(bytes, *pool_, stream_);
+    upload(sinks.data, attention.sink_logits.data(), bytes);
+  }
+  qjlkv_cache::set_attention(layer_index, std::move(attention));
 }
 
 void CudaCache::download(void *host, const void *device, size_t bytes) const {
@@ -797,6 +814,12 @@ void CudaCache::run_attention(uint32_t layer_index, const uint32_t *seqs, uint32
   args.row_tiles = uint32_t(row_tiles);
   args.split = plan;
   args.scale = scale;
+  const LayerAttention &variant = attention(layer_index);
+  if (!scores_host) {  // scores() returns raw logits: no variant
+    args.softcap = variant.softcap;
+    args.softcap_inside = variant.softcap > 0.0f ? scale / variant.softcap : 0.0f;
+    args.sink_logits = variant.sink_logits.empty() ? nullptr : static_cast<const float *>(layer.sink_logits.data);
+  }
   args.part_ml = reinterpret_cast<float *>(base + desc_bytes);
   args.part_acc = reinterpret_cast<float *>(base + desc_bytes + ml_bytes);
   args.scores = scores_host ? reinterpret_cast<float *>(base + desc_bytes + ml_bytes + acc_bytes) : nullptr;

@@ -119,6 +119,10 @@ struct AttendArgs {
   uint32_t row_tiles;       // CTAs along the qps * G query rows of one kv head
   SplitPlan split;
   float scale;
+  // The layer's attention variant (qjlkv_layer_attention), for attend alone (not scores()):
+  float softcap;             // > 0: logits softcap·tanh(softcap_inside·raw) instead of scale·raw
+  float softcap_inside;      // scale / softcap
+  const float *sink_logits;  // null, or [Hq] on the device: exp(sink_h) joins head h's denominator
   float *part_acc;          // [n_seqs][splits][qps * Hq][d]
   float *part_ml;           // [n_seqs][splits][qps * Hq][2]: running max and sum
   float *scores;            // when not null (scores()): raw logits [Hq][length] of sequence 0

@@ -751,15 +751,18 @@ typedef struct qjlkv_layer_attention {
  * attend_batch on it (each fused into the same pass over the cache: the
  * soft-cap applies per score as the scores are made, the sink term joins the
  * softmax's running sum, the window masks each query's positions and skips
- * the blocks no query sees). A cache starts with every layer plain (no soft-cap,
- * no sinks); setting a zeroed variant makes the layer plain again. The stored
- * bytes do not change: qjlkv_cache_scores still returns the raw <q, k>, and
- * export/import carry no variant (set it on the importing cache).
+ * the blocks no query sees). A CUDA cache does not wait for the device: the
+ * sink logits are copied on the cache's stream, so attends enqueued before
+ * the call keep the old variant. A cache starts with every layer plain (no
+ * soft-cap, no sinks); setting a zeroed variant makes the layer plain again.
+ * The stored bytes do not change: qjlkv_cache_scores still returns the raw
+ * <q, k>, and export/import carry no variant (set it on the importing cache).
  * Errors: INVALID_ARGUMENT (NULL c or attention, a struct_size that is not a
  * shipped size, layer out of range, a logit_softcap that is negative or not
  * finite, a sink logit that is not finite — the message names its index —,
  * a window_tokens other than the layer's while any sequence holds tokens in
- * it), OUT_OF_MEMORY; the layer's variant is then unchanged. */
+ * it), UNSUPPORTED (a window_tokens > 0 on a CUDA cache), OUT_OF_MEMORY; the
+ * layer's variant is then unchanged. */
 QJLKV_API qjlkv_status qjlkv_cache_set_layer_attention(qjlkv_cache *c, uint32_t layer,
                                                        const qjlkv_layer_attention *attention);
 
