@@ -108,8 +108,8 @@ def test_streams_carry_no_variant(rng):
     np.testing.assert_array_equal(dest.attend(1, 0, query), capped)
 
 
-@pytest.mark.parametrize("kind", ["list", "float64", "float16", "bfloat16", "int", "torch", "torch-bf16",
-                                  "torch-parameter"])
+@pytest.mark.parametrize("kind", ["list", "float64", "float16", "bfloat16", "int", "big-endian", "torch",
+                                  "torch-bf16", "torch-parameter"])
 def test_sink_logits_take_any_1d_array_of_numbers(rng, kind):
     """Read once as float32: every kind of the same numbers gives the same output (these sinks
     are exact in every dtype)."""
@@ -121,6 +121,7 @@ def test_sink_logits_take_any_1d_array_of_numbers(rng, kind):
         "float16": sinks.astype(np.float16),
         "bfloat16": sinks.astype(ml_dtypes.bfloat16),
         "int": sinks.astype(np.int64),
+        "big-endian": sinks.astype(">f4"),
         "torch": torch.from_numpy(sinks),
         "torch-bf16": torch.from_numpy(sinks).to(torch.bfloat16),
         "torch-parameter": torch.nn.Parameter(torch.from_numpy(sinks)),
@@ -161,6 +162,10 @@ def test_bad_arguments_name_the_field_and_change_nothing(rng):
                   torch.zeros(HQ, dtype=torch.bool), [[1.0], [2.0, 3.0]]):
         with raises(qjlkv.InvalidType, "sink_logits"):
             cache.set_layer_attention(0, sink_logits=sinks)
+    # The extension itself takes only native float32 arrays (Cache.set_layer_attention converts).
+    for sinks in (np.zeros(HQ, ">f4"), np.zeros(HQ, np.float64), [0.0] * HQ):
+        with raises(qjlkv.InvalidType, "sink_logits"):
+            cache._handle.set_layer_attention(0, 0.0, sinks)
     np.testing.assert_array_equal(cache.attend(0, 3, query), plain)  # every refusal left the layer plain
     cache.close()
     with raises(qjlkv.InvalidArgument, "closed"):
@@ -168,17 +173,28 @@ def test_bad_arguments_name_the_field_and_change_nothing(rng):
 
 
 def test_cuda_tensor_sinks_are_read_from_the_device(rng):
-    """A torch CUDA tensor of sinks (a gpt-oss parameter on the GPU) is copied to the host, for a
-    CPU cache and for a CUDA cache alike."""
+    """A torch CUDA tensor of sinks (a gpt-oss parameter on the GPU) is copied to the host: a CPU
+    cache needs only torch's CUDA."""
+    if not torch.cuda.is_available():
+        reason = "needs a CUDA device for torch"
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+    cache = filled_cache(rng, "q3")
+    query = randn(rng, HQ, D)
+    cache.set_layer_attention(0, logit_softcap=3.0, sink_logits=SINKS)
+    want = cache.attend(0, 3, query)
+    cache.set_layer_attention(0)
+    cache.set_layer_attention(0, logit_softcap=3.0, sink_logits=torch.from_numpy(SINKS).cuda())
+    np.testing.assert_array_equal(cache.attend(0, 3, query), want)
+
+
+def test_cuda_cache_attends_with_the_variant(rng):
+    """A CUDA cache holding the CPU cache's sequence attends with the same variant."""
     require_cuda()
     cpu = filled_cache(rng, "q3")
     query = randn(rng, HQ, D)
     cpu.set_layer_attention(0, logit_softcap=3.0, sink_logits=SINKS)
     want = cpu.attend(0, 3, query)
-    cpu.set_layer_attention(0)
-    cpu.set_layer_attention(0, logit_softcap=3.0, sink_logits=torch.from_numpy(SINKS).cuda())
-    np.testing.assert_array_equal(cpu.attend(0, 3, query), want)
-
     gpu = qjlkv.Cache(cpu.config.replace(device=0))
     gpu.import_bytes(3, cpu.export_bytes(3))
     try:

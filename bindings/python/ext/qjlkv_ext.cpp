@@ -661,7 +661,8 @@ class Cache {
         fail_type("sink_logits is a " + type_name(sinks_obj) + "; expected None or a numpy float32 array");
       const auto arr = py::reinterpret_borrow<py::array>(sinks_obj);
       const std::string dt_name = py::str(arr.dtype().attr("name"));
-      if (dt_name != "float32") fail_type("sink_logits has dtype " + dt_name + "; expected float32");
+      if (dt_name != "float32" || !arr.dtype().attr("isnative").cast<bool>())
+        fail_type("sink_logits has dtype " + std::string(py::str(arr.dtype())) + "; expected native float32");
       const std::vector<int64_t> shape(arr.shape(), arr.shape() + arr.ndim());
       if (shape != std::vector<int64_t>{cfg_.num_q_heads})
         fail_argument("sink_logits has shape " + shape_string(shape) + ", expected (num_q_heads,) = (" +
