@@ -5,8 +5,10 @@
 // program of calls: append (lengths 0, 1, block-sized, UINT32_MAX; data of any magnitude, with
 // NaN/Inf or out-of-fp16-range numbers), append_batch (duplicate ids too), attend (n_queries 0
 // up to length + 1; NaN/Inf/negative scales), attend_batch, scores, clear, truncate and fork
-// (lengths 0 up to length + 1, a fork into itself or a sequence that holds tokens), on valid and
-// invalid layers and sequences. After every call:
+// (lengths 0 up to length + 1, a fork into itself or a sequence that holds tokens), and
+// set_layer_attention (soft-caps from tiny to large, negative, NaN or infinite; sink logits of
+// any magnitude, some not finite; wrong struct_size or reserved), on valid and invalid layers and
+// sequences. After every call:
 //   - the status is the one the header prescribes (OK, or INVALID_ARGUMENT for the bad input),
 //     a failure names its argument and leaves lengths and statistics unchanged;
 //   - lengths equal the model's; stats: tokens = sum of lengths, bytes_used = the sum of its
@@ -16,7 +18,9 @@
 //   - attention outputs are finite and, per channel, within the range of the values they
 //     average (quantized values stay within their group's range up to fp16 rounding); for the
 //     "exact" preset they equal a float64 softmax reference on the 16-bit stored keys and
-//     values within a bound derived from fp32 rounding;
+//     values within a bound derived from fp32 rounding, with the layer's soft-cap and sinks as
+//     the model holds them (a refused variant leaves the layer's as it was; sinks let the
+//     output shrink toward 0);
 //   - scores are finite (OTT: -inf marks a token moved to the pool); for "exact" they equal the
 //     reference products;
 //   - reconstructions write only their outputs, are finite, keep values within their group's
@@ -109,6 +113,12 @@ struct Stream {
   std::vector<float> keys, values;  // [tokens][Hkv][d], as the library read them
 };
 
+// A layer's attention variant (qjlkv_cache_set_layer_attention) as the library accepted it.
+struct Variant {
+  float softcap = 0.0f;       // > 0: logits s become softcap·tanh(s / softcap)
+  std::vector<float> sinks;   // empty, or one logit per query head
+};
+
 class Harness {
  public:
   Harness(Input &in) : in_(in) {}
@@ -173,6 +183,7 @@ class Harness {
   void do_scores();
   void do_reconstruct();
   void do_clear();
+  void do_set_attention();
   void do_truncate();
   void do_fork();
   uint64_t longest(uint32_t seq) const {
@@ -195,6 +206,7 @@ class Harness {
   qjlkv_cache *cache_ = nullptr;
   size_t io_ = 4, token_elems_ = 0, query_elems_ = 0;
   std::map<std::pair<uint32_t, uint32_t>, Stream> streams_;  // (layer, seq); absent = empty
+  std::vector<Variant> variants_;                            // per layer
 };
 
 bool Harness::setup() {
@@ -252,6 +264,7 @@ bool Harness::setup() {
              cfg_.initial_layers, cfg_.initial_key_sketch_dim, cfg_.initial_outlier_sketch_dim, cfg_.outlier_tokens,
              cfg_.outlier_spill_tokens, cfg_.outlier_skip_layers, cfg_.key_token_bits);
   io_ = cfg_.dtype == QJLKV_DTYPE_F32 ? 4 : 2;
+  variants_.assign(cfg_.num_layers, Variant{});
   token_elems_ = size_t(cfg_.num_kv_heads) * cfg_.head_dim;
   query_elems_ = size_t(cfg_.num_q_heads) * cfg_.head_dim;
   return true;
@@ -497,13 +510,16 @@ void Harness::check_output(uint32_t layer, uint32_t seq, uint32_t n_queries, con
   const double used_scale = scale > 0.0f ? double(scale) : 1.0 / std::sqrt(double(d));
   const bool exact = cfg_.key_method == QJLKV_KEYS_EXACT;
   const uint32_t g = cfg_.value_group_size;
+  const Variant &variant = variants_[layer];
+  const double cap = variant.softcap;
   for (uint32_t i = 0; i < n_queries; ++i) {
     const uint64_t position = length - n_queries + i;
     for (uint32_t h = 0; h < Hq; ++h) {
       const uint32_t kv = h / G;
       const float *q = &queries[(size_t(i) * Hq + h) * d];
       std::vector<double> logits(position + 1);
-      double max_logit = -INFINITY, logit_error = 0.0, v_abs_max = 0.0;
+      const bool sink = !variant.sinks.empty();
+      double max_logit = sink ? double(variant.sinks[h]) : -INFINITY, logit_error = 0.0, v_abs_max = 0.0;
       for (uint64_t t = 0; t <= position; ++t) {
         const float *k = &stream.keys[(t * Hkv + kv) * d];
         double dot = 0.0, abs_dot = 0.0;
@@ -513,11 +529,15 @@ void Harness::check_output(uint32_t layer, uint32_t seq, uint32_t n_queries, con
           abs_dot += std::fabs(double(q[j]) * kj);
         }
         logits[t] = used_scale * dot;
+        // The cap's slope is at most 1, so it never grows a logit's error; its own fp32 rounding
+        // (s / c, tanh, the product) adds a few ulps of c.
+        if (cap > 0.0) logits[t] = cap * std::tanh(logits[t] / cap);
         max_logit = std::max(max_logit, logits[t]);
-        logit_error = std::max(logit_error, used_scale * abs_dot * (d + 4) * kEps32 * 2);
+        logit_error = std::max(logit_error, used_scale * abs_dot * (d + 4) * kEps32 * 2 + cap * 8 * kEps32);
         for (uint32_t j = 0; j < d; ++j) v_abs_max = std::max(v_abs_max, double(std::fabs(stream.values[(t * Hkv + kv) * d + j])));
       }
-      double sum = 0.0;
+      // The sink's term joins the denominator and attends to no value.
+      double sum = sink ? std::exp(double(variant.sinks[h]) - max_logit) : 0.0;
       for (double &l : logits) sum += (l = std::exp(l - max_logit));
       for (uint32_t j = 0; j < d; ++j) {
         const float got = decode_one(out + ((size_t(i) * Hq + h) * d + j) * io_, qjlkv_dtype(cfg_.dtype));
@@ -542,6 +562,10 @@ void Harness::check_output(uint32_t layer, uint32_t seq, uint32_t n_queries, con
             }
           }
           reference += logits[t] / sum * (quantized_at(length, t) ? stored16(v[j]) : v[j]);
+        }
+        if (sink) {  // the weights sum to less than 1: the output lies between 0 and the values
+          lo = std::min(lo, 0.0);
+          hi = std::max(hi, 0.0);
         }
         // Rounding of a 16-bit output: relative, plus fp16's subnormal spacing near zero.
         const double out_rounding = cfg_.dtype == QJLKV_DTYPE_F32 ? 0.0 : cfg_.dtype == QJLKV_DTYPE_F16 ? 0x1p-10 : 0x1p-7;
@@ -783,6 +807,51 @@ void Harness::do_clear() {
   for (uint32_t l = 0; l < cfg_.num_layers; ++l) streams_.erase({l, seq});
 }
 
+// set_layer_attention with fuzzed arguments: accepted, the model's variant of the layer follows;
+// refused (INVALID_ARGUMENT naming the field), the layer keeps the variant it had, which the
+// attends after it check.
+void Harness::do_set_attention() {
+  const uint32_t layer = pick_layer();
+  static const float kCaps[] = {0.0f, 0.0f, 0.5f, 1.0f, 5.0f, 50.0f, 1e4f, 1e-30f, -0.0f, -1.0f, NAN, INFINITY};
+  const float cap = in_.pick(kCaps);
+  const uint8_t sink_choice = in_.byte();
+  std::vector<float> sinks;
+  bool sinks_finite = true;
+  if (sink_choice % 3 != 0) {
+    static const float kSinks[] = {0.0f, -1.0f, 1.0f, 3.0f, 10.0f, -10.0f, 80.0f, -80.0f, 1e4f, -1e30f};
+    sinks.resize(cfg_.num_q_heads);
+    for (float &x : sinks) x = in_.pick(kSinks);
+    if (sink_choice % 16 == 1) {  // one poisoned head
+      static const float kPoisons[] = {NAN, INFINITY, -INFINITY};
+      sinks[in_.byte() % sinks.size()] = in_.pick(kPoisons);
+      sinks_finite = false;
+    }
+  }
+  qjlkv_layer_attention a;
+  std::memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.logit_softcap = cap;
+  a.sink_logits = sinks.empty() ? nullptr : sinks.data();
+  const uint8_t broken = in_.byte() % 16;
+  if (broken == 14) a.struct_size = in_.flag() ? 0 : sizeof a + 8;
+  if (broken == 15) a.reserved = 1 + in_.byte();
+  const std::string before = snapshot();
+  const qjlkv_status s = qjlkv_cache_set_layer_attention(cache_, layer, &a);
+  FUZZ_TRACE("set_layer_attention(layer %u, struct_size %u, softcap %g, %s sinks, reserved %u) -> %s\n", layer,
+             a.struct_size, double(cap), sinks.empty() ? "no" : sinks_finite ? "finite" : "poisoned", a.reserved,
+             qjlkv_status_string(s));
+  std::vector<const char *> wrong;
+  if (a.struct_size != sizeof a) wrong.push_back("struct_size");
+  if (layer >= cfg_.num_layers) wrong.push_back("layer");
+  if (!(std::isfinite(cap) && cap >= 0.0f)) wrong.push_back("logit_softcap");
+  if (a.reserved != 0) wrong.push_back("reserved");
+  if (!sinks_finite) wrong.push_back("sink_logits");
+  if (!wrong.empty()) return expect_failure(s, before, "set_layer_attention", wrong);
+  FUZZ_CHECK(s == QJLKV_OK, "set_layer_attention: %s", qjlkv_last_error_message());
+  FUZZ_CHECK(snapshot() == before, "set_layer_attention changed lengths or statistics");
+  variants_[layer] = Variant{cap > 0.0f ? cap : 0.0f, sinks};
+}
+
 void Harness::keep_prefix(uint32_t seq, uint64_t length) {
   for (uint32_t l = 0; l < cfg_.num_layers; ++l) {
     const auto it = streams_.find({l, seq});
@@ -836,7 +905,15 @@ void Harness::do_fork() {
 }
 
 void Harness::step() {
-  switch (in_.byte() % 11) {
+  // Operation bytes 242-255 set a layer's attention variant; the others keep the operations
+  // the corpus was grown with.
+  const uint8_t op = in_.byte();
+  if (op >= 242) {
+    do_set_attention();
+    check_state();
+    return;
+  }
+  switch (op % 11) {
     case 0:
     case 1: do_append(); break;
     case 2: do_append_batch(); break;

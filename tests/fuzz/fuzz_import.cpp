@@ -11,7 +11,9 @@
 //   - an accepted stream is canonical: exporting the imported sequence gives the input back,
 //     byte for byte, apart from the writer's library version and the two checksums over it (an
 //     input of format version 1 or 2 comes back as version 3, with the same sections; a version
-//     1 header grows by value_method and sink_tokens, both 0);
+//     1 header grows by value_method and sink_tokens, both 0; mixed-bit keys come back as
+//     version 4, and a version-4 stream of any other cache, whose key_token_bits is 0, as
+//     version 3);
 //   - except that version 1 and 2 streams of QJL caches with outlier channels store the outlier
 //     sign bits that version 3 replaced by corrections: their re-export, as version 3, keeps the
 //     header's layers and config and is canonical itself (imported again, it exports as it is);
@@ -71,9 +73,10 @@ bool same(const State &a, const State &b) {
   return a.lengths == b.lengths && std::memcmp(&a.stats, &b.stats, sizeof a.stats) == 0;
 }
 
-// docs/FORMAT.md: the header is 128 bytes in version 1, 136 in versions 2 and 3; its CRC ends it.
-constexpr uint32_t kFormatVersion = 3;
-size_t header_bytes_of(uint32_t version) { return version == 1 ? 128 : 136; }
+// docs/FORMAT.md: the header is 128 bytes in version 1, 136 in versions 2 and 3, 140 in version
+// 4 (key_token_bits); its CRC ends it. The writer writes version 4 for mixed-bit keys only.
+size_t header_bytes_of(uint32_t version) { return version == 1 ? 128 : version == 4 ? 140 : 136; }
+uint32_t written_version(const qjlkv_config &cfg) { return cfg.key_method == QJLKV_KEYS_MIXED ? 4 : 3; }
 
 // A destination that already holds another sequence, as a serving process's cache would.
 qjlkv_cache *make_destination(const qjlkv_config &cfg) {
@@ -156,9 +159,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       uint32_t again_version = 0, newer_fields[2] = {1, 1};
       std::memcpy(&again_version, again.data() + 8, 4);
       std::memcpy(newer_fields, again.data() + 124, 8);
-      FUZZ_CHECK(again_version == kFormatVersion, "re-exported as version %u", again_version);
-      const size_t grown = 136 - header_bytes;  // the fields version 1 lacks
-      FUZZ_CHECK(grown == 0 || (newer_fields[0] == 0 && newer_fields[1] == 0),
+      FUZZ_CHECK(again_version == written_version(cfg), "re-exported as version %u", again_version);
+      const size_t again_header = header_bytes_of(again_version);
+      FUZZ_CHECK(version != 1 || (newer_fields[0] == 0 && newer_fields[1] == 0),
                  "a version 1 stream re-exported with value_method %u, sink_tokens %u", newer_fields[0],
                  newer_fields[1]);
       const bool converted = version < 3 && cfg.key_method == QJLKV_KEYS_QJL && cfg.outlier_channels > 0;
@@ -177,17 +180,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         FUZZ_CHECK(twice == again, "the re-export of a converted stream is not canonical");
         qjlkv_cache_destroy(reimported);
       } else {
-        FUZZ_CHECK(again_size == stream.size() + grown, "export size %llu, the stream had %zu",
-                   (unsigned long long)again_size, stream.size());
-        for (size_t i = 0; i < stream.size() - 4; ++i) {
-          // The version [8, 12) of an older stream, its header bytes [12, 16) in version 1, and the
-          // header CRC differ between versions.
-          const bool version_fields = (version != kFormatVersion && i >= 8 && i < 12) || (grown && i >= 12 && i < 16);
-          const bool library_version = i >= 16 && i < 20, header_crc = i >= header_bytes - 4 && i < header_bytes;
-          const size_t j = i < header_bytes - 4 ? i : i + grown;
-          FUZZ_CHECK(version_fields || library_version || header_crc || again[j] == stream[i],
-                     "re-export differs at byte %zu", i);
-        }
+        // Same payload; the headers share their config fields, and a field only one of them has
+        // is 0 (the fields version 1 lacks; key_token_bits of a version-4 stream re-exported as
+        // version 3). The version [8, 12), the header bytes [12, 16), the writer's library
+        // version [16, 20) and the CRCs may differ.
+        FUZZ_CHECK(again_size - again_header == stream.size() - header_bytes,
+                   "export size %llu (header %zu), the stream had %zu (header %zu)", (unsigned long long)again_size,
+                   again_header, stream.size(), header_bytes);
+        const size_t common = std::min(header_bytes, again_header) - 4;
+        for (size_t i = 0; i < common; ++i)
+          FUZZ_CHECK((i >= 8 && i < 20) || again[i] == stream[i], "re-exported header differs at byte %zu", i);
+        for (size_t i = common; i < again_header - 4; ++i)
+          FUZZ_CHECK(again[i] == 0, "re-exported header byte %zu is %u, a field the stream lacks", i, again[i]);
+        for (size_t i = common; i < header_bytes - 4; ++i)
+          FUZZ_CHECK(stream[i] == 0, "the stream's header byte %zu (%u) is lost in the re-export", i, stream[i]);
+        for (size_t i = header_bytes; i < stream.size() - 4; ++i)
+          FUZZ_CHECK(again[i - header_bytes + again_header] == stream[i], "re-export differs at payload byte %zu",
+                     i - header_bytes);
       }
     }
     check_usable(c, cfg);

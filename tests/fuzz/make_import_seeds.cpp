@@ -1,10 +1,12 @@
 // Writes the seed corpus of the import harness: for every config of import_configs.hpp, valid
-// streams (this library's format version, 3) of the sequences of kSeedLengths (sinks and a tail;
-// sinks, blocks and a tail; a layer range; fewer tokens than the sinks), each prefixed with the
-// harness's two control bytes (config index; 0 = keep the checksums as they are). The v1_* and
-// v2_* seeds beside them are streams of the format-1 and format-2 writers of the same sequences,
-// kept as they were written (v2_seed_0_*: QJL records with outlier sign bits, which import
-// converts).
+// streams (this library's format versions: 4 for config 8's mixed-bit keys, 3 for the others)
+// of the sequences of kSeedLengths (sinks and a tail; sinks, blocks and a tail; a layer range;
+// fewer tokens than the sinks), each prefixed with the harness's two control bytes (config
+// index; 0 = keep the checksums as they are). The v1_* and v2_* seeds beside them are streams of
+// the format-1 and format-2 writers of the same sequences, kept as they were written
+// (v2_seed_0_*: QJL records with outlier sign bits, which import converts). The seed_* streams
+// of configs 0-7 hold the writer version (an informational header field) of the release that
+// wrote them; rewriting them changes that field and the checksums only.
 //   c++ -std=c++20 -Iinclude -Itests/fuzz tests/fuzz/make_import_seeds.cpp build/libqjlkv.a -lpthread \
 //     -o make_import_seeds && ./make_import_seeds tests/fuzz/corpus/import
 #include <cstdio>

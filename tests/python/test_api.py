@@ -32,6 +32,7 @@ C_FUNCTIONS = {
     "qjlkv_workers_create": qjlkv.Workers,
     "qjlkv_workers_destroy": qjlkv.Workers,  # when the Workers object is collected
     "qjlkv_cache_set_workers": qjlkv.Cache.set_workers,
+    "qjlkv_cache_set_layer_attention": qjlkv.Cache.set_layer_attention,
     "qjlkv_cache_append": qjlkv.Cache.append,
     "qjlkv_cache_attend": qjlkv.Cache.attend,
     "qjlkv_cache_append_batch": qjlkv.Cache.append_batch,
@@ -283,7 +284,8 @@ def test_public_callables_have_docstrings():
         if callable(obj) and not isinstance(obj, type(qjlkv.Status.OK)):
             assert obj.__doc__, name
     for name in ("append", "attend", "append_batch", "attend_batch", "scores", "reconstruct", "length", "clear",
-                 "stats", "sketch", "set_stream", "set_workers", "truncate", "fork", "bytes_needed", "sequence_bytes"):
+                 "stats", "sketch", "set_stream", "set_workers", "truncate", "fork", "bytes_needed", "sequence_bytes",
+                 "set_layer_attention"):
         assert getattr(qjlkv.Cache, name).__doc__, name
 
 
@@ -298,7 +300,8 @@ def test_help_reads_as_a_manual():
     import pydoc
 
     text = pydoc.render_doc(qjlkv.Cache, renderer=pydoc.plaintext)
-    for section in ("Creating", "decode loop", "Tensors", "Errors", "Threads", "serialized", "closed", "Memory"):
+    for section in ("Creating", "decode loop", "Tensors", "Errors", "Threads", "serialized", "closed", "Memory",
+                    "Attention variants"):
         assert section in text, section
     for name in ("append", "attend", "append_batch", "attend_batch", "scores", "reconstruct", "length", "clear",
                  "stats", "sketch", "set_stream", "close", "closed", "config", "__init__"):

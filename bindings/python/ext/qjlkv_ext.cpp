@@ -645,6 +645,46 @@ class Cache {
     check(qjlkv_cache_set_workers(session.cache(), w));
   }
 
+  // qjlkv_cache_set_layer_attention. logit_softcap: a number (the library checks its range);
+  // sink_logits: None or a 1-D float32 numpy array of num_q_heads (qjlkv.Cache converts any
+  // array-like first), copied by the library during the call.
+  void set_layer_attention(py::handle layer, py::handle softcap_obj, py::handle sinks_obj) {
+    const uint32_t l = to_u32(layer, "layer");
+    if (PyBool_Check(softcap_obj.ptr()) || !(PyFloat_Check(softcap_obj.ptr()) || PyIndex_Check(softcap_obj.ptr()) ||
+                                             py::hasattr(softcap_obj, "__float__")))
+      fail_type("logit_softcap must be a number, got " + type_name(softcap_obj));
+    const double softcap = PyFloat_AsDouble(softcap_obj.ptr());
+    if (softcap == -1.0 && PyErr_Occurred()) throw py::error_already_set();
+    py::array_t<float> sinks;
+    if (!sinks_obj.is_none()) {
+      if (!py::isinstance<py::array>(sinks_obj))
+        fail_type("sink_logits is a " + type_name(sinks_obj) + "; expected None or a numpy float32 array");
+      const auto arr = py::reinterpret_borrow<py::array>(sinks_obj);
+      const std::string dt_name = py::str(arr.dtype().attr("name"));
+      if (dt_name != "float32" || !arr.dtype().attr("isnative").cast<bool>())
+        fail_type("sink_logits has dtype " + std::string(py::str(arr.dtype())) + "; expected native float32");
+      const std::vector<int64_t> shape(arr.shape(), arr.shape() + arr.ndim());
+      if (shape != std::vector<int64_t>{cfg_.num_q_heads})
+        fail_argument("sink_logits has shape " + shape_string(shape) + ", expected (num_q_heads,) = (" +
+                      std::to_string(cfg_.num_q_heads) + ",)");
+      if (!is_row_major(shape, arr.strides(), sizeof(float), true))
+        fail_argument("sink_logits is not contiguous; pass numpy.ascontiguousarray(sink_logits)");
+      sinks = py::reinterpret_borrow<py::array_t<float>>(arr);
+    }
+    qjlkv_layer_attention attention;
+    std::memset(&attention, 0, sizeof attention);
+    attention.struct_size = sizeof attention;
+    // A double beyond the float range becomes an infinity, which the library refuses by name.
+    constexpr float kInf = std::numeric_limits<float>::infinity();
+    attention.logit_softcap = std::fabs(softcap) > double(std::numeric_limits<float>::max())
+                                  ? (softcap > 0 ? kInf : -kInf)
+                                  : static_cast<float>(softcap);
+    attention.sink_logits = sinks_obj.is_none() ? nullptr : sinks.data();
+    const Session session(*handle_);
+    qjlkv_cache *c = session.cache();
+    call_nogil([&] { return qjlkv_cache_set_layer_attention(c, l, &attention); });
+  }
+
   void append(py::handle layer, py::handle seq, py::handle keys, py::handle values) {
     const uint32_t l = to_u32(layer, "layer"), s = to_u32(seq, "seq");
     const TensorView k = input(keys, "keys"), v = input(values, "values");
@@ -1096,6 +1136,8 @@ PYBIND11_MODULE(_qjlkv, m) {
       .def("config", &Cache::config)
       .def("set_stream", &Cache::set_stream, py::arg("stream"))
       .def("set_workers", &Cache::set_workers, py::arg("workers"))
+      .def("set_layer_attention", &Cache::set_layer_attention, py::arg("layer"), py::arg("logit_softcap"),
+           py::arg("sink_logits"))
       .def("append", &Cache::append, py::arg("layer"), py::arg("seq"), py::arg("keys"), py::arg("values"))
       .def("attend", &Cache::attend, py::arg("layer"), py::arg("seq"), py::arg("queries"), py::arg("scale"),
            py::arg("out"))

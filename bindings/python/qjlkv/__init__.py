@@ -224,6 +224,31 @@ Sketch = _qjlkv.Sketch
 Workers = _qjlkv.Workers
 
 
+def _sink_logits(sink_logits: _Any) -> _np.ndarray | None:
+    """None, or ``sink_logits`` (a 1-D array-like of numbers: numpy, a torch tensor on any
+    device, a list) as a contiguous float32 host array; the extension checks its length."""
+    if sink_logits is None:
+        return None
+    if type(sink_logits).__module__.startswith("torch"):
+        import torch
+
+        if not isinstance(sink_logits, torch.Tensor):
+            raise _error(InvalidType, f"sink_logits is a {type(sink_logits).__name__}; expected a 1-D array of numbers")
+        if sink_logits.is_complex() or sink_logits.dtype == torch.bool:
+            raise _error(InvalidType, f"sink_logits has dtype {sink_logits.dtype}; expected real numbers")
+        return _np.ascontiguousarray(sink_logits.detach().to(device="cpu", dtype=torch.float32).numpy())
+    if isinstance(sink_logits, (str, bytes)):
+        raise _error(InvalidType, f"sink_logits is a {type(sink_logits).__name__}; expected a 1-D array of numbers")
+    try:
+        array = _np.asarray(sink_logits)
+    except (TypeError, ValueError) as e:
+        raise _error(InvalidType, f"sink_logits cannot be read as an array: {e}") from None
+    if array.dtype.kind not in "fiu" and array.dtype.name != "bfloat16":
+        raise _error(InvalidType, f"sink_logits has dtype {array.dtype.name}; expected real numbers")
+    with _np.errstate(over="ignore"):  # beyond float32: infinite, which the library refuses by index
+        return _np.ascontiguousarray(array, dtype=_np.float32)
+
+
 def _new_like(tensor: _Any) -> _Any:
     """An uninitialized array of ``tensor``'s kind, shape, dtype and device."""
     if isinstance(tensor, _np.ndarray):
@@ -276,6 +301,11 @@ class Cache:
     ``config.rollback_tokens`` (32 in every preset) is how far a truncate is exact;
     ``config.memory_budget`` (0 = none) caps ``stats()["bytes_used"]``.
 
+    Attention variants, per layer (Gemma 2's logit soft-capping, gpt-oss's sink logits)::
+
+        cache.set_layer_attention(l, logit_softcap=50.0)         # logits c * tanh(s / c)
+        cache.set_layer_attention(l, sink_logits=module.sinks)   # (num_q_heads,)
+
     Threads: the GIL is released while the library works. Calls on one cache from several
     threads are serialized (each waits for the one in flight); different caches run in
     parallel. ``close()`` waits for a call in flight, and any call after it raises
@@ -298,6 +328,26 @@ class Cache:
         """A copy of the configuration the cache was created with (``qjlkv_cache_config``)."""
         return Config._from_dict(self._handle.config(), self._preset)
 
+    def set_layer_attention(self, layer: int, logit_softcap: float = 0.0, sink_logits: _Any = None) -> None:
+        """Sets how ``layer``'s attention departs from softmax(scale * q K^T) V, for every later
+        :meth:`attend` and :meth:`attend_batch` on it (``qjlkv_cache_set_layer_attention``):
+
+        * ``logit_softcap`` c > 0: every logit s = scale * <q, k> becomes c * tanh(s / c) before
+          the softmax (Gemma 2's ``attn_logit_softcapping``); 0 = none. Finite and >= 0.
+        * ``sink_logits``: None, or ``num_q_heads`` finite logits, one per query head h (a 1-D
+          numpy array, torch tensor on any device, or list; read once as float32 and copied):
+          exp(sink_logits[h]) joins head h's softmax denominator and attends to no value
+          (gpt-oss's learned sinks), so the weights sum to less than 1.
+
+        Every layer starts plain; ``set_layer_attention(layer)`` (no soft-cap, no sinks) makes
+        it plain again. The stored bytes do not change: :meth:`scores` still gives the raw
+        <q, k>, and export/import carry no variant (set it on the importing cache). Raises
+        InvalidArgument naming the argument (``layer`` out of range, ``logit_softcap`` negative
+        or not finite, ``sink_logits`` of another length or with a non-finite entry, named by
+        its index) and InvalidType (not numbers); the layer is then unchanged. A CUDA cache
+        whose backend lacks a variant raises Unsupported."""
+        self._handle.set_layer_attention(layer, logit_softcap, _sink_logits(sink_logits))
+
     def append(self, layer: int, seq: int, keys: _Any, values: _Any) -> None:
         """Appends tokens to sequence ``seq`` of ``layer`` (``qjlkv_cache_append``).
 
@@ -309,7 +359,8 @@ class Cache:
 
     def attend(self, layer: int, seq: int, queries: _Any, scale: float | None = None, *, out: _Any = None) -> _Any:
         """Attention of the last ``n_queries`` positions of (layer, seq) on the compressed
-        cache (``qjlkv_cache_attend``): softmax(scale * q K^T) V, causal among the queries.
+        cache (``qjlkv_cache_attend``): softmax(scale * q K^T) V, causal among the queries,
+        with the layer's soft-cap and sinks if :meth:`set_layer_attention` set them.
 
         queries: ``(n_queries, num_q_heads, head_dim)`` or ``(num_q_heads, head_dim)``;
         n_queries <= length. scale: a finite number > 0, or None for 1/sqrt(head_dim).

@@ -38,6 +38,17 @@ Two ways to attend:
   products with any query equal the scores the library uses, dequantized values). Padding is
   stored there, masked by transformers.
 
+Attention variants. Where the model config has ``attn_logit_softcapping`` (Gemma 2), the
+library cache soft-caps the logits of every layer (``qjlkv.Cache.set_layer_attention``, set
+when the library cache is created). With the fused attention, the module's ``softcap`` and
+gpt-oss's learned sinks (``s_aux``, the ``self_attn.sinks`` parameter) are handed to the
+library cache when a layer first attends, and the prompt's exact attention applies them too
+(in float32, in place of SDPA, which has neither), so each applies exactly once. With any other
+attention implementation the model's own function applies them to the dense reconstruction
+(Gemma 2 and gpt-oss need ``eager`` there). Sliding-window layers (Gemma 2, gpt-oss) are the
+same as full attention up to the window's length; beyond it the fused attention refuses their
+mask (``qjlkv.Unsupported``).
+
 The cache stores ``dtype`` (default: the model's); keys, values and queries are converted to
 it and outputs back. ``QJLCache.stats()`` is the library's own memory count.
 """
@@ -178,6 +189,9 @@ class QJLCache(Cache):
 
     Batch row ``b`` is the library sequence ``rows[b]``; ``pads[b]`` leading positions of it
     are padding that is not stored (fused attention only).
+
+    A config's ``attn_logit_softcapping`` (Gemma 2) is set on every layer of the library cache
+    (``qjlkv.Cache.set_layer_attention``); gpt-oss's sinks reach it through the fused attention.
     """
 
     def __init__(self, config: Any, preset: str = "q3", **fields: Any) -> None:
@@ -187,6 +201,8 @@ class QJLCache(Cache):
         self._num_q_heads = text.num_attention_heads
         self._num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self._head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        # Gemma 2's attention soft-capping, set on every layer of the library cache.
+        self._softcap = float(getattr(text, "attn_logit_softcapping", None) or 0.0)
         self._preset = preset
         self._fields = dict(fields)
         # Fails now, not at the first forward, on a bad preset or field.
@@ -201,6 +217,8 @@ class QJLCache(Cache):
         # Prefill rows equal to an earlier row (same padding, keys and values in every layer so
         # far): row -> the earlier row. Forked from it once every layer is in.
         self._alias: dict[int, int] = {}
+        # The attention variant each layer of the library cache holds: (soft-cap, sink tensor).
+        self._variants: list[tuple[float, Any]] = [(0.0, None)] * self._num_layers
         super().__init__(layers=[QJLLayer(self, i) for i in range(self._num_layers)])
 
     # -- the library cache -------------------------------------------------------------------
@@ -229,6 +247,24 @@ class QJLCache(Cache):
         self._dtype = _TORCH_DTYPES[cfg.dtype]
         if key_states.is_cuda:
             self._lib.set_stream(torch.cuda.current_stream(key_states.device))
+        self._variants = [(0.0, None)] * self._num_layers
+        if self._softcap:
+            try:
+                for layer in range(self._num_layers):
+                    self._use_variant(layer, self._softcap, None)
+            except qjlkv.Unsupported:
+                # A backend without variants: the dense reconstruction does not need them, and
+                # the fused attention raises when it would.
+                pass
+
+    def _use_variant(self, layer: int, softcap: float | None, sinks: torch.Tensor | None) -> None:
+        """Makes the library layer attend with this soft-cap and these sinks (set once: a layer
+        keeps its variant until either changes)."""
+        softcap = float(softcap or 0.0)
+        held_softcap, held_sinks = self._variants[layer]
+        if softcap != held_softcap or sinks is not held_sinks:
+            self._lib.set_layer_attention(layer, softcap, sinks)
+            self._variants[layer] = (softcap, sinks)
 
     def _new_id(self) -> int:
         if self._free:
@@ -411,8 +447,12 @@ class QJLCache(Cache):
 
     # -- the fused attention (called by qjlkv_attention_forward) --------------------------------
     def _attend(self, layer: int, query: torch.Tensor, keys_in: torch.Tensor, values_in: torch.Tensor,
-                mask: torch.Tensor | None, scaling: float | None, prefill: bool, exact: Any) -> torch.Tensor:
-        """Appends this layer's keys and values and returns the attention (batch, tokens, q heads, d)."""
+                mask: torch.Tensor | None, scaling: float | None, prefill: bool, exact: Any,
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Appends this layer's keys and values and returns the attention (batch, tokens, q heads, d),
+        with the layer's soft-cap and sinks applied once: by ``exact`` for the prompt, by the
+        library for the rest."""
+        self._use_variant(layer, softcap, sinks)
         batch, _, tokens, _ = query.shape
         keys, values = self._library_layout(keys_in), self._library_layout(values_in)
         if prefill:
@@ -482,19 +522,52 @@ def _left_padding(mask: torch.Tensor | None, batch: int, tokens: int) -> list[in
     return pads
 
 
+def _exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Exact attention (batch, tokens, q heads, d) in float32 with Gemma 2's soft-cap and
+    gpt-oss's sinks, which SDPA lacks: query (batch, q heads, tokens, d), key and value
+    (batch, kv heads, kv, d); mask boolean (True = attend) or additive, None = causal."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1).float()
+    v = value.repeat_interleave(groups, dim=1).float()
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    logits = torch.matmul(query.float(), k.transpose(2, 3)) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    tokens, kv = logits.shape[-2:]
+    if mask is None:
+        mask = torch.ones(tokens, kv, dtype=torch.bool, device=logits.device).tril(kv - tokens)
+    mask = mask[..., :kv]
+    if mask.dtype == torch.bool:  # a finite floor: rows that see nothing give no NaN
+        logits = logits.masked_fill(~mask, torch.finfo(torch.float32).min)
+    else:
+        logits = logits + mask.float()
+    if sinks is not None:
+        column = sinks.detach().float().reshape(1, -1, 1, 1).expand(logits.shape[0], -1, tokens, 1)
+        weights = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(logits, dim=-1)
+    return torch.matmul(weights, v).transpose(1, 2).to(query.dtype).contiguous()
+
+
 def qjlkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None,
                             dropout: float = 0.0, **kwargs: Any):
     """transformers attention function ``"qjlkv"``: with a ``QJLCache``, appends the layer's
-    keys and values (without padding) and attends: the prompt with exact SDPA attention,
-    every later query with ``qjlkv_cache_attend`` on the compressed cache. Layers of any
-    other cache use exact SDPA attention."""
+    keys and values (without padding) and attends: the prompt with exact attention (SDPA, or
+    a float32 eager computation where the module passes a ``softcap`` or sinks ``s_aux``),
+    every later query with ``qjlkv_cache_attend`` on the compressed cache, the layer's
+    soft-cap and sinks set on the library cache (``Cache.set_layer_attention``), so that
+    each is applied exactly once. Layers of any other cache use the exact attention."""
     handoff = _HANDOFF
     cache, layer = handoff.cache, getattr(module, "layer_idx", None)
     keys, values = handoff.keys, handoff.values
     handoff.cache, handoff.keys, handoff.values = None, None, None
+    softcap, sinks = kwargs.pop("softcap", None), kwargs.pop("s_aux", None)
 
     def exact():
+        if softcap or sinks is not None:
+            return _exact_attention(query, key, value, attention_mask, scaling, softcap, sinks)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)[0]
 
@@ -504,7 +577,8 @@ def qjlkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         raise _unsupported(f"the qjlkv attention of layer {layer} follows the cache update of layer {handoff.layer}")
     if module.training and dropout > 0:
         raise _unsupported("the qjlkv attention is for inference: no dropout")
-    return cache._attend(layer, query, keys, values, attention_mask, scaling, handoff.prefill, exact), None
+    return cache._attend(layer, query, keys, values, attention_mask, scaling, handoff.prefill, exact, softcap,
+                         sinks), None
 
 
 AttentionInterface.register(ATTENTION_NAME, qjlkv_attention_forward)

@@ -19,6 +19,7 @@ pub const QJLKV_CONFIG_SIZE_0_1: u32 = 112;
 pub const QJLKV_CONFIG_SIZE_0_3: u32 = 128;
 pub const QJLKV_CONFIG_SIZE_0_4: u32 = 144;
 pub const QJLKV_STATS_SIZE_0_1: u32 = 80;
+pub const QJLKV_LAYER_ATTENTION_SIZE_0_5: u32 = 24;
 pub type __uint32_t = ::std::os::raw::c_uint;
 pub type __uint64_t = ::std::os::raw::c_ulong;
 extern "C" {
@@ -1057,6 +1058,102 @@ extern "C" {
         seq: u32,
         bytes: *mut u64,
         shared: *mut u64,
+    ) -> qjlkv_status;
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct qjlkv_layer_attention {
+    pub struct_size: u32,
+    pub logit_softcap: f32,
+    pub sink_logits: *const f32,
+    pub reserved: u32,
+}
+#[test]
+fn bindgen_test_layout_qjlkv_layer_attention() {
+    assert_eq!(
+        ::std::mem::size_of::<qjlkv_layer_attention>(),
+        24usize,
+        concat!("Size of: ", stringify!(qjlkv_layer_attention))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<qjlkv_layer_attention>(),
+        8usize,
+        concat!("Alignment of ", stringify!(qjlkv_layer_attention))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<qjlkv_layer_attention>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(qjlkv_layer_attention),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_logit_softcap() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<qjlkv_layer_attention>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).logit_softcap) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(qjlkv_layer_attention),
+                "::",
+                stringify!(logit_softcap)
+            )
+        );
+    }
+    test_field_logit_softcap();
+    fn test_field_sink_logits() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<qjlkv_layer_attention>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).sink_logits) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(qjlkv_layer_attention),
+                "::",
+                stringify!(sink_logits)
+            )
+        );
+    }
+    test_field_sink_logits();
+    fn test_field_reserved() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<qjlkv_layer_attention>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(qjlkv_layer_attention),
+                "::",
+                stringify!(reserved)
+            )
+        );
+    }
+    test_field_reserved();
+}
+extern "C" {
+    pub fn qjlkv_cache_set_layer_attention(
+        c: *mut qjlkv_cache,
+        layer: u32,
+        attention: *const qjlkv_layer_attention,
     ) -> qjlkv_status;
 }
 pub type qjlkv_write_fn = ::std::option::Option<

@@ -438,6 +438,59 @@ impl Cache {
         check(unsafe { sys::qjlkv_cache_set_workers(self.ptr.as_ptr(), raw) })
     }
 
+    /// Sets how `layer`'s attention departs from softmax(scale · q · Kᵀ) · V, for every later
+    /// [`attend`](Cache::attend) and [`attend_batch`](Cache::attend_batch) on it:
+    ///
+    /// - `logit_softcap` c > 0: every logit s = scale · <q, k> becomes c · tanh(s / c) before
+    ///   the softmax (Gemma 2's `attn_logit_softcapping`); 0 = none. Finite and >= 0.
+    /// - `sink_logits`: `None`, or one finite logit per query head (`num_q_heads` of them):
+    ///   exp(sink_logits\[h\]) joins head h's softmax denominator and attends to no value
+    ///   (gpt-oss's learned sinks), so the weights sum to less than 1. Copied during the call.
+    ///
+    /// A cache starts with every layer plain; `set_layer_attention(layer, 0.0, None)` makes a
+    /// layer plain again. The stored bytes do not change: [`scores`](Cache::scores) still
+    /// returns the raw <q, k>, and export/import carry no variant (set it on the importing
+    /// cache). Errors ([`Status::InvalidArgument`], the layer then unchanged): `sink_logits`
+    /// whose length is not `num_q_heads` (checked here), a layer out of range, a negative or
+    /// non-finite `logit_softcap`, a non-finite sink logit (the message names its index).
+    ///
+    /// ```
+    /// use qjlkv::{Cache, Config};
+    ///
+    /// let mut cache = Cache::new(&Config::preset("q3", 2, 4, 2, 64)?)?;
+    /// cache.set_layer_attention(0, 50.0, None)?; // soft-capped logits
+    /// cache.set_layer_attention(1, 0.0, Some(&[0.5, -1.0, 2.0, 0.0]))?; // a sink per q head
+    /// let err = cache.set_layer_attention(1, 0.0, Some(&[0.5])).unwrap_err();
+    /// assert!(err.message().starts_with("sink_logits:"));
+    /// cache.set_layer_attention(0, 0.0, None)?; // plain again
+    /// # Ok::<(), qjlkv::Error>(())
+    /// ```
+    pub fn set_layer_attention(
+        &mut self,
+        layer: u32,
+        logit_softcap: f32,
+        sink_logits: Option<&[f32]>,
+    ) -> Result<(), Error> {
+        if let Some(sinks) = sink_logits {
+            let heads = self.shape.num_q_heads as usize;
+            if sinks.len() != heads {
+                return Err(Error::invalid(format!(
+                    "sink_logits: length {} does not match num_q_heads = {heads}",
+                    sinks.len()
+                )));
+            }
+        }
+        let attention = sys::qjlkv_layer_attention {
+            struct_size: std::mem::size_of::<sys::qjlkv_layer_attention>() as u32,
+            logit_softcap,
+            sink_logits: sink_logits.map_or(ptr::null(), <[f32]>::as_ptr),
+            reserved: 0,
+        };
+        // SAFETY: the cache is live and exclusively borrowed; attention is a complete struct
+        // whose sink_logits is null or points to num_q_heads floats, read during the call only.
+        check(unsafe { sys::qjlkv_cache_set_layer_attention(self.ptr.as_ptr(), layer, &attention) })
+    }
+
     /// The C handle, for calls through `qjlkv-sys` (e.g. `qjlkv_cache_set_stream`). The
     /// cache still owns it.
     pub fn as_ptr(&self) -> *const sys::qjlkv_cache {

@@ -6,7 +6,8 @@
 //! - [`Config`]: a preset (`"q2"`, `"q3"`, `"q4"`, `"qjl"`, `"kivi"`, `"ott"`, `"exact"`) for a
 //!   model shape, refined with builder methods.
 //! - [`Cache`]: append keys/values per (layer, sequence), attend queries, read statistics;
-//!   truncate (rollback) and fork sequences, predict and cap their memory.
+//!   truncate (rollback) and fork sequences, predict and cap their memory; give a layer
+//!   soft-capped logits or sink logits ([`Cache::set_layer_attention`]).
 //! - [`Sketch`]: the QJL projection matrix, standalone or borrowed from a cache.
 //! - [`Workers`]: CPU worker threads several caches can share.
 //! - [`Error`]: a [`Status`] and the library's message, which names the wrong argument.

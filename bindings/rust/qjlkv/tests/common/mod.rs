@@ -57,6 +57,21 @@ pub fn exact_preset_view(data: &[f32], row_len: usize, quantized: usize) -> Vec<
 /// Causal multi-query attention in f64: the last `n_queries` of `length` positions, GQA
 /// mapping h -> h / (Hq / Hkv). keys/values [length][Hkv][d], queries [n][Hq][d].
 pub fn reference_attend(shape: Shape, keys: &[f32], values: &[f32], queries: &[f32], scale: f64) -> Vec<f64> {
+    reference_attend_variant(shape, keys, values, queries, scale, 0.0, None)
+}
+
+/// [`reference_attend`] with a layer's attention variant (qjlkv_cache_set_layer_attention):
+/// logits s become c * tanh(s / c) for `softcap` c > 0, and exp(sinks[h]) joins head h's
+/// softmax denominator.
+pub fn reference_attend_variant(
+    shape: Shape,
+    keys: &[f32],
+    values: &[f32],
+    queries: &[f32],
+    scale: f64,
+    softcap: f64,
+    sinks: Option<&[f32]>,
+) -> Vec<f64> {
     let (hq, hkv, d) = (
         shape.num_q_heads as usize,
         shape.num_kv_heads as usize,
@@ -72,10 +87,18 @@ pub fn reference_attend(shape: Shape, keys: &[f32], values: &[f32], queries: &[f
             let q = &queries[(i * hq + h) * d..][..d];
             let logits: Vec<f64> = (0..=position)
                 .map(|t| dot(q, &keys[(t * hkv + kv) * d..][..d]) * scale)
+                .map(|s| {
+                    if softcap > 0.0 {
+                        softcap * (s / softcap).tanh()
+                    } else {
+                        s
+                    }
+                })
                 .collect();
-            let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sink = sinks.map(|s| f64::from(s[h]));
+            let max = logits.iter().copied().fold(sink.unwrap_or(f64::NEG_INFINITY), f64::max);
             let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
-            let total: f64 = weights.iter().sum();
+            let total: f64 = weights.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
             for (t, w) in weights.iter().enumerate() {
                 let v = &values[(t * hkv + kv) * d..][..d];
                 for (o, &x) in out[(i * hq + h) * d..][..d].iter_mut().zip(v) {
