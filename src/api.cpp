@@ -199,7 +199,8 @@ qjlkv_status qjlkv_cache_set_workers(qjlkv_cache *c, qjlkv_workers *workers) {
   });
 }
 
-constexpr uint32_t kLayerAttentionSizes[] = {QJLKV_LAYER_ATTENTION_SIZE_0_5};
+// This header's struct (QJLKV_LAYER_ATTENTION_SIZE_0_5 on 64-bit targets, smaller on 32-bit ones).
+constexpr uint32_t kLayerAttentionSizes[] = {uint32_t(sizeof(qjlkv_layer_attention))};
 static_assert(sizeof(void *) != 8 || sizeof(qjlkv_layer_attention) == QJLKV_LAYER_ATTENTION_SIZE_0_5,
               "0.5's qjlkv_layer_attention on 64-bit targets");
 

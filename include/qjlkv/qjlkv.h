@@ -725,7 +725,7 @@ QJLKV_API qjlkv_status qjlkv_cache_sequence_bytes(const qjlkv_cache *c, uint32_t
  * ======================================================================== */
 /* How a layer's attention departs from softmax(scale·q·Kᵀ)·V, as today's model
  * families define it. Growing struct: see "Growing structs". */
-#define QJLKV_LAYER_ATTENTION_SIZE_0_5 24u
+#define QJLKV_LAYER_ATTENTION_SIZE_0_5 24u /* sizeof on 64-bit targets */
 typedef struct qjlkv_layer_attention {
   uint32_t struct_size;       /* sizeof(qjlkv_layer_attention), set by the caller */
   float logit_softcap;        /* c > 0: every logit s = scale·<q, k> becomes

@@ -61,16 +61,24 @@ std::vector<double> reference(qjlkv_cache *c, const qjlkv_config &cfg, uint32_t 
   return out;
 }
 
+// Small shapes that reach every state in a few hundred tokens: 2 kv heads, a tail of 8, 4 sinks
+// where the preset has sinks, OTT tracing every layer.
+qjlkv_config small_config(const char *preset, qjlkv_dtype dtype, uint32_t layers, uint32_t hq, uint32_t d,
+                          uint32_t block) {
+  qjlkv_config cfg = qt::make_config(preset, layers, hq, 2, d);
+  cfg.dtype = dtype;
+  cfg.block_tokens = block;
+  cfg.residual_tokens = 8;
+  if (cfg.sink_tokens) cfg.sink_tokens = 4;
+  if (cfg.key_method == QJLKV_KEYS_OTT) cfg.outlier_skip_layers = 0;
+  return cfg;
+}
+
 class LayerAttention : public ::testing::TestWithParam<std::tuple<const char *, qjlkv_dtype>> {};
 
 TEST_P(LayerAttention, SoftcapAndSinksMatchTheReference) {
   const auto [preset, dtype] = GetParam();
-  qjlkv_config cfg = qt::make_config(preset, 2, 8, 2, 64);
-  cfg.dtype = dtype;
-  cfg.block_tokens = 32;
-  cfg.residual_tokens = 8;
-  if (cfg.sink_tokens) cfg.sink_tokens = 4;
-  if (cfg.key_method == QJLKV_KEYS_OTT) cfg.outlier_skip_layers = 0;
+  const qjlkv_config cfg = small_config(preset, dtype, 2, 8, 64, 32);
   qt::Cache cache = qt::make_cache(cfg);
   ASSERT_TRUE(cache);
   const uint32_t n = 300, Hq = cfg.num_q_heads, d = cfg.head_dim;
@@ -127,12 +135,7 @@ TEST_P(LayerAttention, WindowsMatchTheReference) {
   const auto [preset, dtype] = GetParam();
   qt::Rng rng(23);
   for (const uint32_t window : {1u, 7u, 45u, 130u, 1000u}) {
-    qjlkv_config cfg = qt::make_config(preset, 1, 4, 2, 32);
-    cfg.dtype = dtype;
-    cfg.block_tokens = 16;
-    cfg.residual_tokens = 8;
-    if (cfg.sink_tokens) cfg.sink_tokens = 4;
-    if (cfg.key_method == QJLKV_KEYS_OTT) cfg.outlier_skip_layers = 0;
+    const qjlkv_config cfg = small_config(preset, dtype, 1, 4, 32, 16);
     qt::Cache cache = qt::make_cache(cfg);
     ASSERT_TRUE(cache);
     const uint32_t Hq = cfg.num_q_heads, d = cfg.head_dim;

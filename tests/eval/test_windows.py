@@ -88,7 +88,7 @@ def test_library_without_windows_is_refused_on_a_windowed_model():
         require_library_windows(old_library, "qjl preset")
 
     class WindowedCache:
-        def set_window(self, layer, window):
+        def set_layer_attention(self, layer, window_tokens=0):
             pass
 
     require_library_windows(SimpleNamespace(Cache=WindowedCache), "qjl preset")  # accepted

@@ -17,7 +17,7 @@ VARIANTS = [(0.0, True), (5.0, False), (2.5, True)]
 
 
 def reference(cache: qjlkv.Cache, layer: int, seq: int, queries: np.ndarray, scale: float, softcap: float,
-              sinks: np.ndarray | None) -> np.ndarray:
+              sinks: np.ndarray | None, window: int = 0) -> np.ndarray:
     """Causal attention of the last n queries (n, Hq, d) over the reconstruction, in float64:
     logits s = scale * <q, k-hat>, c * tanh(s / c) for a cap c > 0, exp(sinks[h]) in head h's
     denominator."""
@@ -26,7 +26,10 @@ def reference(cache: qjlkv.Cache, layer: int, seq: int, queries: np.ndarray, sca
     logits = np.einsum("ihd,thd->iht", queries.astype(np.float64), k_hat) * scale
     if softcap > 0:
         logits = softcap * np.tanh(logits / softcap)
-    seen = np.arange(length)[None, :] <= (length - n + np.arange(n))[:, None]  # (n, length): causal
+    position = (length - n + np.arange(n))[:, None]
+    seen = np.arange(length)[None, :] <= position  # (n, length): causal
+    if window:
+        seen &= np.arange(length)[None, :] > position - window
     logits = np.where(seen[:, None, :], logits, -np.inf)
     top = logits.max(-1, keepdims=True)
     if sinks is not None:
@@ -64,6 +67,24 @@ def test_variant_matches_the_reference_over_the_reconstruction(rng, preset, soft
     single = cache.attend(1, 3, query, 0.3)
     np.testing.assert_array_equal(batch[0], single)
     np.testing.assert_array_equal(batch[1], single)
+
+
+@pytest.mark.parametrize("preset", ["q2", "q3", "ott"])
+@pytest.mark.parametrize("window", [1, 20, 77, 400])
+def test_window_matches_the_reference(rng, preset, window, fp32_kernels):
+    """A sliding window, set while the layer is empty: each query sees the newest `window`
+    positions up to its own, through prefill-sized and decode-sized appends."""
+    cache = qjlkv.Cache(small_config(preset, block_tokens=32, residual_tokens=8))
+    cache.set_layer_attention(0, window_tokens=window, logit_softcap=4.0 if window == 77 else 0.0)
+    for n in (150, 1, 40):
+        cache.append(0, 3, randn(rng, n, HKV, D), randn(rng, n, HKV, D))
+        for q in (1, 5):
+            queries = randn(rng, q, HQ, D)
+            want = reference(cache, 0, 3, queries, 0.3, 4.0 if window == 77 else 0.0, None, window)
+            np.testing.assert_allclose(cache.attend(0, 3, queries, 0.3), want, rtol=5e-5,
+                                       atol=5e-5 * np.abs(want).max())
+    with raises(qjlkv.InvalidArgument, "window_tokens"):
+        cache.set_layer_attention(0, window_tokens=window + 1)
 
 
 def test_variant_changes_the_output_as_expected(rng):

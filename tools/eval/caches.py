@@ -111,10 +111,10 @@ class ExactCache:
                 "bytes_fp16_equivalent": numbers * 2, "bytes_full_precision": numbers * 4}
 
 
-# How the adapter gives the library a layer's window: Cache.<this>(layer, window), after
-# which attend on that layer sees only the newest `window` positions up to each query.
-# The one place to change if the library names it otherwise.
-LIBRARY_WINDOW_METHOD = "set_window"
+# How the adapter gives the library a layer's window: Cache.<this>(layer, window_tokens=W)
+# (qjlkv_cache_set_layer_attention), after which attend on that layer sees only the newest W
+# positions up to each query.
+LIBRARY_WINDOW_METHOD = "set_layer_attention"
 
 
 class WindowsUnsupported(ValueError):
@@ -151,7 +151,7 @@ class QjlkvCache:
         self.cache = qjlkv.Cache(config)
         for layer, window in enumerate(self.windows or ()):
             if window is not None:
-                getattr(self.cache, LIBRARY_WINDOW_METHOD)(layer, window)
+                getattr(self.cache, LIBRARY_WINDOW_METHOD)(layer, window_tokens=window)
 
     def _io(self, x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x, dtype=self.io_dtype)

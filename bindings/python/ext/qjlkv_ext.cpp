@@ -648,8 +648,8 @@ class Cache {
   // qjlkv_cache_set_layer_attention. logit_softcap: a number (the library checks its range);
   // sink_logits: None or a 1-D float32 numpy array of num_q_heads (qjlkv.Cache converts any
   // array-like first), copied by the library during the call.
-  void set_layer_attention(py::handle layer, py::handle softcap_obj, py::handle sinks_obj) {
-    const uint32_t l = to_u32(layer, "layer");
+  void set_layer_attention(py::handle layer, py::handle softcap_obj, py::handle sinks_obj, py::handle window_obj) {
+    const uint32_t l = to_u32(layer, "layer"), window = to_u32(window_obj, "window_tokens");
     if (PyBool_Check(softcap_obj.ptr()) || !(PyFloat_Check(softcap_obj.ptr()) || PyIndex_Check(softcap_obj.ptr()) ||
                                              py::hasattr(softcap_obj, "__float__")))
       fail_type("logit_softcap must be a number, got " + type_name(softcap_obj));
@@ -680,6 +680,7 @@ class Cache {
                                   ? (softcap > 0 ? kInf : -kInf)
                                   : static_cast<float>(softcap);
     attention.sink_logits = sinks_obj.is_none() ? nullptr : sinks.data();
+    attention.window_tokens = window;
     const Session session(*handle_);
     qjlkv_cache *c = session.cache();
     call_nogil([&] { return qjlkv_cache_set_layer_attention(c, l, &attention); });
@@ -1137,7 +1138,7 @@ PYBIND11_MODULE(_qjlkv, m) {
       .def("set_stream", &Cache::set_stream, py::arg("stream"))
       .def("set_workers", &Cache::set_workers, py::arg("workers"))
       .def("set_layer_attention", &Cache::set_layer_attention, py::arg("layer"), py::arg("logit_softcap"),
-           py::arg("sink_logits"))
+           py::arg("sink_logits"), py::arg("window_tokens"))
       .def("append", &Cache::append, py::arg("layer"), py::arg("seq"), py::arg("keys"), py::arg("values"))
       .def("attend", &Cache::attend, py::arg("layer"), py::arg("seq"), py::arg("queries"), py::arg("scale"),
            py::arg("out"))

@@ -328,7 +328,8 @@ class Cache:
         """A copy of the configuration the cache was created with (``qjlkv_cache_config``)."""
         return Config._from_dict(self._handle.config(), self._preset)
 
-    def set_layer_attention(self, layer: int, logit_softcap: float = 0.0, sink_logits: _Any = None) -> None:
+    def set_layer_attention(self, layer: int, logit_softcap: float = 0.0, sink_logits: _Any = None,
+                            window_tokens: int = 0) -> None:
         """Sets how ``layer``'s attention departs from softmax(scale * q K^T) V, for every later
         :meth:`attend` and :meth:`attend_batch` on it (``qjlkv_cache_set_layer_attention``):
 
@@ -338,15 +339,18 @@ class Cache:
           numpy array, torch tensor on any device, or list; read once as float32 and copied):
           exp(sink_logits[h]) joins head h's softmax denominator and attends to no value
           (gpt-oss's learned sinks), so the weights sum to less than 1.
+        * ``window_tokens`` W > 0: a sliding window: the query at position p attends to positions
+          [p - W + 1, p] only (Gemma's, Mistral's local layers); 0 = every position. It changes
+          only while the layer holds no tokens.
 
         Every layer starts plain; ``set_layer_attention(layer)`` (no soft-cap, no sinks) makes
         it plain again. The stored bytes do not change: :meth:`scores` still gives the raw
         <q, k>, and export/import carry no variant (set it on the importing cache). Raises
         InvalidArgument naming the argument (``layer`` out of range, ``logit_softcap`` negative
         or not finite, ``sink_logits`` of another length or with a non-finite entry, named by
-        its index) and InvalidType (not numbers); the layer is then unchanged. A CUDA cache
-        whose backend lacks a variant raises Unsupported."""
-        self._handle.set_layer_attention(layer, logit_softcap, _sink_logits(sink_logits))
+        its index, ``window_tokens`` changed while the layer holds tokens) and InvalidType (not
+        numbers); the layer is then unchanged. A CUDA cache raises Unsupported for a window."""
+        self._handle.set_layer_attention(layer, logit_softcap, _sink_logits(sink_logits), window_tokens)
 
     def append(self, layer: int, seq: int, keys: _Any, values: _Any) -> None:
         """Appends tokens to sequence ``seq`` of ``layer`` (``qjlkv_cache_append``).

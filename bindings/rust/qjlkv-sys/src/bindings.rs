@@ -1066,7 +1066,7 @@ pub struct qjlkv_layer_attention {
     pub struct_size: u32,
     pub logit_softcap: f32,
     pub sink_logits: *const f32,
-    pub reserved: u32,
+    pub window_tokens: u32,
 }
 #[test]
 fn bindgen_test_layout_qjlkv_layer_attention() {
@@ -1131,23 +1131,23 @@ fn bindgen_test_layout_qjlkv_layer_attention() {
         );
     }
     test_field_sink_logits();
-    fn test_field_reserved() {
+    fn test_field_window_tokens() {
         assert_eq!(
             unsafe {
                 let uninit = ::std::mem::MaybeUninit::<qjlkv_layer_attention>::uninit();
                 let ptr = uninit.as_ptr();
-                ::std::ptr::addr_of!((*ptr).reserved) as usize - ptr as usize
+                ::std::ptr::addr_of!((*ptr).window_tokens) as usize - ptr as usize
             },
             16usize,
             concat!(
                 "Offset of field: ",
                 stringify!(qjlkv_layer_attention),
                 "::",
-                stringify!(reserved)
+                stringify!(window_tokens)
             )
         );
     }
-    test_field_reserved();
+    test_field_window_tokens();
 }
 extern "C" {
     pub fn qjlkv_cache_set_layer_attention(

@@ -446,23 +446,26 @@ impl Cache {
     /// - `sink_logits`: `None`, or one finite logit per query head (`num_q_heads` of them):
     ///   exp(sink_logits\[h\]) joins head h's softmax denominator and attends to no value
     ///   (gpt-oss's learned sinks), so the weights sum to less than 1. Copied during the call.
+    /// - `window_tokens` W > 0: a sliding window: the query at position p attends to positions
+    ///   [p − W + 1, p] only; 0 = every position. It changes only while the layer holds no tokens.
     ///
-    /// A cache starts with every layer plain; `set_layer_attention(layer, 0.0, None)` makes a
+    /// A cache starts with every layer plain; `set_layer_attention(layer, 0.0, None, 0)` makes a
     /// layer plain again. The stored bytes do not change: [`scores`](Cache::scores) still
     /// returns the raw <q, k>, and export/import carry no variant (set it on the importing
     /// cache). Errors ([`Status::InvalidArgument`], the layer then unchanged): `sink_logits`
     /// whose length is not `num_q_heads` (checked here), a layer out of range, a negative or
-    /// non-finite `logit_softcap`, a non-finite sink logit (the message names its index).
+    /// non-finite `logit_softcap`, a non-finite sink logit (the message names its index), a
+    /// `window_tokens` changed while the layer holds tokens.
     ///
     /// ```
     /// use qjlkv::{Cache, Config};
     ///
     /// let mut cache = Cache::new(&Config::preset("q3", 2, 4, 2, 64)?)?;
-    /// cache.set_layer_attention(0, 50.0, None)?; // soft-capped logits
-    /// cache.set_layer_attention(1, 0.0, Some(&[0.5, -1.0, 2.0, 0.0]))?; // a sink per q head
-    /// let err = cache.set_layer_attention(1, 0.0, Some(&[0.5])).unwrap_err();
+    /// cache.set_layer_attention(0, 50.0, None, 0)?; // soft-capped logits
+    /// cache.set_layer_attention(1, 0.0, Some(&[0.5, -1.0, 2.0, 0.0]), 0)?; // a sink per q head
+    /// let err = cache.set_layer_attention(1, 0.0, Some(&[0.5]), 0).unwrap_err();
     /// assert!(err.message().starts_with("sink_logits:"));
-    /// cache.set_layer_attention(0, 0.0, None)?; // plain again
+    /// cache.set_layer_attention(0, 0.0, None, 0)?; // plain again
     /// # Ok::<(), qjlkv::Error>(())
     /// ```
     pub fn set_layer_attention(
@@ -470,6 +473,7 @@ impl Cache {
         layer: u32,
         logit_softcap: f32,
         sink_logits: Option<&[f32]>,
+        window_tokens: u32,
     ) -> Result<(), Error> {
         if let Some(sinks) = sink_logits {
             let heads = self.shape.num_q_heads as usize;
@@ -484,7 +488,7 @@ impl Cache {
             struct_size: std::mem::size_of::<sys::qjlkv_layer_attention>() as u32,
             logit_softcap,
             sink_logits: sink_logits.map_or(ptr::null(), <[f32]>::as_ptr),
-            reserved: 0,
+            window_tokens,
         };
         // SAFETY: the cache is live and exclusively borrowed; attention is a complete struct
         // whose sink_logits is null or points to num_q_heads floats, read during the call only.

@@ -69,7 +69,7 @@ fn softcap_and_sinks_match_the_reference() {
     let mut rng = Rng(7);
     for (softcap, with_sinks) in [(0.0f32, true), (5.0, false), (2.5, true), (0.0, false)] {
         let sink_logits = with_sinks.then_some(sinks.as_slice());
-        cache.set_layer_attention(1, softcap, sink_logits).unwrap();
+        cache.set_layer_attention(1, softcap, sink_logits, 0).unwrap();
         for n_queries in [1, 4] {
             let queries = rng.normals(n_queries * SHAPE.q_token_len());
             let scale = 0.3;
@@ -107,7 +107,7 @@ fn the_variant_is_per_layer_and_a_zeroed_one_is_plain() {
         cache.attend(1, 3, &queries, None).unwrap(),
     ];
     let scores = cache.scores(0, 3, &queries).unwrap();
-    cache.set_layer_attention(0, 1.0, Some(&sinks())).unwrap();
+    cache.set_layer_attention(0, 1.0, Some(&sinks()), 0).unwrap();
     assert_ne!(cache.attend(0, 3, &queries, None).unwrap(), plain[0]);
     assert_eq!(
         cache.attend(1, 3, &queries, None).unwrap(),
@@ -119,7 +119,7 @@ fn the_variant_is_per_layer_and_a_zeroed_one_is_plain() {
         scores,
         "scores stay the raw <q, k>"
     );
-    cache.set_layer_attention(0, 0.0, None).unwrap();
+    cache.set_layer_attention(0, 0.0, None, 0).unwrap();
     assert_eq!(
         cache.attend(0, 3, &queries, None).unwrap(),
         plain[0],
@@ -135,7 +135,7 @@ fn sinks_take_weight_from_the_values() {
     let queries = Rng(11).normals(SHAPE.q_token_len());
     let plain = cache.attend(0, 3, &queries, None).unwrap();
     let big = vec![40.0f32; SHAPE.num_q_heads as usize];
-    cache.set_layer_attention(0, 0.0, Some(&big)).unwrap();
+    cache.set_layer_attention(0, 0.0, Some(&big), 0).unwrap();
     let sunk = cache.attend(0, 3, &queries, None).unwrap();
     assert!(norm(&sunk) < 1e-6 * norm(&plain), "{} vs {}", norm(&sunk), norm(&plain));
 }
@@ -148,17 +148,17 @@ fn bad_arguments_name_the_field_and_change_nothing() {
     let heads = SHAPE.num_q_heads as usize;
 
     for len in [0, heads - 1, heads + 1] {
-        let err = assert_invalid(cache.set_layer_attention(0, 1.0, Some(&vec![0.0; len])), "sink_logits");
+        let err = assert_invalid(cache.set_layer_attention(0, 1.0, Some(&vec![0.0; len]), 0), "sink_logits");
         assert!(err.message().contains(&format!("num_q_heads = {heads}")), "{err}");
     }
     let mut nan = vec![0.0f32; heads];
     nan[5] = f32::NAN;
-    let err = assert_invalid(cache.set_layer_attention(0, 1.0, Some(&nan)), "sink_logits[5]");
+    let err = assert_invalid(cache.set_layer_attention(0, 1.0, Some(&nan), 0), "sink_logits[5]");
     assert!(err.message().contains("finite"), "{err}");
     for cap in [-1.0, f32::NAN, f32::INFINITY] {
-        assert_invalid(cache.set_layer_attention(0, cap, None), "logit_softcap");
+        assert_invalid(cache.set_layer_attention(0, cap, None, 0), "logit_softcap");
     }
-    assert_invalid(cache.set_layer_attention(SHAPE.num_layers, 1.0, None), "layer");
+    assert_invalid(cache.set_layer_attention(SHAPE.num_layers, 1.0, None, 0), "layer");
     assert_eq!(
         cache.attend(0, 3, &queries, None).unwrap(),
         plain,
