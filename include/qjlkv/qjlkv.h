@@ -723,7 +723,7 @@ QJLKV_API qjlkv_status qjlkv_cache_sequence_bytes(const qjlkv_cache *c, uint32_t
 /* ===========================================================================
  * Attention variants of a layer (added in 0.5)
  * ======================================================================== */
-/* How a layer's attention departs from softmax(scale·q·Kᵀ)·V, as today's model
+/* How a layer's attention departs from softmax(scale·q·Kᵀ)·V, as some model
  * families define it. Growing struct: see "Growing structs". */
 #define QJLKV_LAYER_ATTENTION_SIZE_0_5 24u /* sizeof on 64-bit targets */
 typedef struct qjlkv_layer_attention {
