@@ -186,7 +186,7 @@ def test_bad_arguments_name_the_field_and_change_nothing(rng):
     # The extension itself takes only native float32 arrays (Cache.set_layer_attention converts).
     for sinks in (np.zeros(HQ, ">f4"), np.zeros(HQ, np.float64), [0.0] * HQ):
         with raises(qjlkv.InvalidType, "sink_logits"):
-            cache._handle.set_layer_attention(0, 0.0, sinks)
+            cache._handle.set_layer_attention(0, 0.0, sinks, 0)
     np.testing.assert_array_equal(cache.attend(0, 3, query), plain)  # every refusal left the layer plain
     cache.close()
     with raises(qjlkv.InvalidArgument, "closed"):
