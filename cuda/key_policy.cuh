@@ -49,6 +49,21 @@ __device__ __forceinline__ void accumulate_signs(uint32_t word, const float *v, 
   }
 }
 
+// Four query codes |Q| <= 127·256 (code_at(b), b < 4) as the dp4a words {hi, lo} of their two
+// int8 digits, Q = 256·hi + lo: the per-channel keys' integer scores take Σ code·hi and Σ code·lo.
+template <class CodeAt>
+__device__ __forceinline__ uint2 query_digit_words(CodeAt code_at) {
+  uint32_t hi = 0, lo = 0;
+#pragma unroll
+  for (uint32_t b = 0; b < 4; ++b) {
+    const int code = code_at(b);
+    const int high = (code + 128) >> 8;  // high in [-127, 127], code - 256·high in [-128, 127]
+    hi |= uint32_t(high & 0xff) << (8 * b);
+    lo |= uint32_t((code - 256 * high) & 0xff) << (8 * b);
+  }
+  return make_uint2(hi, lo);
+}
+
 // The codes of group g of a staged KIVI row (see kivi_unpacked_channel) as words of four 8-bit
 // codes. 8-bit codes are biased by -128 (int8 for dp4a); the scorer adds 128·Σ Q back.
 template <uint32_t BITS>

@@ -94,15 +94,7 @@ struct ChannelCodeKeys : KeyPolicyDefaults {
       const uint32_t words = d32 / 4, per_group = kivi_group_codes(bits) / 4;
       for (uint32_t i = tid; i < ROWS * words; i += kAttendThreads) {
         const uint32_t r = i / words, w = i % words;
-        uint32_t hi = 0, lo = 0;
-#pragma unroll
-        for (uint32_t b = 0; b < 4; ++b) {
-          const int code = Q[r * d32 + kivi_unpacked_channel(bits, w / per_group, w % per_group, b)];
-          const int high = (code + 128) >> 8;  // |Q| <= 127·256: high in [-127, 127], code - 256·high in [-128, 127]
-          hi |= uint32_t(high & 0xff) << (8 * b);
-          lo |= uint32_t((code - 256 * high) & 0xff) << (8 * b);
-        }
-        digits[i] = make_uint2(hi, lo);
+        digits[i] = query_digit_words([&](uint32_t b) { return Q[r * d32 + kivi_unpacked_channel(bits, w / per_group, w % per_group, b)]; });
       }
       __syncthreads();
     }
