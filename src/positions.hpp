@@ -52,6 +52,23 @@ inline uint64_t rollback_floor_after(const qjlkv_config &cfg, uint64_t floor, ui
   return std::max(floor, new_length > D ? new_length - D : 0);
 }
 
+// Sliding windows (qjlkv.h, "Attention variants of a layer"): how many leading blocks of a
+// record are freed once an append takes it from previous_length positions to a rollback floor of
+// `floor`. The queries of that append, and of any append after a truncate to the floor or above,
+// sit at positions >= min(previous_length, floor) and see from window_start() of it; the blocks
+// that end before that are freed, except those a truncate to the floor would reopen (they keep
+// rollback copies, and such truncates stay exact). Sinks, the tail and OTT's pools are kept.
+// A record frees max(what it freed before, this).
+inline uint32_t window_freed_blocks(const qjlkv_config &cfg, uint32_t window, uint64_t previous_length,
+                                    uint64_t floor) {
+  if (window == 0) return 0;
+  const uint64_t first_seen = previous_length + 1 > window && floor + 1 > window
+                                  ? std::min(previous_length, floor) + 1 - window
+                                  : 0;
+  const uint64_t past_sinks = first_seen > cfg.sink_tokens ? first_seen - cfg.sink_tokens : 0;
+  return uint32_t(std::min<uint64_t>(past_sinks / cfg.block_tokens, blocks_at(cfg, floor)));
+}
+
 // Bytes both backends count alike (qjlkv_cache_stats): one block of every kv head; one rollback
 // copy (the block's exact keys and values, and on traced layers each head's OTT pool from before
 // it); the exact rows of a record (sinks, tail, and a traced layer's whole pool and spill area).

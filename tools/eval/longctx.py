@@ -52,7 +52,7 @@ WORK = os.path.join(ROOT, "build-eval", "long-context-work")
 # verbatim GNU licence texts (tools/eval/data/README.md): about 24k tokens together
 TEXTS = ("GPL-3.0.txt", "GPL-2.0.txt", "LGPL-2.1.txt", "GFDL-1.3.txt", "LGPL-3.0.txt")
 # the library's tiers and the formats users would otherwise pick (tools/eval/evaluate.py)
-DEFAULT_ROWS = ("q3 preset", "q4 preset", "llama.cpp q8_0", "llama.cpp q4_0",
+DEFAULT_ROWS = ("q2 preset", "q3 preset", "q4 preset", "llama.cpp q8_0", "llama.cpp q4_0",
                 "llama.cpp q4_0, Hadamard")
 EXACT_ROW = "exact (numpy fp32)"
 TASKS = ("kl", "passkey", "multikey")
