@@ -132,11 +132,12 @@ std::vector<float> keys_with_loud_tokens(std::mt19937 &rng, uint32_t tokens, uin
   return keys;
 }
 
-// Sliding windows: seq 3 holds 160 positions (the 4 sinks, blocks of 32 at 4..131, a tail of 28;
-// loud tokens at 45, 110 and 125 become OTT's outlier tokens), seq 8 holds 70, seq 5 holds 20 (no
-// block). Windows of 1, 5, 20 (shorter than a block), 68 and 157 (from within the sinks of seq 8
-// and seq 3), 200 (longer than every sequence); the blocks before the first query's window are
-// skipped, and splits that hold only positions before every window stay empty in the merge.
+// Sliding windows: seq 3 holds 160 positions (with q2's, q3's and q4's 4 sinks: blocks of 32 at
+// 4..131, a tail of 28; loud tokens at 45, 110 and 125 become OTT's outlier tokens), seq 8 holds
+// 70, seq 5 holds 20 (no block). Windows of 1, 5, 20 (shorter than a block), 68 and 157 (from
+// within the sinks of seq 8 and seq 3), 200 (longer than every sequence); the blocks before the
+// first query's window are skipped, and splits that hold only positions before every window (the
+// sinks, OTT's outlier tokens) stay empty in the merge.
 TEST_P(CudaLayerAttention, WindowsMatchTheCpu) {
   REQUIRE_CUDA_DEVICE();
   const VariantCase c = GetParam();
