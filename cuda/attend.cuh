@@ -6,12 +6,15 @@
 // tiles of 32 positions:
 //   stage   the tile's key and value bytes go to shared memory (coalesced 4-byte loads);
 //   score   lane = position, warp = a quarter of the position's key bytes; partial dot products;
-//   combine the four partials + the method's per-token factors, scale (or soft-cap), causal mask;
+//   combine the four partials + the method's per-token factors, scale (or soft-cap), causal and
+//           window mask;
 //   softmax online: running max / sum per row, rescale factor for the accumulators;
 //   values  each thread owns 8 channels of a few positions and accumulates weight · value.
 // It ends by writing its (max, sum, unnormalized output) per row; attend_reduce_kernel merges the
 // splits. A layer's attention variant (qjlkv_layer_attention) is fused: the soft-cap applies to
-// each logit as combine makes it, and a sink logit joins its row's denominator in the merge. The
+// each logit as combine makes it, a sink logit joins its row's denominator in the merge, and a
+// sliding window masks each row's positions before its start; the blocks wholly before the first
+// query's window are no units of the split, so no CTA reads them. The
 // kernel is a template over the key policy (keys.cuh: per-block setup, staging, partial dot
 // products, per-token score) and the value policy (values.cuh: staging, decoding, whether the sum
 // is rotated); nothing in it branches on a method. AttendCta holds one CTA's state and names its
@@ -79,6 +82,11 @@ struct AttendCta {
     return (row / G) * s.Hq + kv_head * G + row % G;  // index into [qps][Hq]
   }
   __device__ __forceinline__ uint32_t query_position(uint32_t r) const { return sd.length - a.qps + (row0 + r) / G; }
+  // Whether row r sees `position`: causal, and from its window's start (the CPU backend's rule).
+  __device__ __forceinline__ bool sees(uint32_t r, uint32_t position) const {
+    const uint32_t query = query_position(r);
+    return position <= query && position >= window_start(query, a.window);
+  }
 
   // The queries into shared memory, the softmax state, then the policies' per-CTA setup.
   __device__ __forceinline__ void start() {
@@ -124,7 +132,7 @@ struct AttendCta {
       const uint32_t position = valid ? position_of(t) : 0;
       if (a.scores && valid && listed)
         a.scores[size_t(kv_head * G + (row0 + r) % G) * sd.length + position] = raw;
-      scores[r * kTile + t] = valid && position <= query_position(r) ? logit(raw) : kNegInf;
+      scores[r * kTile + t] = valid && sees(r, position) ? logit(raw) : kNegInf;
     }
   }
   // The logit of a raw score: scale·raw, or soft-capped softcap·tanh(scale·raw / softcap) (as the
@@ -280,10 +288,11 @@ struct AttendCta {
         acc_a, acc_b, n, position_of, listed, [&](uint32_t, uint32_t, float sum, float) { return sum; },
         [&](uint32_t t, float (&v)[kSliceChannels]) { decode_exact_value(t, v); });
   }
-  // Tail piece `unit`: position sinks + p (p counted after the sinks) is in ring slot p % ring.
-  __device__ __forceinline__ void process_tail(uint32_t unit) {
-    const uint32_t first = sd.blocks * B + (unit - sd.blocks) * B, last = min(first + B, sd.length - sd.sinks);
-    for (uint32_t pos0 = first; pos0 < last; pos0 += kTile) {
+  // Tail piece `piece`: position sinks + p (p counted after the sinks) is in ring slot p % ring. The
+  // positions before `seen` (no row of this CTA sees them) are not read.
+  __device__ __forceinline__ void process_tail(uint32_t piece, uint32_t seen) {
+    const uint32_t first = (sd.blocks + piece) * B, last = min(first + B, sd.length - sd.sinks);
+    for (uint32_t pos0 = max(first, seen > sd.sinks ? seen - sd.sinks : 0u); pos0 < last; pos0 += kTile) {
       const auto ring_row = [&](const uint8_t *ring, uint32_t t) {
         return ring + ((size_t((pos0 + t) % s.ring) * s.Hkv + kv_head) * row_bytes);
       };
@@ -305,9 +314,9 @@ struct AttendCta {
           false);
     }
   }
-  // The attention sinks [first, last) of positions [0, sinks).
-  __device__ __forceinline__ void process_sinks(uint32_t first, uint32_t last) {
-    for (uint32_t pos0 = first; pos0 < last; pos0 += kTile) {
+  // The attention sinks [first, last) of positions [0, sinks), those from `seen` on.
+  __device__ __forceinline__ void process_sinks(uint32_t first, uint32_t last, uint32_t seen) {
+    for (uint32_t pos0 = max(first, seen); pos0 < last; pos0 += kTile) {
       const auto sink_row = [&](const uint8_t *sinks, uint32_t t) {
         return sinks + (size_t(pos0 + t) * s.Hkv + kv_head) * row_bytes;
       };
@@ -321,22 +330,27 @@ struct AttendCta {
     const uint8_t *ott_state = sd.ott ? sd.ott + size_t(kv_head) * s.ott.bytes : nullptr;
     const uint32_t outlier_pool = ott_state ? reinterpret_cast<const uint32_t *>(ott_state)[0] : 0;
     const uint32_t outlier_count = ott_state ? outlier_pool + reinterpret_cast<const uint32_t *>(ott_state)[1] : 0;
-    // Units: the blocks and the tail (positions after the sinks), OTT's outlier tokens, the sinks.
-    const uint32_t tail_end = attend_units(sd.length - sd.sinks, sd.blocks, B);
+    // Units: the blocks from first_block on and the tail (positions after the sinks), OTT's outlier
+    // tokens, the sinks. A window's blocks before first_block are no unit: never read (they may
+    // be freed). A split whose units no row sees keeps its empty state (max -inf, sum 0).
+    const uint32_t blocks_end = sd.blocks - sd.first_block;
+    const uint32_t tail_end = attend_units(sd.length - sd.sinks, sd.blocks, B) - sd.first_block;
     const uint32_t outliers_end = tail_end + div_up(outlier_count, B);
     const uint32_t units = outliers_end + div_up(sd.sinks, B);
     const uint32_t unit_begin = split * a.split.units_per_split;
     const uint32_t unit_end = min(unit_begin + a.split.units_per_split, units);
+    const uint32_t seen = uint32_t(window_start(query_position(0), a.window));  // this CTA's first row's
     for (uint32_t unit = unit_begin; unit < unit_end; ++unit) {
       if constexpr (VALUES::kRotated)
-        if (rotated_sum && unit >= sd.blocks) rotate_back();
-      if (unit < sd.blocks) {
-        process_block(unit);
+        if (rotated_sum && unit >= blocks_end) rotate_back();
+      if (unit < blocks_end) {
+        const uint32_t block = sd.first_block + unit;
+        if (sd.sinks + (block + 1) * B > seen) process_block(block);  // else no row of this CTA sees it
       } else if (unit < tail_end) {
-        process_tail(unit);
+        process_tail(unit - blocks_end, seen);
       } else if (unit >= outliers_end) {
         const uint32_t first = (unit - outliers_end) * B;
-        process_sinks(first, min(first + B, sd.sinks));
+        process_sinks(first, min(first + B, sd.sinks), seen);
       } else {
         const uint32_t first = (unit - tail_end) * B;
         process_outliers(ott_state, outlier_pool, first, min(first + B, outlier_count));

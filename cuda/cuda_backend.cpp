@@ -495,13 +495,8 @@ void CudaCache::set_stream(void *stream) {
 
 // The sink logits go to the layer's device buffer on the cache's stream, so attends enqueued
 // before read the old ones and later ones the new; the buffer is allocated (once) before anything
-// changes, so a failure leaves the layer's variant as it was. Windows are not in the kernels yet:
-// refused, not ignored.
+// changes, so a failure leaves the layer's variant as it was. The window is read by each attend.
 void CudaCache::set_attention(uint32_t layer_index, LayerAttention attention) {
-  if (attention.window != 0)
-    fail(QJLKV_ERROR_UNSUPPORTED,
-         "layer %u: sliding windows (window_tokens %u) are not available on the CUDA backend yet", layer_index,
-         attention.window);
   if (!attention.sink_logits.empty()) {
     DeviceGuard guard(device_);
     DeviceBuffer &sinks = layers_[layer_index].sink_logits;
@@ -759,12 +754,18 @@ void CudaCache::run_attention(uint32_t layer_index, const uint32_t *seqs, uint32
   const qjlkv_config &cfg = spec().cfg;
   LayerState &layer = layers_[layer_index];
   const KernelShape &k = layer.shape;
+  // scores() returns raw logits of every position: no variant, no window.
+  const uint32_t window = scores_host ? 0 : attention(layer_index).window;
+  const auto first_block = [&](const SeqState &seq) {
+    return blocks_before(window_start(seq.length - queries_per_seq, window), seq.sinks, k.B, seq.blocks);
+  };
   uint32_t max_units = 0;
   for (uint32_t i = 0; i < n_seqs; ++i) {
     const SeqState &seq = find(layer_index, seqs[i]);
     QJLKV_REQUIRE(queries_per_seq <= seq.length, "n_queries is %u, but seq %u holds only %llu tokens",
                   queries_per_seq, seqs[i], (unsigned long long)seq.length);
-    max_units = std::max(max_units, attend_units(seq.length - seq.sinks, seq.blocks, k.B) + div_up(seq.sinks, k.B));
+    max_units = std::max(max_units, attend_units(seq.length - seq.sinks, seq.blocks, k.B) - first_block(seq) +
+                                        div_up(seq.sinks, k.B));
   }
   // OTT: at most P + S outlier tokens per head (the kernel reads the actual counts).
   if (k.traced) max_units += div_up(k.ott_pool + k.ott_spill, k.B);
@@ -799,7 +800,8 @@ void CudaCache::run_attention(uint32_t layer_index, const uint32_t *seqs, uint32
                              seq.sink ? seq.sink + sink_bytes() : nullptr,
                              seq.length,
                              seq.blocks,
-                             seq.sinks};
+                             seq.sinks,
+                             first_block(seq)};
   }
   check_cuda(cudaMemcpyAsync(base, desc_host, n_seqs * sizeof(AttendSeq), cudaMemcpyHostToDevice, stream_),
              "uploading the attention descriptors");
@@ -815,7 +817,8 @@ void CudaCache::run_attention(uint32_t layer_index, const uint32_t *seqs, uint32
   args.split = plan;
   args.scale = scale;
   const LayerAttention &variant = attention(layer_index);
-  if (!scores_host) {  // scores() returns raw logits: no variant
+  args.window = window;
+  if (!scores_host) {
     args.softcap = variant.softcap;
     args.softcap_inside = variant.softcap > 0.0f ? scale / variant.softcap : 0.0f;
     args.sink_logits = variant.sink_logits.empty() ? nullptr : static_cast<const float *>(layer.sink_logits.data);

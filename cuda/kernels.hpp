@@ -10,6 +10,7 @@
 #include "block_layout.hpp"
 #include "layout.hpp"
 #include "qjlkv/qjlkv.h"
+#include "window.hpp"
 
 namespace qjlkv::cuda {
 
@@ -107,6 +108,9 @@ struct AttendSeq {
   const uint8_t *ott;  // OTT-traced layers: the committed outlier state ([Hkv] heads), else null
   const uint8_t *sink_k, *sink_v;  // the sinks ([sinks][Hkv][d] each), positions [0, sinks)
   uint32_t length, blocks, sinks;  // blocks start at position `sinks`; the tail follows them
+  // Sliding windows: blocks [0, first_block) end before the first query's window and are not read
+  // (blocks_before in window.hpp; 0 without a window).
+  uint32_t first_block;
 };
 
 struct AttendArgs {
@@ -123,6 +127,7 @@ struct AttendArgs {
   float softcap;             // > 0: logits softcap·tanh(softcap_inside·raw) instead of scale·raw
   float softcap_inside;      // scale / softcap
   const float *sink_logits;  // null, or [Hq] on the device: exp(sink_h) joins head h's denominator
+  uint32_t window;           // > 0: each query row sees the positions from window_start() of its own
   float *part_acc;          // [n_seqs][splits][qps * Hq][d]
   float *part_ml;           // [n_seqs][splits][qps * Hq][2]: running max and sum
   float *scores;            // when not null (scores()): raw logits [Hq][length] of sequence 0

@@ -10,6 +10,7 @@
 
 #include "config.hpp"
 #include "error.hpp"
+#include "window.hpp"
 
 namespace qjlkv {
 
@@ -112,11 +113,6 @@ struct LayerAttention {
   std::vector<float> sink_logits;  // empty, or one per query head: exp(sink) joins the denominator
   uint32_t window = 0;             // > 0: the query at position p sees positions [p − window + 1, p]
 };
-
-// The first position the query at `position` sees under a window of `window` tokens (0: all).
-inline uint64_t window_start(uint64_t position, uint32_t window) {
-  return window > 0 && position + 1 > window ? position + 1 - window : 0;
-}
 
 }  // namespace qjlkv
 

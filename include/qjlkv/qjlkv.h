@@ -761,8 +761,7 @@ typedef struct qjlkv_layer_attention {
  * shipped size, layer out of range, a logit_softcap that is negative or not
  * finite, a sink logit that is not finite — the message names its index —,
  * a window_tokens other than the layer's while any sequence holds tokens in
- * it), UNSUPPORTED (a window_tokens > 0 on a CUDA cache), OUT_OF_MEMORY; the
- * layer's variant is then unchanged. */
+ * it), OUT_OF_MEMORY; the layer's variant is then unchanged. */
 QJLKV_API qjlkv_status qjlkv_cache_set_layer_attention(qjlkv_cache *c, uint32_t layer,
                                                        const qjlkv_layer_attention *attention);
 

@@ -1035,8 +1035,8 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
     const Sequence &seq = *found[index / Hkv];
     const uint32_t blocks = seq.block_count();
     // The blocks that end before the first query's window starts take no part.
-    const uint64_t start = window_start(seq.length - queries_per_seq, window);
-    const uint32_t first = start > seq.sink_tokens ? uint32_t(std::min<uint64_t>((start - seq.sink_tokens) / cfg.block_tokens, blocks)) : 0;
+    const uint32_t first =
+        blocks_before(window_start(seq.length - queries_per_seq, window), seq.sink_tokens, cfg.block_tokens, blocks);
     for (uint32_t b = first; b < blocks; b += run) attend_tasks_.push_back({index, b, std::min(run, blocks - b), false});
     attend_tasks_.push_back({index, 0, 0, true});
   }

@@ -1,12 +1,16 @@
 // Attention variants of a layer (qjlkv_cache_set_layer_attention) on the CUDA backend: soft-capped
-// logits and learned sink logits, fused into the attention kernels, against the CPU backend given
-// the same appended data and the same variant — decode and causal multi-query attends, and
-// attend_batch split over several CTAs or not — within SPEC §9's budget (compare_outputs); the
+// logits, learned sink logits and sliding windows, fused into the attention kernels, against the
+// CPU backend given the same appended data and the same variant — decode and causal multi-query
+// attends, and attend_batch split over several CTAs or not — within SPEC §9's budget
+// (compare_outputs); the
 // call's checks and refusals as on the CPU; a variant per layer, reversible, ordered on the
 // cache's stream, and left as it was when the sink logits cannot be stored.
 //
 // Built twice, like test_cuda_backend.cpp (see gpu_test_util.hpp): on a GPU and on the emulator.
+#include <initializer_list>
+#include <iterator>
 #include <ostream>
+#include <tuple>
 
 #include "gpu_test_util.hpp"
 
@@ -20,12 +24,13 @@ constexpr bool kEmulated = true;
 constexpr bool kEmulated = false;
 #endif
 
-qjlkv_layer_attention make_attention(float softcap, const float *sinks) {
+qjlkv_layer_attention make_attention(float softcap, const float *sinks, uint32_t window = 0) {
   qjlkv_layer_attention a;
   std::memset(&a, 0, sizeof a);
   a.struct_size = sizeof a;
   a.logit_softcap = softcap;
   a.sink_logits = sinks;
+  a.window_tokens = window;
   return a;
 }
 
@@ -117,13 +122,72 @@ TEST_P(CudaLayerAttention, SoftcapAndSinksMatchTheCpu) {
   }
 }
 
+// Keys of `tokens` tokens whose tokens at `loud` have a large norm: OTT keeps them as outlier
+// tokens (exact, by their position) instead of in their blocks.
+std::vector<float> keys_with_loud_tokens(std::mt19937 &rng, uint32_t tokens, uint32_t heads, uint32_t d,
+                                         std::initializer_list<uint32_t> loud) {
+  std::vector<float> keys = make_keys(rng, tokens, heads, d);
+  for (uint32_t t : loud)
+    for (size_t j = size_t(t) * heads * d; j < size_t(t + 1) * heads * d; ++j) keys[j] *= 6.0f;
+  return keys;
+}
+
+// Sliding windows: seq 3 holds 160 positions (with q2's, q3's and q4's 4 sinks: blocks of 32 at
+// 4..131, a tail of 28; loud tokens at 45, 110 and 125 become OTT's outlier tokens), seq 8 holds
+// 70, seq 5 holds 20 (no block). Windows of 1, 5, 20 (shorter than a block), 68 and 157 (from
+// within the sinks of seq 8 and seq 3), 200 (longer than every sequence); the blocks before the
+// first query's window are skipped, and splits that hold only positions before every window (the
+// sinks, OTT's outlier tokens) stay empty in the merge.
+TEST_P(CudaLayerAttention, WindowsMatchTheCpu) {
+  REQUIRE_CUDA_DEVICE();
+  const VariantCase c = GetParam();
+  const std::vector<float> sinks = sink_logits(8);
+  const uint32_t windows[] = {1, 5, 20, 68, 157, 200};
+  for (size_t i = 0; i < std::size(windows); ++i) {
+    const uint32_t window = windows[i];
+    CachePair pair(variant_config(c.preset, c.dtype));
+    ASSERT_TRUE(pair.ok()) << pair.error();
+    const qjlkv_config &cfg = pair.cfg();
+    std::mt19937 rng(17 + uint32_t(i));
+    const size_t te = pair.token_elems();
+    const uint32_t layer = 1, Hkv = cfg.num_kv_heads, d = cfg.head_dim;
+    // Every other window with a soft-cap and sink logits as well: one pass applies all three.
+    const bool variant = i % 2 == 1;
+    set_both(pair, layer, make_attention(variant ? 1.5f : 0.0f, variant ? sinks.data() : nullptr, window));
+    pair.append(layer, 3, keys_with_loud_tokens(rng, 150, Hkv, d, {45, 110, 125}), make_values(rng, 150 * te));
+    for (int step = 0; step < 10; ++step) pair.append(layer, 3, make_keys(rng, 1, Hkv, d), make_values(rng, te));
+    pair.append(layer, 8, keys_with_loud_tokens(rng, 70, Hkv, d, {10, 60}), make_values(rng, 70 * te));
+    pair.append(layer, 5, make_keys(rng, 20, Hkv, d), make_values(rng, 20 * te));
+    const auto expect_close = [&](const std::vector<float> &gpu, const std::vector<float> &cpu, const std::string &what) {
+      const Mismatch m = compare_outputs(gpu, cpu, c.dtype);
+      EXPECT_EQ(m.count, 0u) << "window " << window << ", " << what << ": first mismatch at " << m.first << ": gpu "
+                             << gpu[m.first] << ", cpu " << cpu[m.first] << " (worst " << m.worst << ", rms "
+                             << m.rms_relative << ")";
+    };
+    // Decode, and causal multi-query: each query row has its own window.
+    for (const auto &[seq, n_queries, scale] :
+         {std::tuple{3u, 1u, 0.0f}, std::tuple{3u, 5u, 0.3f}, std::tuple{8u, 7u, 0.0f}, std::tuple{5u, 3u, 0.0f}}) {
+      const auto q = make_values(rng, n_queries * pair.query_elems());
+      const auto [cpu, gpu] = pair.attend(layer, {seq}, n_queries, q, scale, false);
+      expect_close(gpu, cpu, "seq " + std::to_string(seq) + ", " + std::to_string(n_queries) + " queries");
+    }
+    // attend_batch over sequences of different lengths (each its own window and skipped blocks).
+    for (const std::vector<uint32_t> &seqs : {std::vector<uint32_t>{8, 3, 5}, std::vector<uint32_t>{3, 8, 5, 3, 8, 5, 3, 8}}) {
+      const auto q = make_values(rng, seqs.size() * pair.query_elems());
+      const auto [cpu, gpu] = pair.attend(layer, seqs, 1, q, 0.0f, true);
+      expect_close(gpu, cpu, "attend_batch of " + std::to_string(seqs.size()));
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Presets, CudaLayerAttention, testing::ValuesIn(variant_cases()),
                          [](const testing::TestParamInfo<VariantCase> &info) {
                            return std::string(info.param.preset) + "_" + dtype_name(info.param.dtype);
                          });
 
-// A long context (many units per split) with both variants at once.
-TEST(CudaLayerAttentionRules, LongContextSoftcapAndSinks) {
+// A long context (many units per split) with both variants at once, then with a window of 1000 as
+// well (layer 1): most blocks lie before it, and the splits cover the window alone.
+TEST(CudaLayerAttentionRules, LongContextSoftcapSinksAndWindow) {
   REQUIRE_CUDA_DEVICE();
   const uint32_t tokens = kEmulated ? 1100 : 65536, chunk = kEmulated ? 550 : 8192;
   for (const char *preset : {"q3", "kivi"}) {
@@ -132,16 +196,20 @@ TEST(CudaLayerAttentionRules, LongContextSoftcapAndSinks) {
     ASSERT_TRUE(pair.ok()) << pair.error();
     std::mt19937 rng(9);
     const size_t te = pair.token_elems();
-    for (uint32_t done = 0; done < tokens; done += chunk)
-      pair.append(0, 1, make_keys(rng, chunk, 2, 64), make_values(rng, size_t(chunk) * te));
     // Sink logits about the log of the softmax's sum over the context: they weigh on every output.
     std::vector<float> sinks = sink_logits(8);
     for (float &s : sinks) s += std::log(float(tokens));
+    set_both(pair, 1, make_attention(4.0f, sinks.data(), 1000));
+    for (uint32_t layer : {0u, 1u})
+      for (uint32_t done = 0; done < tokens; done += chunk)
+        pair.append(layer, 1, make_keys(rng, chunk, 2, 64), make_values(rng, size_t(chunk) * te));
     set_both(pair, 0, make_attention(4.0f, sinks.data()));
-    const auto [cpu, gpu] = pair.attend(0, {1}, 1, make_values(rng, pair.query_elems()), 0.0f, false);
-    const Mismatch m = compare_outputs(gpu, cpu, QJLKV_DTYPE_BF16);
-    EXPECT_EQ(m.count, 0u) << "first mismatch at " << m.first << " (worst " << m.worst << ", rms " << m.rms_relative
-                           << ")";
+    for (uint32_t layer : {0u, 1u}) {
+      const auto [cpu, gpu] = pair.attend(layer, {1}, 1, make_values(rng, pair.query_elems()), 0.0f, false);
+      const Mismatch m = compare_outputs(gpu, cpu, QJLKV_DTYPE_BF16);
+      EXPECT_EQ(m.count, 0u) << "layer " << layer << ": first mismatch at " << m.first << " (worst " << m.worst
+                             << ", rms " << m.rms_relative << ")";
+    }
   }
 }
 
@@ -151,8 +219,8 @@ void enqueue_attend(qjlkv_cache *c, uint32_t layer, uint32_t seq, const DeviceBy
 }
 
 // The C call's checks are the CPU's (the message names the field), a refused variant changes
-// nothing (sliding windows are refused on CUDA), a variant is per layer and reversible, scores stay
-// raw, and a variant set between two attends applies to the second alone (stream order).
+// nothing, a variant is per layer and reversible, scores stay raw (a window's too), and a variant
+// set between two attends applies to the second alone (stream order).
 TEST(CudaLayerAttentionRules, ChecksLayersScoresAndStreamOrder) {
   REQUIRE_CUDA_DEVICE();
   CachePair pair(variant_config("q3", QJLKV_DTYPE_F16));
@@ -160,11 +228,9 @@ TEST(CudaLayerAttentionRules, ChecksLayersScoresAndStreamOrder) {
   const qjlkv_dtype dtype = QJLKV_DTYPE_F16;
   std::mt19937 rng(5);
   const size_t te = pair.token_elems();
-  // A window, set while the layer is empty: the CUDA backend has none yet.
-  qjlkv_layer_attention window = make_attention(2.0f, nullptr);
-  window.window_tokens = 16;
-  EXPECT_EQ(qjlkv_cache_set_layer_attention(pair.gpu(), 0, &window), QJLKV_ERROR_UNSUPPORTED);
-  EXPECT_NE(std::string(qjlkv_last_error_message()).find("window"), std::string::npos) << qjlkv_last_error_message();
+  // Layer 1 has a window of 16 positions (set while it is empty, kept by every variant it gets).
+  const uint32_t window = 16;
+  set_both(pair, 1, make_attention(0.0f, nullptr, window));
   for (uint32_t layer : {0u, 1u}) pair.append(layer, 2, make_keys(rng, 120, 2, 64), make_values(rng, 120 * te));
   const auto query = make_values(rng, pair.query_elems());
   const auto encoded = encode(query, dtype);
@@ -213,23 +279,25 @@ TEST(CudaLayerAttentionRules, ChecksLayersScoresAndStreamOrder) {
   EXPECT_GT(count_bit_differences(gpu0, plain0), 0u) << "the variant had no effect";
   EXPECT_EQ(count_bit_differences(gpu_output(1), plain1), 0u) << "layer 1 is untouched";
 
-  // scores() returns the raw logits whatever the variant.
+  // scores() returns the raw logits whatever the variant, of every position (those before the
+  // window too).
   std::vector<float> raw_plain(8 * 120), raw_variant(8 * 120);
-  set_both(pair, 1, make_attention(0.0f, nullptr));
   ASSERT_EQ(qjlkv_cache_scores(pair.gpu(), 1, 2, dq.get(), raw_plain.data(), raw_plain.size()), QJLKV_OK);
-  set_both(pair, 1, both);
+  set_both(pair, 1, make_attention(2.0f, sinks.data(), window));
   ASSERT_EQ(qjlkv_cache_scores(pair.gpu(), 1, 2, dq.get(), raw_variant.data(), raw_variant.size()), QJLKV_OK);
   EXPECT_EQ(count_bit_differences(raw_variant, raw_plain), 0u);
+  for (size_t i = 0; i < raw_plain.size(); ++i) ASSERT_TRUE(std::isfinite(raw_plain[i])) << "position " << i % 120;
 
-  // A zeroed variant is plain attention again, bit for bit.
-  set_both(pair, 1, make_attention(0.0f, nullptr));
+  // Back to the window alone: the same outputs as before, bit for bit.
+  set_both(pair, 1, make_attention(0.0f, nullptr, window));
   EXPECT_EQ(count_bit_differences(gpu_output(1), plain1), 0u);
 
   // Stream order: attend (variant A), set variant B (other sink logits, rewritten in place), attend;
   // only then read both outputs.
   std::vector<float> other_sinks(8);
   for (uint32_t h = 0; h < 8; ++h) other_sinks[h] = 1.5f - 0.5f * float(h);
-  const qjlkv_layer_attention a = make_attention(0.0f, sinks.data()), b = make_attention(3.0f, other_sinks.data());
+  const qjlkv_layer_attention a = make_attention(0.0f, sinks.data(), window),
+                              b = make_attention(3.0f, other_sinks.data(), window);
   DeviceBytes out_a(encoded.size()), out_b(encoded.size());
   QJLKV_OK(qjlkv_cache_set_layer_attention(pair.gpu(), 1, &a));
   enqueue_attend(pair.gpu(), 1, 2, dq, out_a);

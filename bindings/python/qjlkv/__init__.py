@@ -349,7 +349,7 @@ class Cache:
         InvalidArgument naming the argument (``layer`` out of range, ``logit_softcap`` negative
         or not finite, ``sink_logits`` of another length or with a non-finite entry, named by
         its index, ``window_tokens`` changed while the layer holds tokens) and InvalidType (not
-        numbers); the layer is then unchanged. A CUDA cache raises Unsupported for a window."""
+        numbers); the layer is then unchanged."""
         self._handle.set_layer_attention(layer, logit_softcap, _sink_logits(sink_logits), window_tokens)
 
     def append(self, layer: int, seq: int, keys: _Any, values: _Any) -> None:
