@@ -893,9 +893,11 @@ void CudaCache::upload(void *device, const void *host, size_t bytes) const {
 int64_t CudaCache::append_growth(uint32_t layer_index, const SeqState *seq, uint32_t n) const {
   const RecordCounts counts = seq ? counts_of(*seq) : RecordCounts{};
   const SlotPool &pool = *layers_[layer_index].copies;
-  return qjlkv::append_growth(spec(), layer_index, sizeof(SeqState), seq ? &counts : nullptr, n, [&](uint32_t b) {
-    return pool.holders(seq->copies[b - seq->first_copy]) == 1;
-  });
+  // This backend refuses windows (qjlkv_cache_set_layer_attention), so it frees no blocks.
+  return qjlkv::append_growth(
+      spec(), layer_index, sizeof(SeqState), seq ? &counts : nullptr, n, 0,
+      [&](uint32_t b) { return pool.holders(seq->copies[b - seq->first_copy]) == 1; },
+      [](uint32_t) { return false; });
 }
 
 void CudaCache::keep_copies_from(uint32_t layer_index, SeqState &seq, uint32_t first) noexcept {
