@@ -756,13 +756,14 @@ void read_outlier_states(Reader &in, const CacheSpec &spec, const LayerSection &
 }
 
 // One layer section: its header, then sinks, blocks, tail and outlier states, in stream order.
-void read_layer(Reader &in, const qjlkv_cache *c, uint32_t version, uint32_t expected_layer,
-                PortableImport &staging, uint64_t &payload_left) {
+// Returns the layer's freed blocks.
+uint32_t read_layer(Reader &in, const qjlkv_cache *c, uint32_t version, uint32_t expected_layer,
+                    PortableImport &staging, uint64_t &payload_left) {
   const CacheSpec &spec = c->spec();
   const qjlkv_config &cfg = spec.cfg;
   const LayerSection s = read_section_header(in, spec, version, expected_layer, payload_left);
   const PortableCounts &counts = s.shape.counts;
-  if (counts.length == 0) return;
+  if (counts.length == 0) return 0;
   if (counts.freed_blocks > 0) {
     // Freed positions must stay out of every query an append can make next: the layer needs a
     // window that starts, for the query at position `length`, after them.
@@ -788,6 +789,7 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t version, uint32_t exp
   if (in.offset() - s.section_start != s.body)
     corrupt("layer %u: the section claims %llu bytes, its contents take %llu", s.layer, (unsigned long long)s.body,
             (unsigned long long)(in.offset() - s.section_start));
+  return counts.freed_blocks;
 }
 
 void import_stream(qjlkv_cache *c, uint32_t seq, Reader &in) {
@@ -798,10 +800,14 @@ void import_stream(qjlkv_cache *c, uint32_t seq, Reader &in) {
          (unsigned long long)in.known_size(), (unsigned long long)total);
   std::unique_ptr<PortableImport> staging = c->begin_import(seq);
   uint64_t payload_left = info.payload;
+  bool freed = false;
   for (uint32_t l = info.first_layer; l < info.first_layer + info.num_layers; ++l) {
     if (payload_left < kSectionHeaderBytes) corrupt("the payload ends before the section of layer %u", l);
-    read_layer(in, c, info.version, l, *staging, payload_left);
+    freed = read_layer(in, c, info.version, l, *staging, payload_left) > 0 || freed;
   }
+  // Version 5 is written only for freed blocks: a stream is canonical (it exports as it came).
+  if (info.version >= kFreedBlocksVersion && !freed)
+    corrupt("format version %u, but no layer has freed blocks (such streams are version 3 or 4)", info.version);
   if (payload_left != 0)
     corrupt("the header announces %llu payload bytes, the layer sections take %llu", (unsigned long long)info.payload,
             (unsigned long long)(info.payload - payload_left));
