@@ -69,6 +69,7 @@ struct FreedRange {
 };
 FreedRange freed_range(const qjlkv_cache *c, uint32_t layer, uint32_t seq) {
   const qjlkv_config &cfg = c->spec().cfg;
+  if (c->attention(layer).window == 0) return {};  // only a window frees (and it stays while tokens are held)
   const uint32_t freed = c->length(layer, seq) > 0 ? c->portable_counts(layer, seq).freed_blocks : 0;
   if (freed == 0) return {};
   return {cfg.sink_tokens, cfg.sink_tokens + uint64_t(freed) * cfg.block_tokens, freed};
