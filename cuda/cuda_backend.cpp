@@ -1144,6 +1144,7 @@ void CudaCache::fork(uint32_t src_id, uint32_t dst_id, uint64_t length) {
       dst.sinks = src.sinks;
       dst.rollback_floor = src.rollback_floor;
       dst.first_copy = src.first_copy;
+      dst.freed_blocks = src.freed_blocks;
       dst.table = src.table;    // the same slots: held at the commit
       dst.copies = src.copies;  // the same rollback copies, likewise
       layer.rings->reserve(1, *pool_, stream_);
@@ -1379,7 +1380,8 @@ class CudaImport final : public PortableImport {
     uint64_t bytes = 0;
     for (const auto &staged : layers_) {
       const SeqState &seq = staged.node.mapped();
-      bytes += cache_.own_bytes(staged.layer, seq) + uint64_t(seq.blocks) * cache_.slot_bytes(staged.layer);
+      const uint64_t stored = seq.blocks - seq.freed_blocks;
+      bytes += cache_.own_bytes(staged.layer, seq) + stored * cache_.slot_bytes(staged.layer);
     }
     return bytes;
   }
