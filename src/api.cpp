@@ -61,8 +61,8 @@ uint64_t longest_layer(const qjlkv_cache *c, uint32_t seq) {
 }
 
 // Sliding windows free the leading blocks of a record (qjlkv.h, "Attention variants of a
-// layer"): positions [sink_tokens, end) of (layer, seq) are no longer stored; end is 0 when none are.
-// blocks [0, blocks) of the record.
+// layer"): blocks [0, blocks), positions [first, end) = [sink_tokens, sink_tokens + blocks·B) of
+// (layer, seq), are no longer stored; all 0 when none are.
 struct FreedRange {
   uint64_t first = 0, end = 0;
   uint32_t blocks = 0;

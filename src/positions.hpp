@@ -62,8 +62,7 @@ inline uint64_t rollback_floor_after(const qjlkv_config &cfg, uint64_t floor, ui
 // − W + 1 are freed, except those such a truncate would reopen (it stays exact). Caches without
 // rollback copies (16-bit exact blocks, whose floor is their length) free by the same rule, so
 // that speculative decoding on them is never refused either. Sinks, the tail and OTT's pools are
-// kept (they are bounded). A record frees max(what it freed before, this): the positions a
-// truncate to n must keep, min(n, ...) above, only grow with the appends since.
+// kept (they are bounded). A record frees max(what it freed before, this).
 inline uint32_t window_freed_blocks(const qjlkv_config &cfg, uint32_t window, uint64_t previous_length,
                                     uint64_t new_length) {
   if (window == 0) return 0;
