@@ -27,6 +27,11 @@
 //   RollbackBits/<model>/<preset>/8192
 //                      what the rollback copies cost: bits per number over the last 256 decode
 //                      steps (one token a step) up to 8192 tokens with rollback_tokens 32 and 0
+//   Window/<model>/<preset>/32768/window:4096
+//                      a sliding-window layer decoding at 32k tokens against a plain layer at
+//                      4k, stepped in turn in one loop (one token appended, then attended):
+//                      ns per step of each and the bytes_used of each (the window frees the
+//                      blocks it leaves behind, so it holds about what the 4k layer does)
 //   Kernels/<isa>/<preset>, VectorPorts/<instruction>
 //                      white-box: the kernels on hot data (kernel_bench.cpp) and the vector-port
 //                      operations of AVX-512 instructions (port_probe.cpp)
@@ -392,6 +397,56 @@ void bm_rollback_bits(benchmark::State &state, const Shape &shape, const char *p
   state.counters["bits_rollback_0"] = without / n;
 }
 
+constexpr uint32_t kWindowContext = 32768, kWindowTokens = 4096, kPlainContext = 4096;
+
+void bm_window(benchmark::State &state, const Shape &shape, const char *preset) {
+  qjlkv_cache *caches[2];  // [0]: one layer with a window at kWindowContext; [1]: plain at kPlainContext
+  for (qjlkv_cache *&c : caches) {
+    qjlkv_config cfg{};
+    cfg.struct_size = sizeof cfg;
+    check(qjlkv_config_init(&cfg, preset, 1, shape.q_heads, shape.kv_heads, shape.head_dim), "config_init");
+    cfg.dtype = QJLKV_DTYPE_F16;
+    cfg.num_threads = bench_threads();
+    check(qjlkv_cache_create(&cfg, &c), "cache_create");
+  }
+  qjlkv_layer_attention window{};
+  window.struct_size = sizeof window;
+  window.window_tokens = kWindowTokens;
+  check(qjlkv_cache_set_layer_attention(caches[0], 0, &window), "set_layer_attention");
+  const Tokens tokens(shape);
+  // A prefill in chunks: one append holds all its tokens until it commits.
+  constexpr uint32_t kPrefillChunk = 512;
+  const uint32_t contexts[2] = {kWindowContext, kPlainContext};
+  for (int i = 0; i < 2; ++i)
+    for (uint32_t t = 0; t < contexts[i]; t += kPrefillChunk)
+      check(qjlkv_cache_append(caches[i], 0, 0, kPrefillChunk, tokens.keys(t), tokens.values(t)), "append");
+  const std::vector<uint16_t> query = random_queries(shape, 1);
+  std::vector<uint16_t> out(query.size());
+  double seconds[2] = {0.0, 0.0};
+  uint32_t t = 0;
+  for (auto _ : state) {
+    double total = 0.0;
+    for (int i = 0; i < 2; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      check(qjlkv_cache_append(caches[i], 0, 0, 1, tokens.keys(t), tokens.values(t)), "append");
+      check(qjlkv_cache_attend(caches[i], 0, 0, 1, query.data(), 0.0f, out.data()), "attend");
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      seconds[i] += s;
+      total += s;
+    }
+    check(qjlkv_cache_truncate(caches[1], 0, kPlainContext), "truncate");  // the plain layer stays at 4k
+    ++t;
+    state.SetIterationTime(total);
+  }
+  const double n = double(state.iterations());
+  state.counters["window_ns_per_step"] = seconds[0] / n * 1e9;
+  state.counters["plain_ns_per_step"] = seconds[1] / n * 1e9;
+  state.counters["window_bytes_used"] = double(used_bytes(caches[0]));
+  state.counters["plain_bytes_used"] = double(used_bytes(caches[1]));
+  state.counters["window_tokens_held"] = double(stats_of(caches[0]).tokens);
+  for (qjlkv_cache *c : caches) qjlkv_cache_destroy(c);
+}
+
 // Each worker thread sums its slice of a 1 GiB buffer.
 void bm_read_bandwidth(benchmark::State &state) {
   const size_t words = (size_t(1) << 30) / sizeof(uint64_t);
@@ -460,6 +515,12 @@ void register_all() {
       RegisterBenchmark((std::string("Append/") + model + "/" + preset).c_str(), bm_append, shape, preset)
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
+    RegisterBenchmark((std::string("Window/") + model + "/q3/" + std::to_string(kWindowContext) +
+                       "/window:" + std::to_string(kWindowTokens))
+                          .c_str(),
+                      bm_window, shape, "q3")
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
     for (const char *preset : {"q3", "q4", "qjl"}) {
       RegisterBenchmark((std::string("RollbackBits/") + model + "/" + preset + "/8192").c_str(), bm_rollback_bits,
                         shape, preset)

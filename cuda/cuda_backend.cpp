@@ -56,6 +56,10 @@ struct SeqState {
   uint32_t sinks = 0;           // min(length, config.sink_tokens): positions [0, sinks)
   uint32_t rollback_floor = 0;  // qjlkv.h, "Sequence operations"
   uint8_t *sink = nullptr;      // sinks: keys [S][Hkv][d], then values, in the input dtype
+  // Blocks [0, freed_blocks) left the layer's window and went back to the pool: their host table
+  // entries are 0; the device table's are stale (the attention never reads blocks before a
+  // query's window).
+  uint32_t freed_blocks = 0;
   std::vector<uint64_t> table;  // host copy of the block table: slot addresses
   DeviceBuffer table_dev;       // the block table the kernels read
   uint32_t first_copy = 0;      // copies[i]: the rollback copy of block first_copy + i, to the last block
@@ -268,7 +272,7 @@ class CudaCache final : public qjlkv_cache {
     return sizeof(SeqState) + exact_row_bytes(spec(), layer, seq.sinks, tail_tokens(seq));
   }
   RecordCounts counts_of(const SeqState &seq) const {
-    return {seq.length, seq.rollback_floor, seq.sinks, tail_tokens(seq), seq.blocks, seq.first_copy};
+    return {seq.length, seq.rollback_floor, seq.sinks, tail_tokens(seq), seq.blocks, seq.first_copy, seq.freed_blocks};
   }
   // The change of bytes_used that appending n tokens to seq (null: a new sequence) brings.
   int64_t append_growth(uint32_t layer, const SeqState *seq, uint32_t n) const;
@@ -280,6 +284,9 @@ class CudaCache final : public qjlkv_cache {
   }
   // Drops the rollback copies of the blocks before `first` (the floor rose).
   void keep_copies_from(uint32_t layer, SeqState &seq, uint32_t first) noexcept;
+  // Releases the blocks the layer's window leaves behind once an append took seq from
+  // previous_length positions to its length (window_freed_blocks).
+  void free_window_blocks(uint32_t layer, SeqState &seq, uint32_t previous_length) noexcept;
   // The storage a record holds alone (sinks, ring, OTT states, device table) back to the pools.
   void give_own_storage(LayerState &layer, SeqState &seq) noexcept;
   // Everything a record in the cache holds, released (its blocks and copies once no one holds them).
@@ -746,7 +753,18 @@ void CudaCache::commit_append(uint32_t layer_index, AppendPlan &plan, uint32_t t
     for (size_t c = 0; c < p.new_copies; ++c) seq.copies.push_back(plan.copies[p.first_copy + c]);  // reserved
     used_ += p.new_copies * copy_bytes(layer_index);
     used_ += own_bytes(layer_index, seq) - own_before;
+    free_window_blocks(layer_index, seq, seq.length - tokens_per_seq);
   }
+}
+
+void CudaCache::free_window_blocks(uint32_t layer_index, SeqState &seq, uint32_t previous_length) noexcept {
+  const uint32_t freed = std::max(
+      seq.freed_blocks, window_freed_blocks(spec().cfg, attention(layer_index).window, previous_length, seq.length));
+  for (uint32_t b = seq.freed_blocks; b < freed; ++b) {  // stream order keeps enqueued readers ahead of reuse
+    release_block(layer_index, seq.table[b]);
+    seq.table[b] = 0;
+  }
+  seq.freed_blocks = freed;
 }
 
 void CudaCache::run_attention(uint32_t layer_index, const uint32_t *seqs, uint32_t n_seqs, uint32_t queries_per_seq,
@@ -837,7 +855,7 @@ void CudaCache::run_attention(uint32_t layer_index, const uint32_t *seqs, uint32
 void CudaCache::scores(uint32_t layer, uint32_t seq, const void *query, float *out) {
   DeviceGuard guard(device_);
   const qjlkv_config &cfg = spec().cfg;
-  find(layer, seq);
+  const SeqState &state = find(layer, seq);
   scratch_.ensure(kAlign, *pool_, stream_);
   unsigned long long *flags = device_flags();
   check_cuda(cudaMemsetAsync(flags, 0xff, 3 * sizeof(unsigned long long), stream_), "cudaMemsetAsync");
@@ -850,6 +868,10 @@ void CudaCache::scores(uint32_t layer, uint32_t seq, const void *query, float *o
   if (flags_host_[0] != ~0ull) fail_data("query", query, flags_host_[0], FLT_MAX);
   run_attention(layer, &seq, 1, 1, query, 1.0f, nullptr, out);
   check_cuda(cudaStreamSynchronize(stream_), "scores");
+  // Positions the window freed have no score (the kernel read their table's stale entries).
+  const uint64_t freed = uint64_t(state.freed_blocks) * cfg.block_tokens;
+  for (uint32_t h = 0; h < cfg.num_q_heads; ++h)
+    std::fill_n(out + size_t(h) * state.length + state.sinks, freed, -INFINITY);
 }
 
 std::vector<uint8_t> CudaCache::download_ott(const LayerState &layer, const SeqState &seq) const {
@@ -896,9 +918,11 @@ void CudaCache::upload(void *device, const void *host, size_t bytes) const {
 int64_t CudaCache::append_growth(uint32_t layer_index, const SeqState *seq, uint32_t n) const {
   const RecordCounts counts = seq ? counts_of(*seq) : RecordCounts{};
   const SlotPool &pool = *layers_[layer_index].copies;
-  return qjlkv::append_growth(spec(), layer_index, sizeof(SeqState), seq ? &counts : nullptr, n, [&](uint32_t b) {
-    return pool.holders(seq->copies[b - seq->first_copy]) == 1;
-  });
+  const SlotPool &blocks = *layers_[layer_index].blocks;
+  return qjlkv::append_growth(
+      spec(), layer_index, sizeof(SeqState), seq ? &counts : nullptr, n, attention(layer_index).window,
+      [&](uint32_t b) { return pool.holders(seq->copies[b - seq->first_copy]) == 1; },
+      [&](uint32_t b) { return blocks.holders(reinterpret_cast<const uint8_t *>(seq->table[b])) == 1; });
 }
 
 void CudaCache::keep_copies_from(uint32_t layer_index, SeqState &seq, uint32_t first) noexcept {
@@ -920,7 +944,7 @@ void CudaCache::give_own_storage(LayerState &layer, SeqState &seq) noexcept {
 
 void CudaCache::release_record(uint32_t layer_index, SeqState &seq) noexcept {
   used_ -= own_bytes(layer_index, seq);
-  for (uint64_t slot : seq.table) release_block(layer_index, slot);
+  for (uint32_t b = seq.freed_blocks; b < seq.blocks; ++b) release_block(layer_index, seq.table[b]);
   for (const uint8_t *copy : seq.copies) release_copy(layer_index, copy);
   give_own_storage(layers_[layer_index], seq);
 }
@@ -943,9 +967,9 @@ void CudaCache::sequence_bytes(uint32_t seq_id, uint64_t &bytes, uint64_t &share
     if (it == layer.seqs.end()) continue;
     const SeqState &seq = it->second;
     bytes += own_bytes(l, seq);
-    for (uint64_t slot : seq.table) {
+    for (uint32_t b = seq.freed_blocks; b < seq.blocks; ++b) {
       bytes += slot_bytes(l);
-      if (layer.blocks->holders(reinterpret_cast<const uint8_t *>(slot)) > 1) shared += slot_bytes(l);
+      if (layer.blocks->holders(reinterpret_cast<const uint8_t *>(seq.table[b])) > 1) shared += slot_bytes(l);
     }
     for (const uint8_t *copy : seq.copies) {
       bytes += copy_bytes(l);
@@ -1123,6 +1147,7 @@ void CudaCache::fork(uint32_t src_id, uint32_t dst_id, uint64_t length) {
       dst.sinks = src.sinks;
       dst.rollback_floor = src.rollback_floor;
       dst.first_copy = src.first_copy;
+      dst.freed_blocks = src.freed_blocks;
       dst.table = src.table;    // the same slots: held at the commit
       dst.copies = src.copies;  // the same rollback copies, likewise
       layer.rings->reserve(1, *pool_, stream_);
@@ -1155,7 +1180,8 @@ void CudaCache::fork(uint32_t src_id, uint32_t dst_id, uint64_t length) {
     LayerState &layer = layers_[s.layer];
     SeqState &dst = s.node.mapped();
     if (s.cut_needed) apply_cut(s.layer, dst, s.cut, false);
-    for (uint64_t slot : dst.table) layer.blocks->hold(reinterpret_cast<const uint8_t *>(slot));  // no new bytes
+    for (uint32_t b = dst.freed_blocks; b < dst.blocks; ++b)  // src holds them too: no new bytes
+      layer.blocks->hold(reinterpret_cast<const uint8_t *>(dst.table[b]));
     for (const uint8_t *copy : dst.copies) layer.copies->hold(copy);
     used_ += own_bytes(s.layer, dst);
     layer.seqs.insert(std::move(s.node));
@@ -1178,7 +1204,8 @@ PortableCounts CudaCache::portable_counts(uint32_t layer_index, uint32_t seq_id)
   const auto it = map.find(seq_id);
   if (it == map.end()) return {};
   const SeqState &seq = it->second;
-  return {seq.length, seq.blocks, seq.length - seq.sinks - seq.blocks * spec().cfg.block_tokens, seq.sinks};
+  return {seq.length, seq.blocks, seq.length - seq.sinks - seq.blocks * spec().cfg.block_tokens, seq.sinks,
+          seq.freed_blocks};
 }
 
 void CudaCache::read_block(uint32_t layer_index, uint32_t seq_id, uint32_t block, uint32_t head, uint8_t *out) const {
@@ -1257,7 +1284,8 @@ class CudaImport final : public PortableImport {
     for (StagedLayer &staged : layers_) {
       LayerState &layer = cache_.layers_[staged.layer];
       SeqState &seq = staged.node.mapped();
-      for (uint64_t slot : seq.table) layer.blocks->give(reinterpret_cast<uint8_t *>(slot));
+      for (uint64_t slot : seq.table)
+        if (slot) layer.blocks->give(reinterpret_cast<uint8_t *>(slot));  // 0: a freed block
       cache_.give_own_storage(layer, seq);
     }
   }
@@ -1277,7 +1305,9 @@ class CudaImport final : public PortableImport {
     seq.sinks = counts.sink_tokens;
     seq.rollback_floor = seq.length;  // no rollback copies travel in a stream
     seq.first_copy = seq.blocks;
-    layer.blocks->reserve(counts.blocks, *cache_.pool_, cache_.stream_);
+    seq.freed_blocks = counts.freed_blocks;
+    const uint32_t stored = counts.blocks - counts.freed_blocks;
+    layer.blocks->reserve(stored, *cache_.pool_, cache_.stream_);
     layer.rings->reserve(1, *cache_.pool_, cache_.stream_);
     if (layer.otts) layer.otts->reserve(1, *cache_.pool_, cache_.stream_);
     if (layer.sinks) layer.sinks->reserve(1, *cache_.pool_, cache_.stream_);
@@ -1289,12 +1319,17 @@ class CudaImport final : public PortableImport {
     seq.ring = layer.rings->take();
     if (layer.otts) seq.ott = layer.otts->take();
     if (layer.sinks) seq.sink = layer.sinks->take();
-    for (uint32_t b = 0; b < counts.blocks; ++b) seq.table.push_back(reinterpret_cast<uint64_t>(layer.blocks->take()));
-    // Blocks zeroed (padding included, as the quantizer leaves them), then the table.
-    for (uint64_t slot : seq.table)
-      check_cuda(cudaMemsetAsync(reinterpret_cast<void *>(slot), 0, size_t(k.head_stride) * k.Hkv, cache_.stream_),
+    seq.table.assign(counts.freed_blocks, 0);  // within the reserved capacity
+    for (uint32_t b = 0; b < stored; ++b) seq.table.push_back(reinterpret_cast<uint64_t>(layer.blocks->take()));
+    // Blocks zeroed (padding included, as the quantizer leaves them), then the table, whose freed
+    // entries name a stored block as an append's stale ones do (never read: before every window).
+    for (uint32_t b = seq.freed_blocks; b < seq.blocks; ++b)
+      check_cuda(cudaMemsetAsync(reinterpret_cast<void *>(seq.table[b]), 0, size_t(k.head_stride) * k.Hkv,
+                                 cache_.stream_),
                  "cudaMemsetAsync");
-    upload(seq.table_dev.data, seq.table.data(), seq.table.size() * sizeof(uint64_t));
+    std::vector<uint64_t> device_table(seq.table);
+    if (stored > 0) std::fill_n(device_table.begin(), seq.freed_blocks, seq.table[seq.freed_blocks]);
+    upload(seq.table_dev.data, device_table.data(), device_table.size() * sizeof(uint64_t));
   }
   void write_block(uint32_t block, uint32_t head, const uint8_t *bytes) override {
     DeviceGuard guard(cache_.device_);
@@ -1348,7 +1383,8 @@ class CudaImport final : public PortableImport {
     uint64_t bytes = 0;
     for (const auto &staged : layers_) {
       const SeqState &seq = staged.node.mapped();
-      bytes += cache_.own_bytes(staged.layer, seq) + uint64_t(seq.blocks) * cache_.slot_bytes(staged.layer);
+      const uint64_t stored = seq.blocks - seq.freed_blocks;
+      bytes += cache_.own_bytes(staged.layer, seq) + stored * cache_.slot_bytes(staged.layer);
     }
     return bytes;
   }
@@ -1390,7 +1426,7 @@ void CudaCache::stats(qjlkv_stats &out) const {
     if (layer.otts) allocated += layer.otts->bytes_reserved();
     if (layer.sinks) allocated += layer.sinks->bytes_reserved();
     for (const auto &[id, seq] : layer.seqs) {
-      tokens += seq.length;
+      tokens += seq.length - uint64_t(seq.freed_blocks) * cfg.block_tokens;  // freed positions are not held
       meta += sizeof(SeqState);
       full += own_bytes(l, seq) - sizeof(SeqState);
       allocated += sizeof(SeqState) + seq.table_dev.bytes + seq.table.capacity() * sizeof(uint64_t) +

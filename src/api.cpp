@@ -9,6 +9,7 @@
 #include "cache.hpp"
 #include "config.hpp"
 #include "error.hpp"
+#include "positions.hpp"
 #include "qjlkv/qjlkv.h"
 #include "threads.hpp"
 
@@ -57,6 +58,56 @@ uint64_t longest_layer(const qjlkv_cache *c, uint32_t seq) {
   uint64_t longest = 0;
   for (uint32_t l = 0; l < c->spec().cfg.num_layers; ++l) longest = std::max(longest, c->length(l, seq));
   return longest;
+}
+
+// Sliding windows free the leading blocks of a record (qjlkv.h, "Attention variants of a
+// layer"): blocks [0, blocks), positions [first, end) = [sink_tokens, sink_tokens + blocks·B) of
+// (layer, seq), are no longer stored; all 0 when none are.
+struct FreedRange {
+  uint64_t first = 0, end = 0;
+  uint32_t blocks = 0;
+};
+FreedRange freed_range(const qjlkv_cache *c, uint32_t layer, uint32_t seq) {
+  const qjlkv_config &cfg = c->spec().cfg;
+  if (c->attention(layer).window == 0) return {};  // only a window frees (and it stays while tokens are held)
+  const uint32_t freed = c->length(layer, seq) > 0 ? c->portable_counts(layer, seq).freed_blocks : 0;
+  if (freed == 0) return {};
+  return {cfg.sink_tokens, cfg.sink_tokens + uint64_t(freed) * cfg.block_tokens, freed};
+}
+
+// Refuses queries of seq whose first one (at position length - queries_per_seq) would see a freed
+// position through the layer's window; a count beyond the length is left to the backend's check.
+void require_window_held(const qjlkv_cache *c, uint32_t layer, uint32_t seq, uint32_t queries_per_seq,
+                         const char *argument) {
+  const FreedRange freed = freed_range(c, layer, seq);
+  const uint64_t length = c->length(layer, seq);
+  if (freed.end == 0 || queries_per_seq > length) return;
+  const uint64_t first_query = length - queries_per_seq;
+  const uint64_t start = qjlkv::window_start(first_query, c->attention(layer).window);
+  QJLKV_REQUIRE(start >= freed.end,
+                "%s: the window of the query at position %llu of seq %u starts at %llu, but layer %u's window "
+                "freed positions [%llu, %llu) of that sequence",
+                argument, (unsigned long long)first_query, seq, (unsigned long long)start, layer,
+                (unsigned long long)freed.first, (unsigned long long)freed.end);
+}
+
+// Refuses a truncate (or fork) of seq to `length` positions that would reopen a freed block or
+// whose next query (at position length) would see a freed position through the window.
+void require_cut_held(const qjlkv_cache *c, uint32_t seq, uint64_t length, const char *argument) {
+  if (length == 0) return;  // empties the sequence
+  for (uint32_t l = 0; l < c->spec().cfg.num_layers; ++l) {
+    const FreedRange freed = freed_range(c, l, seq);
+    if (freed.end == 0 || c->length(l, seq) <= length) continue;
+    QJLKV_REQUIRE(qjlkv::blocks_at(c->spec().cfg, length) >= freed.blocks,
+                  "%s is %llu: it would reopen positions [%llu, %llu) of seq %u that layer %u's window freed", argument,
+                  (unsigned long long)length, (unsigned long long)freed.first, (unsigned long long)freed.end, seq, l);
+    const uint64_t start = qjlkv::window_start(length, c->attention(l).window);
+    QJLKV_REQUIRE(start >= freed.end,
+                  "%s is %llu: the next query's window would start at %llu, but layer %u's window freed positions "
+                  "[%llu, %llu) of seq %u",
+                  argument, (unsigned long long)length, (unsigned long long)start, l, (unsigned long long)freed.first,
+                  (unsigned long long)freed.end, seq);
+  }
 }
 
 float resolve_scale(const qjlkv_cache *c, float scale) {
@@ -279,6 +330,7 @@ qjlkv_status qjlkv_cache_attend(qjlkv_cache *c, uint32_t layer, uint32_t seq, ui
     QJLKV_REQUIRE(n_queries > 0, "n_queries is 0, must be >= 1");
     const qjlkv_config &cfg = c->spec().cfg;
     checked_elements("n_queries", n_queries, uint64_t(cfg.num_q_heads) * cfg.head_dim, c->spec().io_elem);
+    require_window_held(c, layer, seq, n_queries, "n_queries");
     c->attend(layer, &seq, 1, n_queries, queries, resolve_scale(c, scale), out);
   });
 }
@@ -294,6 +346,7 @@ qjlkv_status qjlkv_cache_attend_batch(qjlkv_cache *c, uint32_t layer, uint32_t n
     QJLKV_REQUIRE(n_seqs > 0, "n_seqs is 0, must be >= 1");
     const qjlkv_config &cfg = c->spec().cfg;
     checked_elements("n_seqs", n_seqs, uint64_t(cfg.num_q_heads) * cfg.head_dim, c->spec().io_elem);
+    for (uint32_t i = 0; i < n_seqs; ++i) require_window_held(c, layer, seqs[i], 1, "seqs");
     c->attend(layer, seqs, n_seqs, 1, queries, resolve_scale(c, scale), out);
   });
 }
@@ -334,6 +387,12 @@ qjlkv_status qjlkv_cache_reconstruct(qjlkv_cache *c, uint32_t layer, uint32_t se
     QJLKV_REQUIRE(first < length && count <= length - first,
                   "first (%llu) + count (%llu) exceed the length (%llu) of seq %u in layer %u",
                   (unsigned long long)first, (unsigned long long)count, (unsigned long long)length, seq, layer);
+    const FreedRange freed = freed_range(c, layer, seq);
+    QJLKV_REQUIRE(first >= freed.end || first + count <= freed.first,
+                  "first (%llu), count (%llu): positions [%llu, %llu) of seq %u in layer %u were freed by the layer's "
+                  "window",
+                  (unsigned long long)first, (unsigned long long)count, (unsigned long long)freed.first,
+                  (unsigned long long)freed.end, seq, layer);
     c->reconstruct(layer, seq, first, count, keys_out, values_out);
   });
 }
@@ -371,6 +430,7 @@ qjlkv_status qjlkv_cache_truncate(qjlkv_cache *c, uint32_t seq, uint64_t length)
     const uint64_t longest = longest_layer(c, seq);
     QJLKV_REQUIRE(length <= longest, "length is %llu, but seq %u holds at most %llu positions in a layer",
                   (unsigned long long)length, seq, (unsigned long long)longest);
+    require_cut_held(c, seq, length, "length");
     if (length < longest) c->truncate(seq, length);
   });
 }
@@ -386,6 +446,7 @@ qjlkv_status qjlkv_cache_fork(qjlkv_cache *c, uint32_t src_seq, uint32_t dst_seq
     const uint64_t longest = longest_layer(c, src_seq);
     QJLKV_REQUIRE(length <= longest, "length is %llu, but src_seq %u holds at most %llu positions in a layer",
                   (unsigned long long)length, src_seq, (unsigned long long)longest);
+    require_cut_held(c, src_seq, length, "length");
     if (length > 0) c->fork(src_seq, dst_seq, length);
   });
 }

@@ -18,10 +18,13 @@ class ThreadPool;
 
 // Serialization (src/serialize.cpp, docs/FORMAT.md) sees one (layer, seq) of a backend through
 // these: the portable state, independent of how a backend stores it.
+// Blocks [0, freed_blocks) were freed by the layer's sliding window (positions.hpp,
+// window_freed_blocks): block numbering stays, only blocks [freed_blocks, blocks) are stored.
 struct PortableCounts {
   uint64_t length = 0;
   uint32_t blocks = 0, tail_tokens = 0;
   uint32_t sink_tokens = 0;  // min(length, config.sink_tokens)
+  uint32_t freed_blocks = 0;
 };
 // The tokens a sequence keeps exact in the I/O dtype, keys (or values) [tokens][Hkv][d] each: the
 // attention sinks (positions [0, sink_tokens)) and the tail (after the blocks).
@@ -43,7 +46,7 @@ class PortableImport {
   // Creates the storage of (layer, seq) for `counts` (called once per layer, in order, before its
   // writes); throws OUT_OF_MEMORY leaving nothing changed.
   virtual void add_layer(uint32_t layer, const PortableCounts &counts) = 0;
-  // Block b of kv head h of the layer added last: BlockLayout::stride bytes.
+  // Block b (>= counts.freed_blocks) of kv head h of the layer added last: BlockLayout::stride bytes.
   virtual void write_block(uint32_t block, uint32_t head, const uint8_t *bytes) = 0;
   // Sink or tail tokens [first, first + count) of the layer added last: keys (or values)
   // [count][Hkv][d].
@@ -169,7 +172,8 @@ struct qjlkv_cache {
 
   // Serialization (src/serialize.cpp): the portable view of (layer, seq); both backends have it.
   virtual qjlkv::PortableCounts portable_counts(uint32_t layer, uint32_t seq) const = 0;
-  // Block b of kv head h of (layer, seq): BlockLayout::stride bytes into out.
+  // Block b (a stored one: b >= freed_blocks) of kv head h of (layer, seq): BlockLayout::stride
+  // bytes into out.
   virtual void read_block(uint32_t layer, uint32_t seq, uint32_t block, uint32_t head, uint8_t *out) const = 0;
   // Blocks [first, first + count) of every kv head: [count][Hkv][BlockLayout::stride] bytes into
   // out. A backend whose reads synchronize (CUDA) reads the run at once.

@@ -12,6 +12,7 @@
 #include "config.hpp"
 #include "elements.hpp"
 #include "methods/methods.hpp"
+#include "window.hpp"
 
 namespace qjlkv {
 
@@ -53,20 +54,22 @@ inline uint64_t rollback_floor_after(const qjlkv_config &cfg, uint64_t floor, ui
 }
 
 // Sliding windows (qjlkv.h, "Attention variants of a layer"): how many leading blocks of a
-// record are freed once an append takes it from previous_length positions to a rollback floor of
-// `floor`. The queries of that append, and of any append after a truncate to the floor or above,
-// sit at positions >= min(previous_length, floor) and see from window_start() of it; the blocks
-// that end before that are freed, except those a truncate to the floor would reopen (they keep
-// rollback copies, and such truncates stay exact). Sinks, the tail and OTT's pools are kept.
-// A record frees max(what it freed before, this).
+// record are freed once an append takes it from previous_length to new_length positions. The
+// queries of that append sit at positions >= previous_length; those of any append after a
+// truncate to n >= new_length − rollback_tokens (what speculative decoding does, and every
+// truncate to the rollback floor or above) at positions >= n. Each sees from window_start() of
+// its position on: the blocks that end before min(previous_length, new_length − rollback_tokens)
+// − W + 1 are freed, except those such a truncate would reopen (it stays exact). Caches without
+// rollback copies (16-bit exact blocks, whose floor is their length) free by the same rule, so
+// that speculative decoding on them is never refused either. Sinks, the tail and OTT's pools are
+// kept (they are bounded). A record frees max(what it freed before, this).
 inline uint32_t window_freed_blocks(const qjlkv_config &cfg, uint32_t window, uint64_t previous_length,
-                                    uint64_t floor) {
+                                    uint64_t new_length) {
   if (window == 0) return 0;
-  const uint64_t first_seen = previous_length + 1 > window && floor + 1 > window
-                                  ? std::min(previous_length, floor) + 1 - window
-                                  : 0;
-  const uint64_t past_sinks = first_seen > cfg.sink_tokens ? first_seen - cfg.sink_tokens : 0;
-  return uint32_t(std::min<uint64_t>(past_sinks / cfg.block_tokens, blocks_at(cfg, floor)));
+  const uint64_t reopenable_from = new_length > cfg.rollback_tokens ? new_length - cfg.rollback_tokens : 0;
+  const uint32_t kept_for_truncates = blocks_at(cfg, reopenable_from);
+  return blocks_before(window_start(std::min(previous_length, reopenable_from), window), cfg.sink_tokens,
+                       cfg.block_tokens, kept_for_truncates);
 }
 
 // Bytes both backends count alike (qjlkv_cache_stats): one block of every kv head; one rollback
@@ -97,18 +100,21 @@ inline uint64_t exact_row_bytes(const CacheSpec &spec, uint32_t layer, uint64_t 
 
 // What a (layer, sequence) record holds, as the byte counts need it: its rollback copies cover
 // blocks [first_copy, blocks).
+// blocks [0, freed_blocks) are freed by a sliding window (window_freed_blocks).
 struct RecordCounts {
   uint64_t length = 0, rollback_floor = 0;
   uint64_t sinks = 0, tail_tokens = 0;
-  uint32_t blocks = 0, first_copy = 0;
+  uint32_t blocks = 0, first_copy = 0, freed_blocks = 0;
 };
 
-// The change of bytes_used that appending n tokens brings to a record (null: a new one), where a
-// record itself takes record_bytes and sole_holder(b) says whether the record is the only holder
-// of the rollback copy of block b (a copy that a fork shares is not freed when it drops it).
-template <class SoleHolder>
+// The change of bytes_used that appending n tokens brings to a record (null: a new one) of a
+// layer with a window of `window` tokens (0: none), where a record itself takes record_bytes,
+// sole_holder(b) says whether the record is the only holder of the rollback copy of block b and
+// sole_block_holder(b) whether it is of block b itself (what a fork shares is not freed when one
+// holder drops it).
+template <class SoleHolder, class SoleBlockHolder>
 int64_t append_growth(const CacheSpec &spec, uint32_t layer, size_t record_bytes, const RecordCounts *record,
-                      uint32_t n, SoleHolder sole_holder) {
+                      uint32_t n, uint32_t window, SoleHolder sole_holder, SoleBlockHolder sole_block_holder) {
   const RecordCounts r = record ? *record : RecordCounts{};
   const int64_t token = int64_t(spec.cfg.num_kv_heads) * spec.cfg.head_dim * int64_t(spec.tail_elem);
   const AppendSplit split = split_append(spec.cfg, uint32_t(r.sinks), r.tail_tokens, n);
@@ -121,6 +127,12 @@ int64_t append_growth(const CacheSpec &spec, uint32_t layer, size_t record_bytes
   growth += int64_t(end - std::min(end, std::max(keep_from, r.blocks))) * copy;
   for (uint32_t b = r.first_copy; b < std::min(keep_from, r.blocks); ++b)
     if (sole_holder(b)) growth -= copy;
+  // Blocks the window frees: never ones with a copy (they lie below blocks_at(floor)); new blocks
+  // among them are held by the record alone.
+  const uint32_t freed = std::max(r.freed_blocks, window_freed_blocks(spec.cfg, window, r.length, r.length + n));
+  const int64_t slot = int64_t(block_slot_bytes(spec, layer));
+  for (uint32_t b = r.freed_blocks; b < freed; ++b)
+    if (b >= r.blocks || sole_block_holder(b)) growth -= slot;
   return growth;
 }
 

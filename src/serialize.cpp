@@ -32,12 +32,16 @@ namespace {
 
 // ---- the format's constants (docs/FORMAT.md) ----------------------------------------------------
 constexpr char kMagic[8] = {'Q', 'J', 'L', 'K', 'V', 'S', 'E', 'Q'};
-// Written: version 4 when the config has a field version 3 lacks (key_token_bits), else 3, so
-// that what 0.4 could store stays readable by it; versions 1 to 4 are read.
-constexpr uint32_t kFormatVersion = 4;
+// Written: version 5 when a layer of the stream has blocks its sliding window freed, else 4 when
+// the config has a field version 3 lacks (key_token_bits), else 3, so that what 0.4 could store
+// stays readable by it; versions 1 to 5 are read.
+constexpr uint32_t kFormatVersion = 5;
 constexpr uint32_t kCorrectionsVersion = 3;  // QJL outlier corrections replace the outlier sign bits
+constexpr uint32_t kFreedBlocksVersion = 5;   // layer sections carry freed_blocks
 constexpr uint32_t kSectionHeaderBytes = 16;  // tag, reserved, body bytes
-constexpr uint32_t kLayerFieldBytes = 32;     // the fixed fields that open a layer section
+// The fixed fields that open a layer section; version 5 adds freed_blocks and a reserved field.
+constexpr uint32_t layer_field_bytes(uint32_t version) { return version >= kFreedBlocksVersion ? 40 : 32; }
+constexpr uint32_t kMaxLayerFieldBytes = layer_field_bytes(kFreedBlocksVersion);
 constexpr uint32_t kOutlierFieldBytes = 16;   // pool, spilled, tracing, reserved
 constexpr uint32_t kTrailerBytes = 4;         // CRC-32C of everything before it
 constexpr uint32_t kLayerTag = 1;
@@ -54,7 +58,7 @@ constexpr const char *kConfigFieldNames[] = {
 constexpr size_t kConfigFieldsV1 = 19, kValueMethodField = 19;
 constexpr uint32_t kImpliedFields[] = {QJLKV_VALUES_UNIFORM, 0, 0};  // value_method, sink_tokens, key_token_bits
 constexpr size_t config_fields(uint32_t version) {
-  return version == 1 ? kConfigFieldsV1 : version < 4 ? kConfigFieldsV1 + 2 : std::size(kConfigFieldNames);
+  return version == 1 ? kConfigFieldsV1 : version < 4 ? kConfigFieldsV1 + 2 : std::size(kConfigFieldNames);  // 5: as 4
 }
 constexpr uint32_t header_bytes_of(uint32_t version) { return uint32_t(48 + 4 * config_fields(version) + 4); }
 constexpr uint32_t kMaxHeaderBytes = header_bytes_of(kFormatVersion);
@@ -76,21 +80,24 @@ StoredConfig stored_config(const qjlkv_config &cfg) {
            cfg.key_bits, cfg.outlier_tokens, cfg.outlier_spill_tokens, cfg.outlier_skip_layers, cfg.value_bits,
            cfg.value_group_size, cfg.value_method, cfg.sink_tokens, cfg.key_token_bits}};
 }
-static_assert(header_bytes_of(1) == 128 && header_bytes_of(3) == 136 && kMaxHeaderBytes == 140 &&
+static_assert(header_bytes_of(1) == 128 && header_bytes_of(3) == 136 && header_bytes_of(4) == 140 &&
+                  kMaxHeaderBytes == 140 &&
                   kConfigFieldsV1 + std::size(kImpliedFields) == std::size(kConfigFieldNames),
               "the header sizes of docs/FORMAT.md");
 
 // The oldest version that holds every field of this config that differs from its implied value
-// (versions 3 and up: 1 and 2 are never written).
-uint32_t written_version(const qjlkv_config &cfg) {
+// (versions 3 and up: 1 and 2 are never written), and freed blocks when `freed` says a layer has
+// them.
+uint32_t written_version(const qjlkv_config &cfg, bool freed) {
+  if (freed) return kFreedBlocksVersion;
   const StoredConfig sc = stored_config(cfg);
-  for (uint32_t version = 3; version < kFormatVersion; ++version) {
+  for (uint32_t version = 3; version < 4; ++version) {
     bool implied = true;
     for (size_t i = config_fields(version); i < sc.fields.size(); ++i)
       implied = implied && sc.fields[i] == kImpliedFields[i - kConfigFieldsV1];
     if (implied) return version;
   }
-  return kFormatVersion;
+  return 4;
 }
 
 // ---- little-endian fields ------------------------------------------------------------------------
@@ -149,15 +156,17 @@ size_t stream_record_bytes(const CacheSpec &spec, uint32_t layer, uint32_t versi
   return sign_bits_layout(spec.cfg, ls).key_bytes + ls.layout.value_bytes;
 }
 
-// Bytes of a layer section's body (after its section header) whose block records take `record`
-// bytes each. Overflow-checked: a stream's counts are untrusted.
-uint64_t layer_body_bytes(const CacheSpec &spec, const LayerShape &shape, size_t record) {
+// Bytes of a layer section's body (after its section header) in a stream of format `version`
+// whose block records take `record` bytes each; only blocks [freed_blocks, blocks) are stored.
+// Overflow-checked: a stream's counts are untrusted (freed_blocks <= blocks checked before).
+uint64_t layer_body_bytes(const CacheSpec &spec, const LayerShape &shape, size_t record, uint32_t version) {
   const qjlkv_config &cfg = spec.cfg;
   const uint64_t token = uint64_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
   const uint64_t row = uint64_t(cfg.head_dim) * spec.io_elem;
   // blocks < 2^29 (B >= 8, length < 2^32), Hkv <= 2^12, a record < 2^23 bytes, the sinks and the
   // tail < 2^40 bytes: the sum stays below 2^64.
-  uint64_t bytes = kLayerFieldBytes + uint64_t(shape.counts.blocks) * cfg.num_kv_heads * record;
+  const uint64_t stored_blocks = shape.counts.blocks - shape.counts.freed_blocks;
+  uint64_t bytes = layer_field_bytes(version) + stored_blocks * cfg.num_kv_heads * record;
   bytes += 2 * (uint64_t(shape.counts.sink_tokens) + shape.counts.tail_tokens) * token;
   for (size_t h = 0; h < shape.outlier_tokens.size(); ++h)
     bytes += kOutlierFieldBytes + uint64_t(shape.outlier_tokens[h]) * (4 + 2 * row) +
@@ -256,18 +265,28 @@ LayerShape layer_shape(const qjlkv_cache *c, uint32_t layer, uint32_t seq) {
   return shape;
 }
 
+// The format version of a stream of these layers: 5 only when one has freed blocks.
+uint32_t stream_version(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uint32_t num_layers) {
+  bool freed = false;
+  for (uint32_t l = first_layer; l < first_layer + num_layers; ++l)
+    freed = freed || c->portable_counts(l, seq).freed_blocks > 0;
+  return written_version(c->spec().cfg, freed);
+}
+
 uint64_t stream_bytes(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uint32_t num_layers,
                       uint64_t *payload) {
+  const uint32_t version = stream_version(c, seq, first_layer, num_layers);
   uint64_t bytes = 0;
   for (uint32_t l = first_layer; l < first_layer + num_layers; ++l)
     bytes += kSectionHeaderBytes +
-             layer_body_bytes(c->spec(), layer_shape(c, l, seq), record_bytes(c->spec().layers[l].layout));
+             layer_body_bytes(c->spec(), layer_shape(c, l, seq), record_bytes(c->spec().layers[l].layout), version);
   if (payload) *payload = bytes;
-  return header_bytes_of(written_version(c->spec().cfg)) + bytes + kTrailerBytes;
+  return header_bytes_of(version) + bytes + kTrailerBytes;
 }
 
-void write_header(Writer &out, const qjlkv_cache *c, uint32_t first_layer, uint32_t num_layers, uint64_t payload) {
-  const uint32_t version = written_version(c->spec().cfg), header_bytes = header_bytes_of(version);
+void write_header(Writer &out, const qjlkv_cache *c, uint32_t version, uint32_t first_layer, uint32_t num_layers,
+                  uint64_t payload) {
+  const uint32_t header_bytes = header_bytes_of(version);
   uint8_t h[kMaxHeaderBytes] = {};
   std::memcpy(h, kMagic, 8);
   put32(h + 8, version);
@@ -293,15 +312,16 @@ void export_stream(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uin
   const qjlkv_config &cfg = spec.cfg;
   uint64_t payload = 0;
   const uint64_t total = stream_bytes(c, seq, first_layer, num_layers, &payload);
-  write_header(out, c, first_layer, num_layers, payload);
+  const uint32_t version = stream_version(c, seq, first_layer, num_layers);
+  write_header(out, c, version, first_layer, num_layers, payload);
   std::vector<uint8_t> block, rows;
   PortableOutliers ott;
   for (uint32_t l = first_layer; l < first_layer + num_layers; ++l) {
     const LayerShape shape = layer_shape(c, l, seq);
     const BlockLayout &layout = spec.layers[l].layout;
-    uint8_t f[kSectionHeaderBytes + kLayerFieldBytes] = {};
+    uint8_t f[kSectionHeaderBytes + kMaxLayerFieldBytes] = {};
     put32(f, kLayerTag);
-    put64(f + 8, layer_body_bytes(spec, shape, record_bytes(layout)));
+    put64(f + 8, layer_body_bytes(spec, shape, record_bytes(layout), version));
     uint8_t *lf = f + kSectionHeaderBytes;
     put32(lf, l);
     put32(lf + 4, uint32_t(shape.outlier_tokens.size()));
@@ -310,7 +330,8 @@ void export_stream(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uin
     put32(lf + 20, shape.counts.tail_tokens);
     put32(lf + 24, uint32_t(record_bytes(layout)));
     put32(lf + 28, shape.counts.sink_tokens);
-    out.bytes(f, sizeof f);
+    if (version >= kFreedBlocksVersion) put32(lf + 32, shape.counts.freed_blocks);  // lf + 36: reserved, 0
+    out.bytes(f, kSectionHeaderBytes + layer_field_bytes(version));
     if (shape.counts.length == 0) continue;
     const size_t token = size_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
     const uint32_t chunk = uint32_t(std::max<size_t>(1, Writer::kPiece / token));
@@ -329,8 +350,8 @@ void export_stream(const qjlkv_cache *c, uint32_t seq, uint32_t first_layer, uin
     // Runs of blocks (all kv heads) of up to kBlockRun bytes, at least one block.
     const size_t block_bytes = size_t(cfg.num_kv_heads) * layout.stride;
     const uint32_t run = uint32_t(std::max<size_t>(1, kBlockRun / block_bytes));
-    block.resize(size_t(std::min(run, shape.counts.blocks)) * block_bytes);
-    for (uint32_t b = 0; b < shape.counts.blocks; b += run) {
+    block.resize(size_t(std::min(run, shape.counts.blocks - shape.counts.freed_blocks)) * block_bytes);
+    for (uint32_t b = shape.counts.freed_blocks; b < shape.counts.blocks; b += run) {
       const uint32_t n = std::min(run, shape.counts.blocks - b);
       c->read_blocks(l, seq, b, n, block.data());
       for (size_t r = 0; r < size_t(n) * cfg.num_kv_heads; ++r) {
@@ -582,12 +603,13 @@ struct LayerSection {
 LayerSection read_section_header(Reader &in, const CacheSpec &spec, uint32_t version, uint32_t expected_layer,
                                  uint64_t &payload_left) {
   const qjlkv_config &cfg = spec.cfg;
-  uint8_t f[kSectionHeaderBytes + kLayerFieldBytes];
-  in.bytes(f, sizeof f, "a layer section's header");
+  uint8_t f[kSectionHeaderBytes + kMaxLayerFieldBytes] = {};
+  const uint32_t field_bytes = layer_field_bytes(version);
+  in.bytes(f, kSectionHeaderBytes + field_bytes, "a layer section's header");
   const uint32_t tag = get32(f);
   if (tag != kLayerTag)
     corrupt("section tag %u at stream offset %llu is not the layer tag (%u)", tag,
-            (unsigned long long)(in.offset() - sizeof f), kLayerTag);
+            (unsigned long long)(in.offset() - kSectionHeaderBytes - field_bytes), kLayerTag);
   LayerSection s;
   s.body = get64(f + 8);
   const uint8_t *lf = f + kSectionHeaderBytes;
@@ -595,7 +617,8 @@ LayerSection read_section_header(Reader &in, const CacheSpec &spec, uint32_t ver
   if (get32(f + 4) != 0) corrupt("layer %u: the reserved field is not 0", layer);
   if (layer != expected_layer) corrupt("the layer section for layer %u holds layer %u", expected_layer, layer);
   // Version 1's reserved field at lf + 28 is 0, the sink count of the caches it is read into.
-  s.shape.counts = {get64(lf + 8), get32(lf + 16), get32(lf + 20), get32(lf + 28)};
+  s.shape.counts = {get64(lf + 8), get32(lf + 16), get32(lf + 20), get32(lf + 28), get32(lf + 32)};
+  if (get32(lf + 36) != 0) corrupt("layer %u: the reserved field after freed_blocks is not 0", layer);
   const PortableCounts &counts = s.shape.counts;
   s.outlier_heads = get32(lf + 4);
   const uint64_t length = counts.length, R = cfg.residual_tokens, B = cfg.block_tokens;
@@ -608,6 +631,8 @@ LayerSection read_section_header(Reader &in, const CacheSpec &spec, uint32_t ver
   if (counts.blocks != blocks || counts.tail_tokens != rest - blocks * B)
     corrupt("layer %u: %u blocks and %u tail tokens are not how a sequence of %llu tokens is stored (%llu blocks)",
             layer, counts.blocks, counts.tail_tokens, (unsigned long long)length, (unsigned long long)blocks);
+  if (counts.freed_blocks > counts.blocks)
+    corrupt("layer %u: %u freed blocks of %u blocks", layer, counts.freed_blocks, counts.blocks);
   const size_t record = stream_record_bytes(spec, layer, version);
   if (get32(lf + 24) != record)
     corrupt("layer %u: block records of %u bytes, this config's are %zu in format version %u", layer, get32(lf + 24),
@@ -618,17 +643,17 @@ LayerSection read_section_header(Reader &in, const CacheSpec &spec, uint32_t ver
             s.traced ? cfg.num_kv_heads : 0);
   // The section size without the outlier tokens, which are only known as they are read.
   const uint64_t fixed_body =
-      layer_body_bytes(spec, s.shape, record) + uint64_t(s.outlier_heads) * kOutlierFieldBytes;
+      layer_body_bytes(spec, s.shape, record, version) + uint64_t(s.outlier_heads) * kOutlierFieldBytes;
   const uint64_t available = payload_left - std::min(payload_left, uint64_t(kSectionHeaderBytes));
   if (s.body > available || s.body < fixed_body || (!s.traced && s.body != fixed_body))
     corrupt("layer %u: the section claims %llu bytes; its counts need %s%llu, the payload has %llu left", layer,
             (unsigned long long)s.body, s.traced ? "at least " : "", (unsigned long long)fixed_body,
             (unsigned long long)available);
-  if (!in.can_hold(s.body - kLayerFieldBytes))
+  if (!in.can_hold(s.body - field_bytes))
     corrupt("the stream is truncated: layer %u's section claims %llu bytes, the stream ends before", layer,
             (unsigned long long)s.body);
   payload_left -= kSectionHeaderBytes + s.body;
-  s.section_start = in.offset() - kLayerFieldBytes;
+  s.section_start = in.offset() - field_bytes;
   return s;
 }
 
@@ -662,7 +687,7 @@ std::vector<std::vector<uint64_t>> read_blocks(Reader &in, const CacheSpec &spec
   std::vector<uint8_t> old_keys(sign_bits ? sign_bits_layout(cfg, ls).key_bytes : 0);
   std::vector<std::vector<uint64_t>> moved(cfg.num_kv_heads);
   const uint64_t pool_limit = s.traced ? uint64_t(cfg.outlier_tokens) + cfg.outlier_spill_tokens : 0;
-  for (uint32_t b = 0; b < s.shape.counts.blocks; ++b) {
+  for (uint32_t b = s.shape.counts.freed_blocks; b < s.shape.counts.blocks; ++b) {
     for (uint32_t h = 0; h < cfg.num_kv_heads; ++h) {
       // Keys of the sign-bit layout are read aside and converted into the block.
       in.bytes(sign_bits ? old_keys.data() : block.data(), sign_bits ? old_keys.size() : layout.key_bytes,
@@ -680,7 +705,8 @@ std::vector<std::vector<uint64_t>> read_blocks(Reader &in, const CacheSpec &spec
   return moved;
 }
 
-// OTT's outlier state of each kv head: its tokens must be exactly those the blocks mark as moved.
+// OTT's outlier state of each kv head: its tokens must be exactly those the blocks mark as moved,
+// and distinct positions of freed blocks (whose marks are gone).
 void read_outlier_states(Reader &in, const CacheSpec &spec, const LayerSection &s,
                          const std::vector<std::vector<uint64_t>> &moved, PortableImport &staging) {
   const qjlkv_config &cfg = spec.cfg;
@@ -710,6 +736,14 @@ void read_outlier_states(Reader &in, const CacheSpec &spec, const LayerSection &
     in.bytes(ott.values.data(), ott.values.size(), "the outlier values");
     std::vector<uint64_t> listed(ott.positions.begin(), ott.positions.end());
     std::sort(listed.begin(), listed.end());
+    const uint64_t freed_end = cfg.sink_tokens + uint64_t(s.shape.counts.freed_blocks) * cfg.block_tokens;
+    const auto of_freed = std::lower_bound(listed.begin(), listed.end(), freed_end);
+    if (!listed.empty() && of_freed != listed.begin() && listed.front() < cfg.sink_tokens)
+      corrupt("layer %u, kv head %u: outlier token at position %llu, a sink", layer, h,
+              (unsigned long long)listed.front());
+    if (std::adjacent_find(listed.begin(), of_freed) != of_freed)
+      corrupt("layer %u, kv head %u: an outlier position of the freed blocks is listed twice", layer, h);
+    listed.erase(listed.begin(), of_freed);
     if (listed != moved[h])
       corrupt("layer %u, kv head %u: the outlier tokens' positions are not those the blocks mark as moved", layer, h);
     for (uint32_t i = 0; i < ott.pool; ++i)
@@ -722,13 +756,26 @@ void read_outlier_states(Reader &in, const CacheSpec &spec, const LayerSection &
 }
 
 // One layer section: its header, then sinks, blocks, tail and outlier states, in stream order.
-void read_layer(Reader &in, const qjlkv_cache *c, uint32_t version, uint32_t expected_layer,
-                PortableImport &staging, uint64_t &payload_left) {
+// Returns the layer's freed blocks.
+uint32_t read_layer(Reader &in, const qjlkv_cache *c, uint32_t version, uint32_t expected_layer,
+                    PortableImport &staging, uint64_t &payload_left) {
   const CacheSpec &spec = c->spec();
   const qjlkv_config &cfg = spec.cfg;
   const LayerSection s = read_section_header(in, spec, version, expected_layer, payload_left);
   const PortableCounts &counts = s.shape.counts;
-  if (counts.length == 0) return;
+  if (counts.length == 0) return 0;
+  if (counts.freed_blocks > 0) {
+    // Freed positions must stay out of every query an append can make next: the layer needs a
+    // window that starts, for the query at position `length`, after them.
+    const uint32_t window = c->attention(s.layer).window;
+    const uint64_t freed_end = cfg.sink_tokens + uint64_t(counts.freed_blocks) * cfg.block_tokens;
+    if (window == 0 || window_start(counts.length, window) < freed_end)
+      fail(QJLKV_ERROR_INVALID_ARGUMENT,
+           "layer %u: the stream's sequence has positions [%u, %llu) freed by a sliding window; this cache's layer "
+           "%u has window_tokens %u, which needs them for the next query (at position %llu)",
+           s.layer, cfg.sink_tokens, (unsigned long long)freed_end, s.layer, window,
+           (unsigned long long)counts.length);
+  }
   staging.add_layer(s.layer, counts);
 
   const size_t token = size_t(cfg.num_kv_heads) * cfg.head_dim * spec.io_elem;
@@ -742,6 +789,7 @@ void read_layer(Reader &in, const qjlkv_cache *c, uint32_t version, uint32_t exp
   if (in.offset() - s.section_start != s.body)
     corrupt("layer %u: the section claims %llu bytes, its contents take %llu", s.layer, (unsigned long long)s.body,
             (unsigned long long)(in.offset() - s.section_start));
+  return counts.freed_blocks;
 }
 
 void import_stream(qjlkv_cache *c, uint32_t seq, Reader &in) {
@@ -752,10 +800,14 @@ void import_stream(qjlkv_cache *c, uint32_t seq, Reader &in) {
          (unsigned long long)in.known_size(), (unsigned long long)total);
   std::unique_ptr<PortableImport> staging = c->begin_import(seq);
   uint64_t payload_left = info.payload;
+  bool freed = false;
   for (uint32_t l = info.first_layer; l < info.first_layer + info.num_layers; ++l) {
     if (payload_left < kSectionHeaderBytes) corrupt("the payload ends before the section of layer %u", l);
-    read_layer(in, c, info.version, l, *staging, payload_left);
+    freed = read_layer(in, c, info.version, l, *staging, payload_left) > 0 || freed;
   }
+  // Version 5 is written only for freed blocks: a stream is canonical (it exports as it came).
+  if (info.version >= kFreedBlocksVersion && !freed)
+    corrupt("format version %u, but no layer has freed blocks (such streams are version 3 or 4)", info.version);
   if (payload_left != 0)
     corrupt("the header announces %llu payload bytes, the layer sections take %llu", (unsigned long long)info.payload,
             (unsigned long long)(info.payload - payload_left));

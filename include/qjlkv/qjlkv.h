@@ -528,7 +528,9 @@ QJLKV_API qjlkv_status qjlkv_cache_append(qjlkv_cache *c, uint32_t layer, uint32
  * 1/sqrt(head_dim).
  * Errors: INVALID_ARGUMENT (NULL pointers, layer out of range, unknown or
  * empty sequence, n_queries == 0 or > length, NaN/Inf scale, non-finite
- * queries), OUT_OF_MEMORY. The cache is never modified. */
+ * queries, a first query whose sliding window reaches a position the window
+ * freed: see qjlkv_layer_attention), OUT_OF_MEMORY. The cache is never
+ * modified. */
 QJLKV_API qjlkv_status qjlkv_cache_attend(qjlkv_cache *c, uint32_t layer, uint32_t seq,
                                           uint32_t n_queries, const void *queries,
                                           float scale, void *out);
@@ -556,7 +558,8 @@ QJLKV_API qjlkv_status qjlkv_cache_attend_batch(qjlkv_cache *c, uint32_t layer,
  * Quantized positions give the estimate the attention uses; exact positions
  * the exact product. OTT: positions whose token moved to the outlier pool
  * give -INFINITY (their exact score is not part of this listing); tokens in the
- * pool or spill area are not listed.
+ * pool or spill area are not listed. Positions a sliding window freed give
+ * -INFINITY too.
  * Logits beyond the float range read +-INFINITY; where they would be NaN (a
  * finite query so large that its products overflow) the call fails instead.
  * Errors: INVALID_ARGUMENT (NULL, layer, unknown sequence, out_len too small,
@@ -577,7 +580,8 @@ QJLKV_API qjlkv_status qjlkv_cache_scores(qjlkv_cache *c, uint32_t layer, uint32
  * Either output may be NULL (not both). This is for engines whose attention kernels need dense
  * tensors (e.g. Hugging Face models); attend is the fast path.
  * Errors: INVALID_ARGUMENT (NULL c, both outputs NULL, layer out of range, count == 0,
- * first + count > length), OUT_OF_MEMORY. */
+ * first + count > length, a range holding positions a sliding window freed: the message names
+ * them), OUT_OF_MEMORY. */
 QJLKV_API qjlkv_status qjlkv_cache_reconstruct(qjlkv_cache *c, uint32_t layer, uint32_t seq,
                                                uint64_t first, uint64_t count, float *keys_out,
                                                float *values_out);
@@ -603,7 +607,8 @@ QJLKV_API qjlkv_status qjlkv_cache_clear_sequence(qjlkv_cache *c, uint32_t seq);
 /* Memory accounting. Every stored byte is counted: sign bits, norms, outlier
  * indices and corrections, key/value codes, scales and minima, full-precision tails, OTT pools
  * and spill areas (whole, as allocated when the sequence is created), per-block metadata, the
- * rollback copies; bytes shared by forked sequences once. Capacity held but unused is counted
+ * rollback copies; bytes shared by forked sequences once. Blocks a sliding window freed are not
+ * counted (bytes_used drops as they are freed). Capacity held but unused is counted
  * apart in bytes_reserved (>= bytes_used). Not cache data, so not counted:
  * the sketches (one per QJL layer, max(m, m_out) x head_dim floats, plus a
  * transposed copy on the CPU or a device copy on CUDA, and on CPUs with AVX2
@@ -614,7 +619,8 @@ QJLKV_API qjlkv_status qjlkv_cache_clear_sequence(qjlkv_cache *c, uint32_t seq);
 #define QJLKV_STATS_SIZE_0_1 80u /* 0.1's to 0.3's struct: fields up to bytes_metadata */
 typedef struct qjlkv_stats {
   uint32_t struct_size;          /* sizeof(qjlkv_stats), set by the caller    */
-  uint64_t tokens;               /* cached positions, all layers and seqs     */
+  uint64_t tokens;               /* positions held, all layers and seqs (those
+                                    a sliding window freed are not held)      */
   uint64_t bytes_used;           /* bytes that hold cache data                */
   uint64_t bytes_reserved;       /* bytes allocated for cache data            */
   uint64_t bytes_fp16_equivalent;/* tokens * Hkv * d * 2 (K and V) * 2 bytes  */
@@ -679,8 +685,14 @@ QJLKV_API qjlkv_status qjlkv_cache_stats(const qjlkv_cache *c, qjlkv_stats *out)
  * like it allocates nothing; so does a length at or above every layer's (a
  * no-op). Never refused for the memory budget (it can raise bytes_used, when
  * the exact copies it reopens are shared with a fork).
- * Errors: INVALID_ARGUMENT (c == NULL, length above the longest layer of seq),
- * OUT_OF_MEMORY (for other lengths). On failure nothing changed. */
+ * Sliding windows: a length n > 0 that would reopen a block the window freed,
+ * or whose next query (at position n) would see a freed position (n - W + 1
+ * below the end of the freed positions), is refused in every layer; truncates
+ * to n >= the rollback floor, and to n >= (the longest length a layer has had
+ * after an append) - rollback_tokens, are never refused for it.
+ * Errors: INVALID_ARGUMENT (c == NULL, length above the longest layer of seq,
+ * a length a window's freed blocks forbid: the message names the freed
+ * positions), OUT_OF_MEMORY (for other lengths). On failure nothing changed. */
 QJLKV_API qjlkv_status qjlkv_cache_truncate(qjlkv_cache *c, uint32_t seq, uint64_t length);
 
 /* The empty sequence dst_seq becomes the first `length` positions of src_seq
@@ -691,19 +703,23 @@ QJLKV_API qjlkv_status qjlkv_cache_truncate(qjlkv_cache *c, uint32_t seq, uint64
  * bookkeeping per block) and gets copies of the exact rows: sinks, tail, OTT
  * pools. A fork of a whole sequence then decodes, appends and exports exactly
  * as a sequence fed the same tokens.
+ * dst_seq shares src_seq's freed state: the same blocks are freed in both.
  * Errors: INVALID_ARGUMENT (c == NULL, dst_seq == src_seq, dst_seq holds
- * tokens, length above the longest layer of src_seq), OUT_OF_MEMORY,
- * MEMORY_BUDGET. On failure nothing changed. */
+ * tokens, length above the longest layer of src_seq, a length that truncate
+ * refuses for freed blocks), OUT_OF_MEMORY, MEMORY_BUDGET. On failure nothing
+ * changed. */
 QJLKV_API qjlkv_status qjlkv_cache_fork(qjlkv_cache *c, uint32_t src_seq, uint32_t dst_seq,
                                         uint64_t length);
 
 /* Admission control: *out = the bytes by which stats.bytes_used grows when
  * n_tokens more tokens are appended to seq in every layer (each layer from its
  * own length, in one append or several); 0 when it does not grow (an append
- * can shrink it: quantizing exact tail tokens and letting rollback copies go
- * frees more than it adds). Exact for the cache as it is now;
+ * can shrink it: quantizing exact tail tokens, letting rollback copies go and
+ * freeing blocks a sliding window leaves behind free more than it adds). Exact
+ * for the cache as it is now;
  * another sequence's later operations do not change it, except a truncate or
- * clear that leaves seq the only holder of a rollback copy it could free.
+ * clear that leaves seq the only holder of a rollback copy or block it could
+ * free.
  * With config.memory_budget = M > 0, an append, append_batch, fork or import
  * that would take bytes_used above M fails with QJLKV_ERROR_MEMORY_BUDGET and
  * changes nothing; truncate and clear never fail for it.
@@ -744,8 +760,26 @@ typedef struct qjlkv_layer_attention {
                                  tokens included: each by its position), as
                                  Gemma's, Mistral's and gpt-oss's local layers
                                  do; 0 = every position. Can change only while
-                                 the layer holds no tokens                    */
+                                 the layer holds no tokens. Frees the blocks
+                                 no later query sees (below)                  */
 } qjlkv_layer_attention;
+
+/* Windows free memory. After each append or append_batch on a
+ * layer with window W, a sequence releases the leading quantized blocks that
+ * end before min(L0, L - rollback_tokens) - W + 1, L0 and L being its lengths
+ * before and after the append, except those a truncate to L - rollback_tokens
+ * would reopen; blocks stay numbered as before. A block a fork shares is
+ * released when its last holder frees or drops it. The sinks, the exact tail
+ * and OTT's pools are kept (each has a fixed size), so a windowed sequence
+ * holds about W + rollback_tokens + 2 * block_tokens positions plus those,
+ * however long it grows: stats.tokens counts only the positions held, and
+ * bytes_used and bytes_needed drop with the freed blocks, so a memory budget
+ * that holds a windowed decode once holds it forever (one append's own tokens
+ * are all held until it commits: prefill long prompts in chunks). A freed
+ * position is gone: attend, reconstruct, truncate, fork and import refuse
+ * what would need one, scores read -INFINITY there. Attention over the
+ * positions a query sees is unchanged: bit for bit that of a cache that freed
+ * nothing. */
 
 /* Sets the attention variant of one layer, for every later attend and
  * attend_batch on it (each fused into the same pass over the cache: the
@@ -755,8 +789,9 @@ typedef struct qjlkv_layer_attention {
  * sink logits are copied on the cache's stream, so attends enqueued before
  * the call keep the old variant. A cache starts with every layer plain (no
  * soft-cap, no sinks); setting a zeroed variant makes the layer plain again.
- * The stored bytes do not change: qjlkv_cache_scores still returns the raw
- * <q, k>, and export/import carry no variant (set it on the importing cache).
+ * The stored bytes do not change, except that a window frees blocks (above):
+ * qjlkv_cache_scores still returns the raw <q, k>, and export/import carry no
+ * variant (set it on the importing cache).
  * Errors: INVALID_ARGUMENT (NULL c or attention, a struct_size that is not a
  * shipped size, layer out of range, a logit_softcap that is negative or not
  * finite, a sink logit that is not finite — the message names its index —,
@@ -781,9 +816,12 @@ QJLKV_API qjlkv_status qjlkv_cache_set_layer_attention(qjlkv_cache *c, uint32_t 
  * versions 1 and 2 of QJL caches with outlier channels (which stored the
  * outlier sign bits that version 3 replaced by corrections) are converted as
  * they are read, attending and exporting (as version 3) exactly as the cache
- * that appended the same keys. The stream does not
- * depend on the backend, the thread count or the number of query heads: a
- * CUDA cache exports the same bytes as a CPU cache holding the same sequence,
+ * that appended the same keys. A layer with blocks its window freed is
+ * exported with only the blocks after them (format version 5, written only
+ * for such streams; the others keep the versions older libraries read). The
+ * stream does not depend on the backend, the thread count or the number of
+ * query heads: a CUDA cache exports the same bytes as a CPU cache holding the
+ * same sequence,
  * and either imports the other's streams (CUDA: the stored bytes are copied
  * between host and device; the calls synchronize the cache's stream).
  *
@@ -830,7 +868,10 @@ QJLKV_API qjlkv_status qjlkv_cache_export_stream(const qjlkv_cache *c, uint32_t 
  *     read; a config field that determines the stored bytes (or the seed, used
  *     by QJL's sketch and by rotated values) differs from this cache's (the
  *     message names it); the stream's layers exceed this cache's; seq
- *     already holds tokens in one of them; size larger than the stream.
+ *     already holds tokens in one of them; size larger than the stream; a
+ *     layer with blocks a sliding window freed whose window_tokens here is 0
+ *     or lets the next query (at position length) see a freed position (set
+ *     the layer's window before importing).
  *   CORRUPT_DATA: not a stream (magic), a checksum mismatch, a truncated
  *     stream (size smaller than it), or counts and numbers that no cache
  *     stores (the message names the layer, block and field).

@@ -86,13 +86,15 @@ struct Sequence {
   uint64_t rollback_floor = 0;  // qjlkv.h, "Sequence operations"
   uint32_t sink_tokens = 0;  // exact tokens at positions [0, sink_tokens), before the blocks
   uint32_t tail_tokens = 0;  // full-precision tokens after the blocks
-  std::vector<BlockRef> blocks;
+  uint32_t freed_blocks = 0;  // blocks [0, freed_blocks) left the window and were released
+  std::vector<BlockRef> blocks;  // blocks [freed_blocks, block_count())
   uint32_t first_history = 0;  // history[i] holds the rows of block first_history + i
   std::vector<std::shared_ptr<const BlockHistory>> history;  // to the last block
   std::vector<uint8_t> tail_keys, tail_values;  // [tail_tokens][Hkv][d], I/O dtype
   std::vector<uint8_t> sink_keys, sink_values;  // [sink_tokens][Hkv][d], I/O dtype
   std::vector<OutlierTokens> outliers;          // per kv head, OTT-traced layers only
-  uint32_t block_count() const { return uint32_t(blocks.size()); }
+  uint32_t block_count() const { return freed_blocks + uint32_t(blocks.size()); }
+  const BlockRef &block(uint64_t b) const { return blocks[b - freed_blocks]; }
 };
 
 // OTT's pool of one head, saved before a block is traced and put back when a truncate reopens it.
@@ -127,7 +129,7 @@ struct SequenceRows {
   const uint8_t *tail(uint64_t i, bool values) const {
     return (values ? seq.tail_values : seq.tail_keys).data() + size_t(i) * token_bytes;
   }
-  const uint8_t *block(uint64_t b, uint32_t h) const { return seq.blocks[b].head(h, stride); }
+  const uint8_t *block(uint64_t b, uint32_t h) const { return seq.block(b).head(h, stride); }
   OutlierRows outliers(uint32_t h) const {
     const OutlierTokens &ott = seq.outliers[h];
     return {ott.pool, ott.spilled, pool_tokens, ott.positions.data(), ott.keys.data(), ott.values.data()};
@@ -250,6 +252,9 @@ class CpuCache final : public qjlkv_cache {
   void release_history(uint32_t layer, std::shared_ptr<const BlockHistory> &copy);
   // Drops the rollback copies of the blocks before `first` (the floor rose).
   void keep_history_from(uint32_t layer, Sequence &seq, uint32_t first);
+  // Releases the blocks the layer's window leaves behind once an append took seq from
+  // previous_length positions to its length (window_freed_blocks).
+  void free_window_blocks(uint32_t layer, Sequence &seq, uint64_t previous_length);
 
   // ---- rollback (qjlkv.h, "Sequence operations") ---------------------------------------------
   uint32_t blocks_at(uint64_t length) const { return qjlkv::blocks_at(spec().cfg, length); }
@@ -447,7 +452,8 @@ void CpuCache::claim_slots(uint32_t layer, const Sequence &seq, uint32_t n, std:
   const uint32_t largest = std::max(1u, kTaskTokens / spec().cfg.block_tokens);
   while (refs.size() < n) {  // pages grow with the sequence, up to an attend task's run of blocks
     const uint32_t missing = n - uint32_t(refs.size());
-    const uint32_t capacity = std::min(largest, std::max(missing, seq.block_count() + uint32_t(refs.size())));
+    const uint32_t held = uint32_t(seq.blocks.size() + refs.size());
+    const uint32_t capacity = std::min(largest, std::max(missing, held));
     auto page = std::make_shared<BlockPage>(std::max(1u, capacity), slot_bytes(layer));
     for (uint32_t s = 0; s < page->capacity && refs.size() < n; ++s) refs.push_back({page, s});
   }
@@ -670,6 +676,7 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
       seq.tail_values.insert(seq.tail_values.end(), value_bytes + i * seq_input_bytes + skip,
                              value_bytes + (i + 1) * seq_input_bytes);
     }
+    const uint64_t previous_length = seq.length;
     seq.length += tokens_per_seq;
     seq.rollback_floor = rollback_floor_after(seq, seq.length);
     seq.tail_tokens = plan.new_tail_tokens;
@@ -679,6 +686,7 @@ void CpuCache::append(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
     for (auto &copy : plan.new_history) seq.history.push_back(std::move(copy));  // reserved
     used_ += plan.new_history.size() * history_bytes(layer);
     used_ += own_bytes(layer, seq) - own_before;
+    free_window_blocks(layer, seq, previous_length);
   }
 }
 
@@ -690,11 +698,12 @@ uint64_t CpuCache::own_bytes(uint32_t layer, const Sequence &seq) const {
 int64_t CpuCache::append_growth(uint32_t layer, const Sequence *seq, uint32_t n) const {
   RecordCounts counts;
   if (seq)
-    counts = {seq->length, seq->rollback_floor, seq->sink_tokens, seq->tail_tokens, seq->block_count(),
-              seq->first_history};
-  return qjlkv::append_growth(spec(), layer, sizeof(Sequence), seq ? &counts : nullptr, n, [&](uint32_t b) {
-    return seq->history[b - seq->first_history].use_count() == 1;
-  });
+    counts = {seq->length,      seq->rollback_floor, seq->sink_tokens,
+              seq->tail_tokens, seq->block_count(),  seq->first_history, seq->freed_blocks};
+  return qjlkv::append_growth(
+      spec(), layer, sizeof(Sequence), seq ? &counts : nullptr, n, attention(layer).window,
+      [&](uint32_t b) { return seq->history[b - seq->first_history].use_count() == 1; },
+      [&](uint32_t b) { return seq->block(b).page->holders[seq->block(b).slot] == 1; });
 }
 
 void CpuCache::release_block(uint32_t layer, BlockRef &ref) {
@@ -713,6 +722,16 @@ void CpuCache::keep_history_from(uint32_t layer, Sequence &seq, uint32_t first) 
   for (size_t i = 0; i < drop; ++i) release_history(layer, seq.history[i]);
   seq.history.erase(seq.history.begin(), seq.history.begin() + ptrdiff_t(drop));
   seq.first_history = first;
+}
+
+void CpuCache::free_window_blocks(uint32_t layer, Sequence &seq, uint64_t previous_length) {
+  const uint32_t freed = std::max(
+      seq.freed_blocks, window_freed_blocks(spec().cfg, attention(layer).window, previous_length, seq.length));
+  if (freed == seq.freed_blocks) return;
+  const auto released = seq.blocks.begin() + ptrdiff_t(freed - seq.freed_blocks);
+  for (auto ref = seq.blocks.begin(); ref != released; ++ref) release_block(layer, *ref);
+  seq.blocks.erase(seq.blocks.begin(), released);  // moves the live refs: no allocation
+  seq.freed_blocks = freed;
 }
 
 uint64_t CpuCache::bytes_needed(uint32_t seq_id, uint32_t n_tokens) const {
@@ -807,9 +826,11 @@ void CpuCache::apply_cut(uint32_t layer, Sequence &seq, Cut &cut, bool held) noe
                          ott.norms.data(), ott.keys.data(), ott.values.data(), size_t(cfg.head_dim) * spec().io_elem);
     }
   }
-  for (uint32_t b = cut.blocks; b < old_blocks; ++b)
-    if (held) release_block(layer, seq.blocks[b]);
-  seq.blocks.erase(seq.blocks.begin() + cut.blocks, seq.blocks.end());
+  // The C layer refuses cuts that would reopen a freed block: cut.blocks >= freed_blocks.
+  const auto kept_end = seq.blocks.begin() + ptrdiff_t(cut.blocks - seq.freed_blocks);
+  if (held)
+    for (auto ref = kept_end; ref != seq.blocks.end(); ++ref) release_block(layer, *ref);
+  seq.blocks.erase(kept_end, seq.blocks.end());
   const size_t kept_copies = cut.blocks > seq.first_history ? std::min(size_t(cut.blocks - seq.first_history), seq.history.size()) : 0;
   for (size_t i = kept_copies; i < seq.history.size(); ++i)
     if (held) release_history(layer, seq.history[i]);
@@ -965,7 +986,7 @@ void CpuCache::attend_task(uint32_t layer, const AttendCall &call, const AttendT
     const CpuLayer context = layer_context(layer);
     with_methods(cfg, [&](auto key_method, auto value_method) {
       for (uint32_t b = task.first_block; b < end; ++b) {
-        const uint8_t *block = seq.blocks[b].head(head, stride);  // the kernels prefetch the next one (simd.hpp)
+        const uint8_t *block = seq.block(b).head(head, stride);  // the kernels prefetch the next one (simd.hpp)
         kernels_of(key_method).score(context, block, q, sq, rows, weights, Bp, kernel_scratch);
         cap_scores(B);
         const uint64_t first = seq.sink_tokens + uint64_t(b) * B;
@@ -1037,6 +1058,8 @@ void CpuCache::attend(uint32_t layer, const uint32_t *seqs, uint32_t n_seqs, uin
     // The blocks that end before the first query's window starts take no part.
     const uint32_t first =
         blocks_before(window_start(seq.length - queries_per_seq, window), seq.sink_tokens, cfg.block_tokens, blocks);
+    // The C layer refused queries whose window reaches a freed block.
+    if (first < seq.freed_blocks) fail(QJLKV_ERROR_INTERNAL, "attend: a query's window reaches a freed block");
     for (uint32_t b = first; b < blocks; b += run) attend_tasks_.push_back({index, b, std::min(run, blocks - b), false});
     attend_tasks_.push_back({index, 0, 0, true});
   }
@@ -1146,8 +1169,10 @@ void CpuCache::scores(uint32_t layer, uint32_t seq_id, const void *query, float 
     with_key_method(cfg.key_method, [&](auto key_method) {
       const size_t stride = spec().layers[layer].layout.stride;
       const CpuLayer context = layer_context(layer);
-      for (uint32_t b = 0; b < seq.block_count(); ++b) {
-        kernels_of(key_method).score(context, seq.blocks[b].head(head, stride), q, q + size_t(G) * dp, G, weights, Bp,
+      for (uint32_t g = 0; g < G; ++g)  // freed blocks: no score
+        std::fill_n(blocks_out + g * L, size_t(seq.freed_blocks) * B, kNegInf);
+      for (uint32_t b = seq.freed_blocks; b < seq.block_count(); ++b) {
+        kernels_of(key_method).score(context, seq.block(b).head(head, stride), q, q + size_t(G) * dp, G, weights, Bp,
                          kernel_scratch);
         for (uint32_t g = 0; g < G; ++g) std::copy_n(weights + size_t(g) * Bp, B, blocks_out + g * L + size_t(b) * B);
       }
@@ -1175,7 +1200,7 @@ void CpuCache::stats(qjlkv_stats &out) const {
   for (uint32_t l = 0; l < cfg.num_layers; ++l) {
     const BlockLayout &layout = spec().layers[l].layout;
     for (const auto &[id, seq] : layers_[l]) {
-      tokens += seq.length;
+      tokens += seq.length - uint64_t(seq.freed_blocks) * cfg.block_tokens;  // freed positions are not held
       const uint64_t own = own_bytes(l, seq);
       meta += sizeof(Sequence);
       full += own - sizeof(Sequence);
@@ -1220,12 +1245,12 @@ PortableCounts CpuCache::portable_counts(uint32_t layer, uint32_t seq_id) const 
   const auto it = layers_[layer].find(seq_id);
   if (it == layers_[layer].end()) return {};
   const Sequence &seq = it->second;
-  return {seq.length, seq.block_count(), seq.tail_tokens, seq.sink_tokens};
+  return {seq.length, seq.block_count(), seq.tail_tokens, seq.sink_tokens, seq.freed_blocks};
 }
 
 void CpuCache::read_block(uint32_t layer, uint32_t seq_id, uint32_t block, uint32_t head, uint8_t *out) const {
   const size_t stride = spec().layers[layer].layout.stride;
-  std::memcpy(out, find(layer, seq_id).blocks[block].head(head, stride), stride);
+  std::memcpy(out, find(layer, seq_id).block(block).head(head, stride), stride);
 }
 
 // The buffer of one kind of exact rows of a sequence.
@@ -1269,11 +1294,12 @@ class CpuImport final : public PortableImport {
     seq.first_history = counts.blocks;
     seq.tail_tokens = counts.tail_tokens;
     seq.sink_tokens = counts.sink_tokens;
+    seq.freed_blocks = counts.freed_blocks;
     cache_.create_outliers(seq, layer);
-    if (counts.blocks > 0) {  // one page, held by this sequence alone
-      auto page = std::make_shared<BlockPage>(counts.blocks, cache_.slot_bytes(layer));
-      seq.blocks.reserve(counts.blocks);
-      for (uint32_t b = 0; b < counts.blocks; ++b) {
+    if (const uint32_t stored = counts.blocks - counts.freed_blocks; stored > 0) {  // one page, held by this sequence alone
+      auto page = std::make_shared<BlockPage>(stored, cache_.slot_bytes(layer));
+      seq.blocks.reserve(stored);
+      for (uint32_t b = 0; b < stored; ++b) {
         page->holders[b] = 1;
         seq.blocks.push_back({page, b});
       }
@@ -1293,7 +1319,7 @@ class CpuImport final : public PortableImport {
   }
   void write_block(uint32_t block, uint32_t head, const uint8_t *bytes) override {
     const size_t stride = cache_.spec().layers[layers_.back().layer].layout.stride;
-    std::memcpy(const_cast<uint8_t *>(current().blocks[block].head(head, stride)), bytes, stride);
+    std::memcpy(const_cast<uint8_t *>(current().block(block).head(head, stride)), bytes, stride);
   }
   void write_exact(ExactRows which, uint32_t first, uint32_t count, bool values, const uint8_t *rows) override {
     const size_t token = cache_.token_bytes_;

@@ -34,9 +34,14 @@ std::vector<double> reference(qjlkv_cache *c, const qjlkv_config &cfg, uint32_t 
                               const std::vector<float> &sinks, uint32_t window = 0) {
   const uint32_t Hq = cfg.num_q_heads, Hkv = cfg.num_kv_heads, d = cfg.head_dim, G = Hq / Hkv;
   const uint64_t length = qt::length_of(c, layer, seq);
-  std::vector<float> keys(length * Hkv * d), values(length * Hkv * d);
-  EXPECT_EQ(qjlkv_cache_reconstruct(c, layer, seq, 0, length, keys.data(), values.data()), QJLKV_OK)
+  // The positions the first query sees on: those before may have been freed by the window.
+  const uint64_t first = window > 0 && length - n_queries + 1 > window ? length - n_queries + 1 - window : 0;
+  std::vector<float> stored_keys((length - first) * Hkv * d), stored_values(stored_keys.size());
+  EXPECT_EQ(qjlkv_cache_reconstruct(c, layer, seq, first, length - first, stored_keys.data(), stored_values.data()),
+            QJLKV_OK)
       << qjlkv_last_error_message();
+  const auto key_of = [&](uint64_t t, uint32_t kv_head) { return &stored_keys[((t - first) * Hkv + kv_head) * d]; };
+  const auto value_of = [&](uint64_t t, uint32_t kv_head) { return &stored_values[((t - first) * Hkv + kv_head) * d]; };
   std::vector<double> out(size_t(n_queries) * Hq * d, 0.0);
   for (uint32_t i = 0; i < n_queries; ++i) {
     const uint64_t position = length - n_queries + i;
@@ -46,7 +51,7 @@ std::vector<double> reference(qjlkv_cache *c, const qjlkv_config &cfg, uint32_t 
       double top = sinks.empty() ? -INFINITY : sinks[h];
       const uint64_t start = window > 0 && position + 1 > window ? position + 1 - window : 0;
       for (uint64_t t = start; t <= position; ++t) {
-        double s = scale * qt::dot(q, &keys[(t * Hkv + h / G) * d], d);
+        double s = scale * qt::dot(q, key_of(t, h / G), d);
         if (softcap > 0.0f) s = softcap * std::tanh(s / softcap);
         logits[t] = s;
         top = std::max(top, s);
@@ -55,7 +60,7 @@ std::vector<double> reference(qjlkv_cache *c, const qjlkv_config &cfg, uint32_t 
       for (double &s : logits) sum += (s = std::exp(s - top));
       double *o = &out[(size_t(i) * Hq + h) * d];
       for (uint64_t t = start; t <= position; ++t)
-        for (uint32_t j = 0; j < d; ++j) o[j] += logits[t] / sum * values[(t * Hkv + h / G) * d + j];
+        for (uint32_t j = 0; j < d; ++j) o[j] += logits[t] / sum * value_of(t, h / G)[j];
     }
   }
   return out;

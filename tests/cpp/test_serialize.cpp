@@ -698,7 +698,7 @@ TEST_F(Refusal, TargetMustBeEmptyInTheStreamsLayers) {
 }
 
 TEST_F(Refusal, OtherFormatVersionAndNotAStream) {
-  for (const uint32_t version : {0u, 5u, 0x80000001u}) {
+  for (const uint32_t version : {0u, 6u, 0x80000001u}) {
     std::vector<uint8_t> other = stream_;
     set_u32(other, 8, version);
     fix_checksums(other);

@@ -13,7 +13,7 @@
 //     input of format version 1 or 2 comes back as version 3, with the same sections; a version
 //     1 header grows by value_method and sink_tokens, both 0; mixed-bit keys come back as
 //     version 4, and a version-4 stream of any other cache, whose key_token_bits is 0, as
-//     version 3);
+//     version 3; a version-5 stream, whose layers have blocks their window freed, as version 5);
 //   - except that version 1 and 2 streams of QJL caches with outlier channels store the outlier
 //     sign bits that version 3 replaced by corrections: their re-export, as version 3, keeps the
 //     header's layers and config and is canonical itself (imported again, it exports as it is);
@@ -73,15 +73,24 @@ bool same(const State &a, const State &b) {
   return a.lengths == b.lengths && std::memcmp(&a.stats, &b.stats, sizeof a.stats) == 0;
 }
 
-// docs/FORMAT.md: the header is 128 bytes in version 1, 136 in versions 2 and 3, 140 in version
-// 4 (key_token_bits); its CRC ends it. The writer writes version 4 for mixed-bit keys only.
-size_t header_bytes_of(uint32_t version) { return version == 1 ? 128 : version == 4 ? 140 : 136; }
-uint32_t written_version(const qjlkv_config &cfg) { return cfg.key_method == QJLKV_KEYS_MIXED ? 4 : 3; }
+// docs/FORMAT.md: the header is 128 bytes in version 1, 136 in versions 2 and 3, 140 in versions
+// 4 and 5 (key_token_bits); its CRC ends it. The writer writes version 5 for streams with freed
+// blocks (an accepted version-5 stream has them), else version 4 for mixed-bit keys only.
+size_t header_bytes_of(uint32_t version) { return version == 1 ? 128 : version >= 4 ? 140 : 136; }
+uint32_t written_version(const qjlkv_config &cfg, uint32_t stream_version) {
+  return stream_version == 5 ? 5 : cfg.key_method == QJLKV_KEYS_MIXED ? 4 : 3;
+}
 
-// A destination that already holds another sequence, as a serving process's cache would.
+// A destination that already holds another sequence, as a serving process's cache would, with a
+// window on every layer (so that streams with freed blocks import).
 qjlkv_cache *make_destination(const qjlkv_config &cfg) {
   qjlkv_cache *c = nullptr;
   FUZZ_CHECK(qjlkv_cache_create(&cfg, &c) == QJLKV_OK, "create");
+  qjlkv_layer_attention window{};
+  window.struct_size = sizeof window;
+  window.window_tokens = qjlkv_fuzz::kImportWindow;
+  for (uint32_t l = 0; l < cfg.num_layers; ++l)
+    FUZZ_CHECK(qjlkv_cache_set_layer_attention(c, l, &window) == QJLKV_OK, "set_layer_attention");
   const size_t elems = size_t(3) * cfg.num_kv_heads * cfg.head_dim;
   std::vector<uint8_t> zeros(elems * 4, 0);
   FUZZ_CHECK(qjlkv_cache_append(c, 0, kOtherSeq, 3, zeros.data(), zeros.data()) == QJLKV_OK, "append");
@@ -159,7 +168,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       uint32_t again_version = 0, newer_fields[2] = {1, 1};
       std::memcpy(&again_version, again.data() + 8, 4);
       std::memcpy(newer_fields, again.data() + 124, 8);
-      FUZZ_CHECK(again_version == written_version(cfg), "re-exported as version %u", again_version);
+      FUZZ_CHECK(again_version == written_version(cfg, version), "re-exported as version %u", again_version);
       const size_t again_header = header_bytes_of(again_version);
       FUZZ_CHECK(version != 1 || (newer_fields[0] == 0 && newer_fields[1] == 0),
                  "a version 1 stream re-exported with value_method %u, sink_tokens %u", newer_fields[0],

@@ -15,6 +15,11 @@ namespace qjlkv_fuzz {
 
 inline constexpr uint32_t kImportConfigs = 9;
 
+// The sliding window of every layer of the harness's destinations and of the v5_seed_* streams'
+// caches, whose sequences (kFreedSeedTokens tokens appended one at a time; rollback_tokens 0)
+// free their first blocks: streams of format version 5 import.
+inline constexpr uint32_t kImportWindow = 12, kFreedSeedTokens = 58;
+
 // Config `index` (taken modulo kImportConfigs): 2 layers, Hq 2, Hkv 1, d 8, B 8, R 2; q3/q4 with
 // 4 sink tokens (q4's, and q3's before its preset took 16: the v2_seed_5_* streams hold 4),
 // config 7 ("q4" with OTT keys) with 3, config 8 ("q2": mixed-bit keys of the preset's 24 bits a
@@ -35,6 +40,7 @@ inline qjlkv_config import_config(uint32_t index) {
   cfg.residual_tokens = 2;
   cfg.num_threads = 1;
   cfg.seed = 11;
+  cfg.rollback_tokens = 0;  // not stored; lets a windowed sequence free blocks right away
   cfg.key_sketch_dim = 16;
   if (cfg.key_method == QJLKV_KEYS_QJL) {
     cfg.outlier_channels = index == 0 ? 2 : 0;

@@ -6,7 +6,8 @@
 // the format-1 and format-2 writers of the same sequences, kept as they were written
 // (v2_seed_0_*: QJL records with outlier sign bits, which import converts). The seed_* streams
 // of configs 0-7 hold the writer version (an informational header field) of the release that
-// wrote them; rewriting them changes that field and the checksums only.
+// wrote them; rewriting them changes that field and the checksums only. The v5_seed_* streams
+// (format version 5) hold layer 0 of a sequence whose window (kImportWindow) freed blocks.
 //   c++ -std=c++20 -Iinclude -Itests/fuzz tests/fuzz/make_import_seeds.cpp build/libqjlkv.a -lpthread \
 //     -o make_import_seeds && ./make_import_seeds tests/fuzz/corpus/import
 #include <cstdio>
@@ -48,6 +49,33 @@ int main(int argc, char **argv) {
       if (!f || std::fwrite(out.data(), 1, out.size(), f) != out.size() || std::fclose(f) != 0) return 1;
       ++written;
     }
+    qjlkv_cache_destroy(c);
+  }
+  for (const uint32_t index : {1u, 2u, 8u}) {  // no sinks, OTT, sinks with mixed-bit keys
+    const qjlkv_config cfg = qjlkv_fuzz::import_config(index);
+    qjlkv_cache *c = nullptr;
+    if (qjlkv_cache_create(&cfg, &c) != QJLKV_OK) return 1;
+    qjlkv_layer_attention window{};
+    window.struct_size = sizeof window;
+    window.window_tokens = qjlkv_fuzz::kImportWindow;
+    if (qjlkv_cache_set_layer_attention(c, 0, &window) != QJLKV_OK) return 1;
+    std::vector<uint8_t> k, v;
+    qjlkv_fuzz::seed_tokens(cfg, 1, 0, k, v);  // 29 tokens, appended twice
+    const size_t token = k.size() / qjlkv_fuzz::kSeedLengths[1][0];
+    for (uint32_t t = 0; t < qjlkv_fuzz::kFreedSeedTokens; ++t) {
+      const size_t at = (t % qjlkv_fuzz::kSeedLengths[1][0]) * token;
+      if (qjlkv_cache_append(c, 0, 0, 1, k.data() + at, v.data() + at) != QJLKV_OK) return 1;
+    }
+    uint64_t size = 0;
+    if (qjlkv_cache_export_size(c, 0, 0, 1, &size) != QJLKV_OK) return 1;
+    std::vector<uint8_t> out(2 + size);
+    out[0] = uint8_t(index);
+    out[1] = 0;
+    if (qjlkv_cache_export(c, 0, 0, 1, out.data() + 2, size) != QJLKV_OK) return 1;
+    const std::string path = std::string(argv[1]) + "/v5_seed_" + std::to_string(index);
+    FILE *f = std::fopen(path.c_str(), "wb");
+    if (!f || std::fwrite(out.data(), 1, out.size(), f) != out.size() || std::fclose(f) != 0) return 1;
+    ++written;
     qjlkv_cache_destroy(c);
   }
   std::printf("%d seeds written\n", written);

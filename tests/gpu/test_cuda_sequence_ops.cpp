@@ -6,11 +6,13 @@
 // equal sequences that never saw the undone tokens; budget refusals change nothing.
 //
 // Built twice like test_cuda_backend.cpp: on a GPU and on the CPU emulator.
+#include <cmath>
 #include <functional>
 #include <map>
 #include <ostream>
 #include <string>
 
+#include "cache.hpp"  // qjlkv_cache::set_attention, to set a window the CUDA attention lacks
 #include "gpu_test_util.hpp"
 
 namespace {
@@ -365,6 +367,92 @@ TEST_P(CudaSequenceOps, ForksShareBlocksAndEqualFreshSequences) {
   QJLKV_OK(qjlkv_cache_clear_sequence(pair.cpu(), 1));
   QJLKV_OK(qjlkv_cache_clear_sequence(pair.gpu(), 1));
   expect_same_state(pair, {1, 2, 3, 4, 5}, compare_rng, "after clearing the source");
+}
+
+// Sliding windows free the blocks they leave behind (qjlkv.h, "Attention variants of a layer"):
+// the CUDA backend frees and counts what the CPU backend does, and its streams (format version
+// 5) are the same. Storage only: the window is set on the CUDA cache through the base class,
+// which the CUDA attention does not mask yet, so no attend runs on it here.
+TEST_P(CudaSequenceOps, WindowFreesTheBlocksTheCpuFrees) {
+  CachePair pair(ops_config(GetParam()));
+  if (!pair.ok()) GTEST_SKIP() << pair.error();
+  const qjlkv_config &cfg = pair.cfg();
+  constexpr uint32_t kWindow = 40;
+  qjlkv_layer_attention window{};
+  window.struct_size = sizeof window;
+  window.window_tokens = kWindow;
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    ASSERT_EQ(qjlkv_cache_set_layer_attention(pair.cpu(), l, &window), QJLKV_OK) << qjlkv_last_error_message();
+    qjlkv::LayerAttention variant;
+    variant.window = kWindow;
+    pair.gpu()->qjlkv_cache::set_attention(l, variant);
+  }
+  std::mt19937 rng(5);
+  const auto expect_same_storage = [&](const std::vector<uint32_t> &seqs, const std::string &when) {
+    SCOPED_TRACE(when);
+    const qjlkv_stats a = stats_of(pair.cpu()), b = stats_of(pair.gpu());
+    EXPECT_EQ(a.tokens, b.tokens);
+    EXPECT_EQ(a.bytes_keys_quantized, b.bytes_keys_quantized);
+    EXPECT_EQ(a.bytes_values_quantized, b.bytes_values_quantized);
+    EXPECT_EQ(a.bytes_full_precision, b.bytes_full_precision);
+    EXPECT_EQ(a.bytes_rollback, b.bytes_rollback);
+    EXPECT_EQ(a.bytes_shared, b.bytes_shared);
+    for (uint32_t seq : seqs) {
+      EXPECT_EQ(export_seq(pair.cpu(), seq), export_seq(pair.gpu(), seq)) << "seq " << seq;
+      uint64_t need_cpu = 0, need_gpu = 0;
+      ASSERT_EQ(qjlkv_cache_bytes_needed(pair.cpu(), seq, 1, &need_cpu), QJLKV_OK);
+      ASSERT_EQ(qjlkv_cache_bytes_needed(pair.gpu(), seq, 1, &need_gpu), QJLKV_OK);
+      EXPECT_EQ(need_cpu, need_gpu) << "seq " << seq;
+    }
+  };
+  const auto append_both = [&](uint32_t seq, uint32_t n) {
+    const Tokens t = make_tokens(rng, cfg, n);
+    uint64_t needed = 0;
+    ASSERT_EQ(qjlkv_cache_bytes_needed(pair.gpu(), seq, n, &needed), QJLKV_OK);
+    const uint64_t used = stats_of(pair.gpu()).bytes_used;
+    ASSERT_EQ(append_all_layers(pair.cpu(), false, cfg, seq, t), QJLKV_OK) << qjlkv_last_error_message();
+    ASSERT_EQ(append_all_layers(pair.gpu(), true, cfg, seq, t), QJLKV_OK) << qjlkv_last_error_message();
+    const uint64_t now = stats_of(pair.gpu()).bytes_used;
+    EXPECT_EQ(needed, now > used ? now - used : 0) << "bytes_needed of " << n << " tokens";
+  };
+  for (uint32_t i = 0; i < 10; ++i) append_both(0, 30);
+  for (uint32_t i = 0; i < 120; ++i) append_both(0, 1);
+  expect_same_storage({0}, "after 420 tokens");
+  const uint64_t length = longest(pair.cpu(), 0);
+  EXPECT_LT(stats_of(pair.gpu()).tokens, 2 * length / 3) << "nothing freed";
+
+  // A fork shares the freed state; the source frees blocks the fork still holds.
+  ASSERT_EQ(qjlkv_cache_fork(pair.cpu(), 0, 1, length), QJLKV_OK);
+  ASSERT_EQ(qjlkv_cache_fork(pair.gpu(), 0, 1, length), QJLKV_OK);
+  for (uint32_t i = 0; i < 60; ++i) append_both(0, 1);
+  expect_same_storage({0, 1}, "after a fork");
+
+  // Scores: -INFINITY at the freed positions, as on the CPU; freed positions refused.
+  const auto [scores_cpu, scores_gpu] = pair.scores(0, 1, make_values(rng, pair.query_elems()));
+  ASSERT_EQ(scores_cpu.size(), scores_gpu.size());
+  for (size_t i = 0; i < scores_cpu.size(); ++i)
+    EXPECT_EQ(scores_cpu[i] == -INFINITY, scores_gpu[i] == -INFINITY) << "score " << i;
+  std::vector<float> keys(pair.token_elems());
+  EXPECT_EQ(qjlkv_cache_reconstruct(pair.gpu(), 0, 1, cfg.sink_tokens, 1, keys.data(), nullptr),
+            QJLKV_ERROR_INVALID_ARGUMENT);
+
+  // A truncate to the floor, then a clear of the fork.
+  for (qjlkv_cache *c : {pair.cpu(), pair.gpu()}) {
+    ASSERT_EQ(qjlkv_cache_truncate(c, 0, longest(c, 0) - cfg.rollback_tokens), QJLKV_OK) << qjlkv_last_error_message();
+    ASSERT_EQ(qjlkv_cache_clear_sequence(c, 1), QJLKV_OK);
+  }
+  expect_same_storage({0}, "after a truncate and a clear");
+
+  // The CPU cache's stream (version 5) imports into the CUDA cache and exports as it came.
+  const std::vector<uint8_t> stream = export_seq(pair.cpu(), 0);
+  ASSERT_EQ(qjlkv_cache_import(pair.gpu(), 7, stream.data(), stream.size()), QJLKV_OK) << qjlkv_last_error_message();
+  EXPECT_EQ(export_seq(pair.gpu(), 7), stream);
+  ASSERT_EQ(qjlkv_cache_import(pair.cpu(), 7, stream.data(), stream.size()), QJLKV_OK);
+  for (uint32_t i = 0; i < 40; ++i) append_both(7, 1);
+  expect_same_storage({0, 7}, "after an import");
+  for (qjlkv_cache *c : {pair.cpu(), pair.gpu()})
+    for (uint32_t seq : {0u, 7u}) ASSERT_EQ(qjlkv_cache_clear_sequence(c, seq), QJLKV_OK);
+  EXPECT_EQ(stats_of(pair.gpu()).bytes_used, 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, CudaSequenceOps, testing::ValuesIn(ops_cases()), ops_case_name);

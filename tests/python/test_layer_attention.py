@@ -20,16 +20,20 @@ def reference(cache: qjlkv.Cache, layer: int, seq: int, queries: np.ndarray, sca
               sinks: np.ndarray | None, window: int = 0) -> np.ndarray:
     """Causal attention of the last n queries (n, Hq, d) over the reconstruction, in float64:
     logits s = scale * <q, k-hat>, c * tanh(s / c) for a cap c > 0, exp(sinks[h]) in head h's
-    denominator."""
-    k_hat, v_hat = (np.repeat(x.astype(np.float64), HQ // HKV, axis=1) for x in cache.reconstruct(layer, seq))
-    length, n = len(k_hat), len(queries)
+    denominator. Only the positions the first query sees on are reconstructed: a window may
+    have freed those before."""
+    length, n = cache.length(layer, seq), len(queries)
+    first = max(0, length - n + 1 - window) if window else 0
+    k_hat, v_hat = (np.repeat(x.astype(np.float64), HQ // HKV, axis=1)
+                    for x in cache.reconstruct(layer, seq, first, length - first))
     logits = np.einsum("ihd,thd->iht", queries.astype(np.float64), k_hat) * scale
     if softcap > 0:
         logits = softcap * np.tanh(logits / softcap)
     position = (length - n + np.arange(n))[:, None]
-    seen = np.arange(length)[None, :] <= position  # (n, length): causal
+    positions = np.arange(first, length)[None, :]
+    seen = positions <= position  # (n, length - first): causal
     if window:
-        seen &= np.arange(length)[None, :] > position - window
+        seen &= positions > position - window
     logits = np.where(seen[:, None, :], logits, -np.inf)
     top = logits.max(-1, keepdims=True)
     if sinks is not None:
@@ -85,6 +89,24 @@ def test_window_matches_the_reference(rng, preset, window, fp32_kernels):
                                        atol=5e-5 * np.abs(want).max())
     with raises(qjlkv.InvalidArgument, "window_tokens"):
         cache.set_layer_attention(0, window_tokens=window + 1)
+
+
+def test_window_frees_blocks_and_refuses_freed_positions(rng):
+    """A windowed layer decoding a long sequence keeps its bytes bounded (the blocks its window
+    leaves behind are freed); an attend whose first query would see a freed position raises."""
+    window = 64
+    cache = qjlkv.Cache(small_config("q3", block_tokens=32, residual_tokens=8, rollback_tokens=32))
+    cache.set_layer_attention(0, window_tokens=window)
+    used = []
+    for step in range(60):
+        cache.append(0, 3, randn(rng, 50, HKV, D), randn(rng, 50, HKV, D))
+        used.append(cache.stats()["bytes_used"])
+    assert cache.stats()["tokens"] < 3000 // 10
+    assert max(used[40:]) <= max(used[20:40])
+    query = randn(rng, HQ, D)
+    cache.attend(0, 3, query)
+    with raises(qjlkv.InvalidArgument, "n_queries"):
+        cache.attend(0, 3, randn(rng, 2 * window + 64, HQ, D))
 
 
 def test_variant_changes_the_output_as_expected(rng):

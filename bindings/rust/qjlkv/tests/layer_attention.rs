@@ -165,3 +165,37 @@ fn bad_arguments_name_the_field_and_change_nothing() {
         "refused variants leave the layer plain"
     );
 }
+
+#[test]
+fn a_window_frees_blocks_and_refuses_freed_positions() {
+    let config = Config::preset(
+        "q3",
+        SHAPE.num_layers,
+        SHAPE.num_q_heads,
+        SHAPE.num_kv_heads,
+        SHAPE.head_dim,
+    )
+    .unwrap();
+    let mut cache = Cache::new(&config).unwrap();
+    let window = 64;
+    cache.set_layer_attention(0, 0.0, None, window).unwrap();
+    let mut rng = Rng(7);
+    let chunk = 50;
+    let mut used = Vec::new();
+    for _ in 0..100 {
+        let keys = rng.normals(chunk * SHAPE.kv_token_len());
+        let values = rng.normals(chunk * SHAPE.kv_token_len());
+        cache.append(0, 3, &keys, &values).unwrap();
+        used.push(cache.stats().unwrap().bytes_used);
+    }
+    // 5,000 positions appended; the window, the rollback copies, the tail and a chunk are held.
+    assert!(cache.stats().unwrap().tokens < 1000, "{:?}", cache.stats().unwrap());
+    let middle = *used[40..70].iter().max().unwrap();
+    assert!(*used[70..].iter().max().unwrap() <= middle, "bytes keep growing: {used:?}");
+    cache.attend(0, 3, &rng.normals(SHAPE.q_token_len()), None).unwrap();
+    let too_many = 3 * window as usize + 256;
+    assert_invalid(
+        cache.attend(0, 3, &rng.normals(too_many * SHAPE.q_token_len()), None),
+        "n_queries",
+    );
+}
