@@ -12,7 +12,6 @@
 #include <ostream>
 #include <string>
 
-#include "cache.hpp"  // qjlkv_cache::set_attention, to set a window the CUDA attention lacks
 #include "gpu_test_util.hpp"
 
 namespace {
@@ -370,9 +369,8 @@ TEST_P(CudaSequenceOps, ForksShareBlocksAndEqualFreshSequences) {
 }
 
 // Sliding windows free the blocks they leave behind (qjlkv.h, "Attention variants of a layer"):
-// the CUDA backend frees and counts what the CPU backend does, and its streams (format version
-// 5) are the same. Storage only: the window is set on the CUDA cache through the base class,
-// which the CUDA attention does not mask yet, so no attend runs on it here.
+// the CUDA backend frees and counts what the CPU backend does, its streams (format version 5)
+// are the same, and its attends over what is left match the CPU's.
 TEST_P(CudaSequenceOps, WindowFreesTheBlocksTheCpuFrees) {
   CachePair pair(ops_config(GetParam()));
   if (!pair.ok()) GTEST_SKIP() << pair.error();
@@ -381,12 +379,9 @@ TEST_P(CudaSequenceOps, WindowFreesTheBlocksTheCpuFrees) {
   qjlkv_layer_attention window{};
   window.struct_size = sizeof window;
   window.window_tokens = kWindow;
-  for (uint32_t l = 0; l < kLayers; ++l) {
-    ASSERT_EQ(qjlkv_cache_set_layer_attention(pair.cpu(), l, &window), QJLKV_OK) << qjlkv_last_error_message();
-    qjlkv::LayerAttention variant;
-    variant.window = kWindow;
-    pair.gpu()->qjlkv_cache::set_attention(l, variant);
-  }
+  for (uint32_t l = 0; l < kLayers; ++l)
+    for (qjlkv_cache *c : {pair.cpu(), pair.gpu()})
+      ASSERT_EQ(qjlkv_cache_set_layer_attention(c, l, &window), QJLKV_OK) << qjlkv_last_error_message();
   std::mt19937 rng(5);
   const auto expect_same_storage = [&](const std::vector<uint32_t> &seqs, const std::string &when) {
     SCOPED_TRACE(when);
@@ -403,7 +398,16 @@ TEST_P(CudaSequenceOps, WindowFreesTheBlocksTheCpuFrees) {
       ASSERT_EQ(qjlkv_cache_bytes_needed(pair.cpu(), seq, 1, &need_cpu), QJLKV_OK);
       ASSERT_EQ(qjlkv_cache_bytes_needed(pair.gpu(), seq, 1, &need_gpu), QJLKV_OK);
       EXPECT_EQ(need_cpu, need_gpu) << "seq " << seq;
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        const auto [o_cpu, o_gpu] = pair.attend(l, {seq}, 1, make_values(rng, pair.query_elems()), 0.0f, false);
+        const Mismatch m = compare_outputs(o_gpu, o_cpu, qjlkv_dtype(cfg.dtype));
+        EXPECT_EQ(m.count, 0u) << "attend, layer " << l << ", seq " << seq << ": worst " << m.worst;
+      }
     }
+    const auto [b_cpu, b_gpu] =
+        pair.attend(0, seqs, 1, make_values(rng, seqs.size() * pair.query_elems()), 0.0f, true);
+    const Mismatch mb = compare_outputs(b_gpu, b_cpu, qjlkv_dtype(cfg.dtype));
+    EXPECT_EQ(mb.count, 0u) << "attend_batch: worst " << mb.worst;
   };
   const auto append_both = [&](uint32_t seq, uint32_t n) {
     const Tokens t = make_tokens(rng, cfg, n);
