@@ -615,7 +615,9 @@ def _left_padding(mask: torch.Tensor | None, batch: int, tokens: int, window: in
     if mask is None:
         return [0] * batch
     allowed = mask if mask.dtype == torch.bool else mask == 0
-    allowed = allowed[..., -tokens:, -tokens:].reshape(allowed.shape[0], tokens, tokens)
+    if allowed.dim() == 4:  # (batch, heads, queries, kv): transformers' masks have one head
+        allowed = allowed[:, 0]
+    allowed = allowed[..., -tokens:, -tokens:].reshape(-1, tokens, tokens)
     diagonal = allowed.diagonal(dim1=-2, dim2=-1)
     pads = []
     for b in range(batch):
