@@ -13,8 +13,8 @@ model's own attention gives on the dense reconstruction of the same compressed c
 
 Gemma 3 270M (the evaluation's GGUF file, where ``python3 -m tools.eval.models gemma3-270m``
 has assembled it; skipped otherwise) decodes 200 tokens past a prompt of 560, window 512:
-preset "exact" fused against eager attention on a DynamicCache, and q3/q4 within their
-quantization error.
+preset "exact" (fp16 storage) fused against eager attention on a DynamicCache, and q3/q4
+within their quantization error.
 """
 
 from __future__ import annotations
@@ -239,8 +239,8 @@ def gemma270m():
 
 def test_gemma3_270m_decodes_past_its_window(gemma270m):
     """560 prompt tokens (48 past the window of 512), then 200 teacher-forced steps to position
-    760: preset "exact" fused gives eager attention's logits on a DynamicCache to float
-    rounding; q4 and q3 stay within their quantization error (the same next token nearly
+    760: preset "exact" (fp16 storage) fused gives eager attention's logits on a DynamicCache
+    to fp16 rounding; q4 and q3 stay within their quantization error (the same next token nearly
     everywhere, small KL)."""
     model, ids = gemma270m
     prompt = 560
@@ -258,7 +258,9 @@ def test_gemma3_270m_decodes_past_its_window(gemma270m):
         torch.set_num_threads(threads)
     scale = want.abs().max().item()
     error = (got["exact"] - want).abs().max().item()
-    assert error < 1e-4 * scale, (error, scale)
+    # The exact preset stores fp16 keys and values past its tail: 3.4e-4 of the scale measured,
+    # where leaving out the windows moves them by about 0.18 of it (tests/eval/test_gemma.py).
+    assert error < 2e-3 * scale, (error, scale)
     reference = torch.log_softmax(want, -1)
     for preset, bound in (("q4", 0.05), ("q3", 0.1)):
         logp = torch.log_softmax(got[preset], -1)
