@@ -112,10 +112,11 @@ def test_gemma2_soft_cap_is_set_on_every_layer_of_the_library_cache(tokens):
     lib, seq = cache.library_cache, cache.rows[0]
     query = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32) * 4
     for layer in range(2):
+        window = cache.windows[layer]  # the sliding layers' window stays (it is set before any token)
         capped = lib.attend(layer, seq, query)
-        lib.set_layer_attention(layer, logit_softcap=SOFTCAP)  # what it already holds: no change
+        lib.set_layer_attention(layer, logit_softcap=SOFTCAP, window_tokens=window)  # what it holds: no change
         np.testing.assert_array_equal(lib.attend(layer, seq, query), capped)
-        lib.set_layer_attention(layer)
+        lib.set_layer_attention(layer, window_tokens=window)
         assert not np.array_equal(lib.attend(layer, seq, query), capped)
 
 
@@ -135,5 +136,5 @@ def test_gpt_oss_sinks_reach_the_library_cache_once(tokens):
     sinks = model.model.layers[0].self_attn.sinks.detach().numpy()
     seq, query = cache.rows[0], np.ones((4, 64), np.float32)
     with_sinks = lib.attend(0, seq, query)
-    original(0, 0.0, sinks)  # what it already holds: no change
+    original(0, 0.0, sinks, cache.windows[0])  # what it already holds: no change
     np.testing.assert_array_equal(lib.attend(0, seq, query), with_sinks)

@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="5 rows (exact, q4_0, the presets), 256 prefilled + 64 decoded tokens")
     p.add_argument("--sweep", action="store_true",
-                   help="the 34-configuration sweep of the library's settings (float32 I/O) "
+                   help="the 38-configuration sweep of the library's settings (float32 I/O) "
                         "instead of the headline rows (fp16 I/O, llama.cpp's formats)")
     p.add_argument("--prefix", type=int,
                    help="tokens prefilled exactly (default 2048, qwen2.5-1.5b 1024; quick 256)")

@@ -138,6 +138,13 @@ def configurations(quick: bool = False) -> list[CacheConfig]:
         *[CacheConfig(f"{method} k{kb} v{vb}", method, {"key_bits": kb, "value_bits": vb},
                       group=method)
           for method in ("kivi", "ott") for kb, vb in ((2, 2), (4, 2), (4, 4))],
+        # the error of the 2- and 3-bit presets split into their keys' and their values' share
+        # (fp16 I/O, as the presets' headline rows)
+        CacheConfig("q2 keys, 16-bit values", "q2", {**FP16_IO, "value_bits": 16, "value_method": 0},
+                    group="keys vs values"),
+        CacheConfig("q3 keys, 16-bit values", "q3", {**FP16_IO, "value_bits": 16, "value_method": 0},
+                    group="keys vs values"),
+        CacheConfig("exact keys, q2 values", "q2", {**FP16_IO, "key_method": "exact"}, group="keys vs values"),
     ]
 
 
@@ -401,7 +408,7 @@ def runnable_configurations(model: LlamaModel, configs: list[CacheConfig]) -> li
 def run(prefix: int, decode: int, quick: bool, out_dir: str, text: str = DEFAULT_TEXT,
         num_threads: int = 1, only: list[str] | None = None, prototypes: bool = False,
         model_name: str = DEFAULT_MODEL, sweep: bool = False):
-    """prototypes: the QJL prototype rows; sweep: the 34-configuration sweep (float32 I/O)
+    """prototypes: the QJL prototype rows; sweep: the 38-configuration sweep (float32 I/O)
     of the recorded SmolLM2 run; otherwise the headline rows (fp16 I/O and llama.cpp's).
     only: keep the configurations whose name contains one of these strings."""
     started = time.time()

@@ -9,7 +9,7 @@ a FutureWarning that it goes away in 6.0.) ``examples/hf_generate.py`` runs this
 SmolLM2-135M; ``examples/hf_modes.py`` measures every generate mode below.
 
 Works with Llama-family decoders (GQA included; RoPE is applied before keys reach the
-cache). Each batch row is a library sequence of its own; the rows' ids change as generate
+cache), and with Gemma 2 and 3, gpt-oss and other models with sliding-window layers (below). Each batch row is a library sequence of its own; the rows' ids change as generate
 reorders them.
 
 Every ``generate`` mode works: greedy and sampling, ``num_return_sequences``, beam search
@@ -45,9 +45,20 @@ gpt-oss's learned sinks (``s_aux``, the ``self_attn.sinks`` parameter) are hande
 library cache when a layer first attends, and the prompt's exact attention applies them too
 (in float32, in place of SDPA, which has neither), so each applies exactly once. With any other
 attention implementation the model's own function applies them to the dense reconstruction
-(Gemma 2 and gpt-oss need ``eager`` there). Sliding-window layers (Gemma 2, gpt-oss) are the
-same as full attention up to the window's length; beyond it the fused attention refuses their
-mask (``qjlkv.Unsupported``).
+(Gemma 2 and gpt-oss need ``eager`` there).
+
+Sliding-window layers (Gemma 2 and 3, gpt-oss, Mistral, Qwen2 with ``use_sliding_window``):
+each layer's window W is read from the config as transformers' own caches read it
+(``layer_windows``: ``layer_types`` and ``sliding_window``) and set on the library cache before
+any token (``set_layer_attention(window_tokens=W)``: the query at position p sees
+[p - W + 1, p], as transformers' mask has it). The fused attention accepts transformers'
+sliding-window mask when it is exactly causal + window + left padding, and the library applies
+the window itself: the prompt (longer than the window too) attends exactly with that mask,
+every later query on the compressed cache within its window. With any other attention
+implementation, a windowed layer's dense reconstruction holds only the positions its newest
+queries see (older ones are zeros the model's mask hides). A library cache that cannot apply a
+window (a CUDA cache for now) keeps the layer full: the fused attention is then exact up to
+the window's length and refuses the mask past it (``qjlkv.Unsupported``).
 
 The cache stores ``dtype`` (default: the model's); keys, values and queries are converted to
 it and outputs back. ``QJLCache.stats()`` is the library's own memory count.
@@ -67,7 +78,7 @@ from transformers.masking_utils import sdpa_mask
 
 import qjlkv
 
-__all__ = ["ATTENTION_NAME", "QJLCache", "qjlkv_attention_forward", "use_qjlkv_attention"]
+__all__ = ["ATTENTION_NAME", "QJLCache", "layer_windows", "qjlkv_attention_forward", "use_qjlkv_attention"]
 
 #: The name under which the fused attention is registered in transformers' AttentionInterface.
 ATTENTION_NAME = "qjlkv"
@@ -87,6 +98,43 @@ def _invalid(message: str) -> qjlkv.InvalidArgument:
     return err
 
 
+def layer_windows(config: Any) -> list[int]:
+    """Each decoder layer's sliding window (0: full attention), read from a text config as
+    transformers' own caches read it (``cache_utils.get_layer_types_and_kwargs``): a layer of
+    type ``"sliding_attention"`` in ``config.layer_types`` slides a window of
+    ``config.sliding_window`` positions (the query at position p sees [p - W + 1, p]). The
+    configs of transformers 5 derive ``layer_types`` from their own fields: Gemma 2's
+    alternation, Gemma 3's ``sliding_window_pattern``, Qwen2's ``use_sliding_window`` and
+    ``max_window_layers``, gpt-oss's alternation. A config without ``layer_types`` (an older
+    transformers) slides every layer when it has a ``sliding_window``, as Mistral does, and
+    Gemma 2's even layers. Other layer types (``"chunked_attention"``, ...) get no window: the
+    fused attention refuses their masks."""
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    per_layer = getattr(config, "per_layer_config", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        if getattr(config, "model_type", None) == "gemma2":
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        else:
+            types = ["sliding_attention" if window else "full_attention"] * layers
+    if len(types) != layers:
+        raise _invalid(f"the config has {len(types)} layer_types for {layers} layers")
+    windows = []
+    for i, kind in enumerate(types):
+        w = window
+        if per_layer is not None:  # transformers' heterogeneous configs: one view per layer
+            try:
+                w = getattr(per_layer[i], "sliding_window", window)
+            except (IndexError, KeyError, TypeError):
+                pass
+        if kind == "sliding_attention" and w:
+            windows.append(int(w))
+        else:
+            windows.append(0)
+    return windows
+
+
 class _Handoff(threading.local):
     """What the last ``update`` of this thread left for the fused attention function, which
     transformers calls right after it with the same layer but without the cache."""
@@ -99,8 +147,12 @@ class _Handoff(threading.local):
     # Set by use_qjlkv_attention's hooks for the model forward in progress: its logits_to_keep
     # minus one, the draft tokens transformers' assisted decoding puts behind the prompt.
     draft: int = 0
-    # The last mask QJLCache._check_mask accepted: one tensor serves every layer of a forward.
-    checked_mask: torch.Tensor | None = None
+    # The last mask QJLCache._check_mask accepted for each window (0: none): one tensor serves
+    # every layer of a kind in a forward (full layers one, sliding-window layers another).
+    checked_masks: dict = {}
+
+    def __init__(self) -> None:
+        self.checked_masks = {}
 
 
 _HANDOFF = _Handoff()
@@ -191,7 +243,9 @@ class QJLCache(Cache):
     are padding that is not stored (fused attention only).
 
     A config's ``attn_logit_softcapping`` (Gemma 2) is set on every layer of the library cache
-    (``qjlkv.Cache.set_layer_attention``); gpt-oss's sinks reach it through the fused attention.
+    and each sliding-window layer's window (``windows``) on that layer, when the library cache
+    is created (``qjlkv.Cache.set_layer_attention``); gpt-oss's sinks reach it through the fused
+    attention.
     """
 
     def __init__(self, config: Any, preset: str = "q3", **fields: Any) -> None:
@@ -203,6 +257,9 @@ class QJLCache(Cache):
         self._head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         # Gemma 2's attention soft-capping, set on every layer of the library cache.
         self._softcap = float(getattr(text, "attn_logit_softcapping", None) or 0.0)
+        # Each layer's sliding window (0: full attention), as transformers' own caches and
+        # masks read it from the config; set on the library cache when it is created.
+        self._windows = layer_windows(text)
         self._preset = preset
         self._fields = dict(fields)
         # Fails now, not at the first forward, on a bad preset or field.
@@ -219,6 +276,10 @@ class QJLCache(Cache):
         self._alias: dict[int, int] = {}
         # The attention variant each layer of the library cache holds: (soft-cap, sink tensor).
         self._variants: list[tuple[float, Any]] = [(0.0, None)] * self._num_layers
+        # The window each layer of the library cache applies (0 where it has none: a full
+        # layer, or a backend without windows, whose fused attention then refuses a mask
+        # that the window restricts).
+        self._library_windows: list[int] = [0] * self._num_layers
         super().__init__(layers=[QJLLayer(self, i) for i in range(self._num_layers)])
 
     # -- the library cache -------------------------------------------------------------------
@@ -226,6 +287,12 @@ class QJLCache(Cache):
     def library_cache(self) -> qjlkv.Cache | None:
         """The underlying ``qjlkv.Cache`` (None before the first update)."""
         return self._lib
+
+    @property
+    def windows(self) -> list[int]:
+        """Each layer's sliding window W from the model config (the query at position p sees
+        positions [p - W + 1, p]); 0 for a layer of full attention."""
+        return list(self._windows)
 
     @property
     def rows(self) -> list[int]:
@@ -248,14 +315,23 @@ class QJLCache(Cache):
         if key_states.is_cuda:
             self._lib.set_stream(torch.cuda.current_stream(key_states.device))
         self._variants = [(0.0, None)] * self._num_layers
-        if self._softcap:
-            try:
-                for layer in range(self._num_layers):
-                    self._use_variant(layer, self._softcap, None)
+        self._library_windows = [0] * self._num_layers
+        for layer in range(self._num_layers):
+            if not (self._softcap or self._windows[layer]):
+                continue
+            try:  # before any token: a layer's window can change only while it is empty
+                self._lib.set_layer_attention(layer, self._softcap, None, self._windows[layer])
+                self._library_windows[layer] = self._windows[layer]
             except qjlkv.Unsupported:
-                # A backend without variants: the dense reconstruction does not need them, and
-                # the fused attention raises when it would.
-                pass
+                # A backend without windows (or without variants): the soft-cap alone, if it
+                # has that. The dense reconstruction does not need either (the model's own
+                # attention applies them), and the fused attention refuses a mask past the
+                # window.
+                try:
+                    self._lib.set_layer_attention(layer, self._softcap, None)
+                except qjlkv.Unsupported:
+                    continue
+            self._variants[layer] = (self._softcap, None)
 
     def _use_variant(self, layer: int, softcap: float | None, sinks: torch.Tensor | None) -> None:
         """Makes the library layer attend with this soft-cap and these sinks (set once: a layer
@@ -263,7 +339,7 @@ class QJLCache(Cache):
         softcap = float(softcap or 0.0)
         held_softcap, held_sinks = self._variants[layer]
         if softcap != held_softcap or sinks is not held_sinks:
-            self._lib.set_layer_attention(layer, softcap, sinks)
+            self._lib.set_layer_attention(layer, softcap, sinks, self._library_windows[layer])
             self._variants[layer] = (softcap, sinks)
 
     def _new_id(self) -> int:
@@ -312,7 +388,7 @@ class QJLCache(Cache):
             self._append_prefill(layer, keys, values, [0] * batch)
             return key_states, value_states
         self._append(layer, keys, values)
-        return self._reconstruction(layer, key_states.dtype, key_states.device)
+        return self._reconstruction(layer, key_states.dtype, key_states.device, tokens)
 
     def _library_layout(self, states: torch.Tensor) -> torch.Tensor:
         """(batch, heads, tokens, d) -> (batch, tokens, heads, d), contiguous, in the stored dtype
@@ -356,14 +432,22 @@ class QJLCache(Cache):
             self._lib.fork(self._rows[a], self._rows[b])
         self._alias = {}
 
-    def _reconstruction(self, layer: int, dtype: torch.dtype, device: torch.device):
+    def _reconstruction(self, layer: int, dtype: torch.dtype, device: torch.device, tokens: int):
+        """The dense keys and values of every position, for the ``tokens`` newest queries. On a
+        layer whose library cache applies a window W, only the newest W + tokens - 1 positions
+        (all those queries see) are reconstructed; older ones stay zero, which the model's
+        sliding-window mask hides (and which the library may have freed)."""
         length = self._length(layer)
         keys = torch.zeros(len(self._rows), length, self._num_kv_heads, self._head_dim)
         values = torch.zeros_like(keys)
+        window = self._library_windows[layer]
         for b, s in enumerate(self._rows):
-            if length > self._pads[b]:
-                k, v = self._lib.reconstruct(layer, s)
-                keys[b, self._pads[b]:], values[b, self._pads[b]:] = torch.from_numpy(k), torch.from_numpy(v)
+            stored = length - self._pads[b]
+            if stored > 0:
+                first = max(stored - (window + tokens - 1), 0) if window else 0
+                k, v = self._lib.reconstruct(layer, s, first)
+                start = self._pads[b] + first
+                keys[b, start:], values[b, start:] = torch.from_numpy(k), torch.from_numpy(v)
         return (keys.transpose(1, 2).to(device=device, dtype=dtype),
                 values.transpose(1, 2).to(device=device, dtype=dtype))
 
@@ -456,7 +540,7 @@ class QJLCache(Cache):
         batch, _, tokens, _ = query.shape
         keys, values = self._library_layout(keys_in), self._library_layout(values_in)
         if prefill:
-            pads = _left_padding(mask, batch, tokens)
+            pads = _left_padding(mask, batch, tokens, self._windows[layer])
             draft = min(_HANDOFF.draft, tokens - 1)
             out = exact()  # exact attention of the prompt (and what the draft tokens overwrite)
             if draft and batch == 1:
@@ -486,38 +570,65 @@ class QJLCache(Cache):
                 out[b, t] = self._lib.attend(layer, s, queries[b, t], scaling).to(out.dtype)
 
     def _check_mask(self, layer: int, mask: torch.Tensor | None, tokens: int) -> None:
-        """The library applies causality and the rows' padding itself: any other mask is refused."""
-        if mask is None or mask is _HANDOFF.checked_mask:
+        """The library applies causality, the rows' left padding and the layer's sliding window
+        itself: the mask must be exactly that (transformers' causal or sliding-window mask of a
+        left-padded batch); any other mask is refused."""
+        window = self._library_windows[layer]
+        if mask is None or _HANDOFF.checked_masks.get(window) is mask:
             return
         allowed = mask if mask.dtype == torch.bool else mask == 0
         kv, past = allowed.shape[-1], self._length(layer)
         if kv != past + tokens or allowed.shape[-2] != tokens:
             raise _unsupported(f"the qjlkv attention got a mask over {kv} positions for {tokens} queries; "
                                f"the cache holds {past}")
-        causal = torch.ones(tokens, kv, dtype=torch.bool, device=mask.device).tril(kv - tokens)
         for b in range(allowed.shape[0]):
-            want = causal.clone()
-            want[:, :self._pads[b]] = False
-            if not bool((allowed[b] == want).all()):
-                raise _unsupported("the qjlkv attention applies causality and left padding only; this mask asks "
-                                   "for more (use sdpa for custom masks)")
-        _HANDOFF.checked_mask = mask
+            if bool((allowed[b] == _expected_mask(tokens, kv, self._pads[b], window, mask.device)).all()):
+                continue
+            model_window = self._windows[layer]
+            if model_window != window and bool(
+                    (allowed[b] == _expected_mask(tokens, kv, self._pads[b], model_window, mask.device)).all()):
+                raise _unsupported(f"layer {layer} slides a window of {model_window} positions, which this "
+                                   "library cache cannot apply (a backend without windows): the qjlkv attention "
+                                   "works there up to the window's length; use sdpa or eager past it")
+            what = f"a sliding window of {window} positions" if window else "no window"
+            raise _unsupported(f"the qjlkv attention applies causality, left padding and the layer's own window "
+                               f"only (layer {layer}: {what}); this mask asks for something else (use sdpa for "
+                               "custom masks)")
+        _HANDOFF.checked_masks[window] = mask
 
 
-def _left_padding(mask: torch.Tensor | None, batch: int, tokens: int) -> list[int]:
-    """Each row's leading padding, read from the prompt's 4-D mask: the last query attends to
-    every position that is not padding."""
+def _expected_mask(tokens: int, kv: int, pad: int, window: int, device: torch.device) -> torch.Tensor:
+    """(tokens, kv) booleans: the query at position p = kv - tokens + t sees positions
+    [max(pad, p - window + 1), p] (window 0: [pad, p])."""
+    query = torch.arange(kv - tokens, kv, device=device).unsqueeze(1)
+    key = torch.arange(kv, device=device).unsqueeze(0)
+    want = (key <= query) & (key >= pad)
+    if window:
+        want &= key > query - window
+    return want
+
+
+def _left_padding(mask: torch.Tensor | None, batch: int, tokens: int, window: int = 0) -> list[int]:
+    """Each row's leading padding, read from the prompt's 4-D mask: the first query that sees
+    itself is the first token after the padding, and the last query sees every token after
+    the padding (within its window, on a sliding-window layer)."""
     if mask is None:
         return [0] * batch
     allowed = mask if mask.dtype == torch.bool else mask == 0
-    last = allowed[..., -1, :].reshape(allowed.shape[0], -1)[:, -tokens:]
+    if allowed.dim() == 4:  # (batch, heads, queries, kv): transformers' masks have one head
+        allowed = allowed[:, 0]
+    allowed = allowed[..., -tokens:, -tokens:].reshape(-1, tokens, tokens)
+    diagonal = allowed.diagonal(dim1=-2, dim2=-1)
     pads = []
     for b in range(batch):
-        row = last[b if last.shape[0] > 1 else 0]
-        pad = int(row.int().argmax()) if bool(row.any()) else tokens
-        if not bool(row[pad:].all()):
+        row = b if allowed.shape[0] > 1 else 0
+        seen = diagonal[row]
+        pad = int(seen.int().argmax()) if bool(seen.any()) else tokens
+        want = _expected_mask(1, tokens, pad, window, allowed.device)[0]
+        if not bool(seen[pad:].all()) or not bool((allowed[row, -1] == want).all()):
             raise _unsupported("the qjlkv attention takes left padding only (the prompt's last token must see "
-                               "every token after the padding); use sdpa for other masks")
+                               "every token after the padding, within the layer's window); use sdpa for other "
+                               "masks")
         pads.append(pad)
     return pads
 
