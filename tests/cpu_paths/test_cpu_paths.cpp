@@ -816,13 +816,16 @@ struct Filled {
 
 constexpr uint32_t kLongSeq = 4700;  // several attend tasks per head (2048 tokens each)
 
-void fill(Filled &f, const CacheCase &c, const char *isa, uint32_t threads) {
+// `variant`, when given, is layer 0's attention variant, set before any token.
+void fill(Filled &f, const CacheCase &c, const char *isa, uint32_t threads,
+          const qjlkv_layer_attention *variant = nullptr) {
   ForcedIsa forced(isa);
   f.cfg.struct_size = sizeof f.cfg;
   ASSERT_EQ(qjlkv_config_init(&f.cfg, c.preset, 2, c.q_heads, c.kv_heads, c.head_dim), QJLKV_OK);
   f.cfg.dtype = c.dtype;
   f.cfg.num_threads = threads;
   ASSERT_EQ(qjlkv_cache_create(&f.cfg, &f.cache), QJLKV_OK) << qjlkv_last_error_message();
+  if (variant) ASSERT_EQ(qjlkv_cache_set_layer_attention(f.cache, 0, variant), QJLKV_OK) << qjlkv_last_error_message();
   std::mt19937 rng(21);
   std::normal_distribution<float> normal;
   const size_t token = size_t(c.kv_heads) * c.head_dim;
@@ -950,6 +953,71 @@ TEST_P(CachePaths, OutputsWithinErrorBudget) {
     const double relative = std::sqrt(error / size);
     EXPECT_LE(relative, budget) << isa_name(isa) << ": output rms error / rms output";
     RecordProperty(std::string("output_rms_") + isa_name(isa), scientific(relative));
+  }
+}
+
+// The attention variants on every path: layer 0 soft-caps its logits, adds a sink logit per
+// query head and slides a window of 1,000 positions (so the window has freed most blocks of the
+// long sequence). Held to SPEC §9's budget against a double-precision reference over the cache's
+// own reconstruction of the positions each query sees.
+TEST_P(CachePaths, VariantsWithinErrorBudget) {
+  const CacheCase &c = GetParam();
+  const uint32_t seq = 3, nq = 3, window = 1000, d = c.head_dim, G = c.q_heads / c.kv_heads;
+  const float softcap = 4.0f;
+  std::vector<float> sinks(c.q_heads);
+  for (uint32_t h = 0; h < c.q_heads; ++h) sinks[h] = -1.0f + 0.5f * float(h % 5);
+  qjlkv_layer_attention variant{};
+  variant.struct_size = sizeof variant;
+  variant.logit_softcap = softcap;
+  variant.sink_logits = sinks.data();
+  variant.window_tokens = window;
+  const double budget = c.dtype == QJLKV_DTYPE_BF16 ? 1e-3 + 2.3e-3 : 1e-3;
+  for (Isa isa : supported_isas()) {
+    Filled f;
+    fill(f, c, isa_name(isa), 0, &variant);
+    qjlkv_stats st{};
+    st.struct_size = sizeof st;
+    ASSERT_EQ(qjlkv_cache_stats(f.cache, &st), QJLKV_OK);
+    const std::vector<uint8_t> q_bytes = encode(random_queries(c, nq, 37), c.dtype);
+    std::vector<uint8_t> out(q_bytes.size());
+    ASSERT_EQ(qjlkv_cache_attend(f.cache, 0, seq, nq, q_bytes.data(), 0.0f, out.data()), QJLKV_OK)
+        << qjlkv_last_error_message();
+    // The reference: the positions the first query sees, reconstructed; each query its own window.
+    const uint64_t length = kLongSeq, first = length - nq + 1 - window;
+    std::vector<float> keys((length - first) * c.kv_heads * d), values(keys.size());
+    ASSERT_EQ(qjlkv_cache_reconstruct(f.cache, 0, seq, first, length - first, keys.data(), values.data()), QJLKV_OK)
+        << qjlkv_last_error_message();
+    const double scale = 1.0 / std::sqrt(double(d));
+    double error = 0.0, size = 0.0;
+    for (uint32_t i = 0; i < nq; ++i)
+      for (uint32_t h = 0; h < c.q_heads; ++h) {
+        const uint64_t position = length - nq + i, start = position + 1 - window;
+        std::vector<double> logits;
+        for (uint64_t t = start; t <= position; ++t) {
+          double dot = 0.0;
+          for (uint32_t j = 0; j < d; ++j)
+            dot += double(decode(q_bytes, (size_t(i) * c.q_heads + h) * d + j, c.dtype)) *
+                   keys[((t - first) * c.kv_heads + h / G) * d + j];
+          logits.push_back(softcap * std::tanh(dot * scale / softcap));
+        }
+        const double top = std::max(*std::max_element(logits.begin(), logits.end()), double(sinks[h]));
+        double sum = std::exp(double(sinks[h]) - top);
+        std::vector<double> o(d, 0.0);
+        for (uint64_t t = start; t <= position; ++t) {
+          const double p = std::exp(logits[t - start] - top);
+          sum += p;
+          for (uint32_t j = 0; j < d; ++j) o[j] += p * values[((t - first) * c.kv_heads + h / G) * d + j];
+        }
+        for (uint32_t j = 0; j < d; ++j) {
+          const double want = o[j] / sum, e = decode(out, (size_t(i) * c.q_heads + h) * d + j, c.dtype) - want;
+          error += e * e;
+          size += want * want;
+        }
+      }
+    const double relative = std::sqrt(error / size);
+    EXPECT_LE(relative, budget) << isa_name(isa) << ": output rms error / rms output";
+    EXPECT_LT(st.tokens, 2 * uint64_t(kLongSeq) + 2 * 301) << isa_name(isa) << ": the window freed nothing";
+    RecordProperty(std::string("variant_output_rms_") + isa_name(isa), scientific(relative));
   }
 }
 
