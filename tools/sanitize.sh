@@ -6,15 +6,15 @@
 #             arithmetic that the plain build runs and the other tests cover under ASan with fewer
 #             samples; 110 s of the suite's CPU time in CI); of the CUDA emulator's tests, every
 #             unparametrized one, every odd shape (Corners) and the f16 case of each
-#             parametrized family (89 of 202): the f32/bf16 cases run the same host code and kernels
-#             with another element type; all 202 took 850 of the step's 1,080 s of CPU time;
+#             parametrized family (103 of 246): the f32/bf16 cases run the same host code and kernels
+#             with another element type; all of them took about 80 % of the step's CPU time;
 #   asan-O0   the same sanitizers at -O0 on the tests that pass every class of bad argument
 #             (labels api, errors, badinput, fuzz_replay): at -O1 the compiler folds away loads
 #             that UBSan checks, such as an out-of-range value loaded as a C++ enum;
 #   tsan      the same under ThreadSanitizer (the stress test runs many threads sharing a sketch,
 #             and caches with internal worker threads), but the per-instruction-set sweeps of
 #             tests/cpu_paths (the same threading code once per ISA; their thread-count test
-#             stays), 260 of the step's 610 s of CPU time;
+#             stays), about 40 % of the step's CPU time;
 #   valgrind  memcheck on the C example (qjlkv_demo 256 4, every preset): no invalid access, no
 #             leak. It runs the demo of $QJLKV_VALGRIND_BUILD when set (tools/test-all.sh passes
 #             its release build), else builds one at -O1 -g.
