@@ -184,30 +184,6 @@ def test_a_mask_other_than_causal_window_and_padding_is_refused(gemma3, tokens):
             gemma3(tokens[:, PROMPT:PROMPT + 1], attention_mask=hole, cache=cache, use_cache=True)
 
 
-def test_a_library_cache_without_windows_refuses_past_the_window(gemma3, tokens, monkeypatch):
-    """A backend that cannot apply a window (Unsupported from set_layer_attention): the fused
-    attention works up to the window's length and refuses the mask past it."""
-    original = qjlkv.Cache.set_layer_attention
-
-    def no_windows(self, layer, logit_softcap=0.0, sink_logits=None, window_tokens=0):
-        if window_tokens:
-            raise qjlkv.Unsupported("no windows here")
-        return original(self, layer, logit_softcap, sink_logits, window_tokens)
-
-    monkeypatch.setattr(qjlkv.Cache, "set_layer_attention", no_windows)
-    use_qjlkv_attention(gemma3)
-    cache = QJLCache(gemma3.config, **EXACT)
-    with torch.no_grad():
-        gemma3(tokens[:, :WINDOW - 2], cache=cache, use_cache=True)
-        gemma3(tokens[:, WINDOW - 2:WINDOW - 1], cache=cache, use_cache=True)  # within the window
-        for t in range(WINDOW - 1, WINDOW + 1):
-            if t < WINDOW:
-                gemma3(tokens[:, t:t + 1], cache=cache, use_cache=True)
-            else:
-                with raises(qjlkv.Unsupported, "window of 8 positions", "cannot apply"):
-                    gemma3(tokens[:, t:t + 1], cache=cache, use_cache=True)
-
-
 # -- Gemma 3 270M --------------------------------------------------------------------------------
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -56,9 +56,8 @@ sliding-window mask when it is exactly causal + window + left padding, and the l
 the window itself: the prompt (longer than the window too) attends exactly with that mask,
 every later query on the compressed cache within its window. With any other attention
 implementation, a windowed layer's dense reconstruction holds only the positions its newest
-queries see (older ones are zeros the model's mask hides). A library cache that cannot apply a
-window (a CUDA cache for now) keeps the layer full: the fused attention is then exact up to
-the window's length and refuses the mask past it (``qjlkv.Unsupported``).
+queries see (older ones are zeros the model's mask hides). Both library backends apply
+windows and free the blocks a window leaves behind, so a windowed layer's memory stays bounded.
 
 The cache stores ``dtype`` (default: the model's); keys, values and queries are converted to
 it and outputs back. ``QJLCache.stats()`` is the library's own memory count.
@@ -276,10 +275,6 @@ class QJLCache(Cache):
         self._alias: dict[int, int] = {}
         # The attention variant each layer of the library cache holds: (soft-cap, sink tensor).
         self._variants: list[tuple[float, Any]] = [(0.0, None)] * self._num_layers
-        # The window each layer of the library cache applies (0 where it has none: a full
-        # layer, or a backend without windows, whose fused attention then refuses a mask
-        # that the window restricts).
-        self._library_windows: list[int] = [0] * self._num_layers
         super().__init__(layers=[QJLLayer(self, i) for i in range(self._num_layers)])
 
     # -- the library cache -------------------------------------------------------------------
@@ -315,23 +310,11 @@ class QJLCache(Cache):
         if key_states.is_cuda:
             self._lib.set_stream(torch.cuda.current_stream(key_states.device))
         self._variants = [(0.0, None)] * self._num_layers
-        self._library_windows = [0] * self._num_layers
         for layer in range(self._num_layers):
-            if not (self._softcap or self._windows[layer]):
-                continue
-            try:  # before any token: a layer's window can change only while it is empty
+            if self._softcap or self._windows[layer]:
+                # Before any token: a layer's window can change only while it is empty.
                 self._lib.set_layer_attention(layer, self._softcap, None, self._windows[layer])
-                self._library_windows[layer] = self._windows[layer]
-            except qjlkv.Unsupported:
-                # A backend without windows (or without variants): the soft-cap alone, if it
-                # has that. The dense reconstruction does not need either (the model's own
-                # attention applies them), and the fused attention refuses a mask past the
-                # window.
-                try:
-                    self._lib.set_layer_attention(layer, self._softcap, None)
-                except qjlkv.Unsupported:
-                    continue
-            self._variants[layer] = (self._softcap, None)
+                self._variants[layer] = (self._softcap, None)
 
     def _use_variant(self, layer: int, softcap: float | None, sinks: torch.Tensor | None) -> None:
         """Makes the library layer attend with this soft-cap and these sinks (set once: a layer
@@ -339,7 +322,7 @@ class QJLCache(Cache):
         softcap = float(softcap or 0.0)
         held_softcap, held_sinks = self._variants[layer]
         if softcap != held_softcap or sinks is not held_sinks:
-            self._lib.set_layer_attention(layer, softcap, sinks, self._library_windows[layer])
+            self._lib.set_layer_attention(layer, softcap, sinks, self._windows[layer])
             self._variants[layer] = (softcap, sinks)
 
     def _new_id(self) -> int:
@@ -440,7 +423,7 @@ class QJLCache(Cache):
         length = self._length(layer)
         keys = torch.zeros(len(self._rows), length, self._num_kv_heads, self._head_dim)
         values = torch.zeros_like(keys)
-        window = self._library_windows[layer]
+        window = self._windows[layer]
         for b, s in enumerate(self._rows):
             stored = length - self._pads[b]
             if stored > 0:
@@ -573,7 +556,7 @@ class QJLCache(Cache):
         """The library applies causality, the rows' left padding and the layer's sliding window
         itself: the mask must be exactly that (transformers' causal or sliding-window mask of a
         left-padded batch); any other mask is refused."""
-        window = self._library_windows[layer]
+        window = self._windows[layer]
         if mask is None or _HANDOFF.checked_masks.get(window) is mask:
             return
         allowed = mask if mask.dtype == torch.bool else mask == 0
@@ -584,12 +567,6 @@ class QJLCache(Cache):
         for b in range(allowed.shape[0]):
             if bool((allowed[b] == _expected_mask(tokens, kv, self._pads[b], window, mask.device)).all()):
                 continue
-            model_window = self._windows[layer]
-            if model_window != window and bool(
-                    (allowed[b] == _expected_mask(tokens, kv, self._pads[b], model_window, mask.device)).all()):
-                raise _unsupported(f"layer {layer} slides a window of {model_window} positions, which this "
-                                   "library cache cannot apply (a backend without windows): the qjlkv attention "
-                                   "works there up to the window's length; use sdpa or eager past it")
             what = f"a sliding window of {window} positions" if window else "no window"
             raise _unsupported(f"the qjlkv attention applies causality, left padding and the layer's own window "
                                f"only (layer {layer}: {what}); this mask asks for something else (use sdpa for "
