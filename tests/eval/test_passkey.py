@@ -80,6 +80,7 @@ def test_a_stopped_run_resumes_only_with_the_same_model_depths_and_rows(tmp_path
     assert added == (records[:1], {"q3 preset": 2.96}, 100.0)
     assert resumed(str(tmp_path), "M", depths, ["q3 B64 R16 S16"] + names, [2048]) == nothing
     assert resumed(str(tmp_path / "none"), "M", depths, names, [2048]) == nothing
+    assert resumed(str(tmp_path), "M", depths, names, [2048], answer_tokens=12) == nothing  # longer answers
     assert resumed(None, "M", depths, names, [2048]) == nothing
 
 

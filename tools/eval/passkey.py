@@ -132,10 +132,10 @@ def answer_key(text: str) -> int | None:
 
 
 def run_prompt(model: LlamaModel, head_kv, prompt: Prompt, configs: list[CacheConfig],
-               num_threads: int = 1) -> tuple[list[str], list]:
+               num_threads: int = 1, answer_tokens: int = ANSWER_TOKENS) -> tuple[list[str], list]:
     """The answers of the exact cache and of each config's cache, and the caches."""
     return answer_through(model, prompt_kv(model, head_kv, prompt), prompt.question, configs,
-                          num_threads)
+                          num_threads, answer_tokens=answer_tokens)
 
 
 def prompt_kv(model: LlamaModel, head_kv, prompt: Prompt) -> list:
@@ -181,7 +181,8 @@ def answer_through(model: LlamaModel, kv, question: list[int], configs: list[Cac
 
 
 def run(model_name: str, lengths: list[int], num_depths: int, configs: list[CacheConfig],
-        num_threads: int = 1, progress: bool = True, out_dir: str | None = None) -> dict:
+        num_threads: int = 1, progress: bool = True, out_dir: str | None = None,
+        answer_tokens: int = ANSWER_TOKENS) -> dict:
     """All prompts through all caches; with out_dir, the table so far is rewritten after
     every prompt (a long run stopped early keeps what it measured), and a run started again
     with the same model, depths and rows continues from the prompts recorded there."""
@@ -192,11 +193,12 @@ def run(model_name: str, lengths: list[int], num_depths: int, configs: list[Cach
     configs = runnable_configurations(model, configs)  # windowed models: what can run them
     depths = [round(float(d), 4) for d in np.linspace(0.05, 0.95, num_depths)]
     names = ["exact (numpy fp32)"] + [c.name for c in configs]
-    records, bits, earlier_seconds = resumed(out_dir, MODELS[model_name].title, depths, names, lengths)
+    records, bits, earlier_seconds = resumed(out_dir, MODELS[model_name].title, depths, names, lengths,
+                                             answer_tokens)
 
     def result() -> dict:
         return {"meta": {"model": MODELS[model_name].title, "lengths": lengths, "depths": depths,
-                         "bits_length": BITS_LENGTH,
+                         "bits_length": BITS_LENGTH, "answer_tokens": answer_tokens,
                          "seconds": earlier_seconds + time.time() - started},
                 "rows": [{"name": n, "description": "float32 numpy, exact attention" if i == 0
                           else configs[i - 1].describe(),
@@ -216,7 +218,7 @@ def run(model_name: str, lengths: list[int], num_depths: int, configs: list[Cach
                      for c in configs if c.name not in bits})
         for prompt in tqdm(spread_order(prompts), desc=f"pass key in {length} tokens",
                            unit="depth", disable=not progress):
-            answers, _ = run_prompt(model, head_kv, prompt, configs, num_threads)
+            answers, _ = run_prompt(model, head_kv, prompt, configs, num_threads, answer_tokens)
             records.append({"length": length, "depth": prompt.depth, "key": prompt.key,
                             "prompt_tokens": prompt.prefix_tokens + len(prompt.rest) + len(prompt.question),
                             "answers": dict(zip(names, answers)),
@@ -227,9 +229,9 @@ def run(model_name: str, lengths: list[int], num_depths: int, configs: list[Cach
 
 
 def resumed(out_dir: str | None, model_title: str, depths: list[float], names: list[str],
-            lengths: list[int]) -> tuple[list[dict], dict, float]:
-    """(records, bits per row, seconds) of an earlier run in out_dir with the same model and
-    depths whose rows are the first of `names` (its prompts are the same: a key depends on
+            lengths: list[int], answer_tokens: int = ANSWER_TOKENS) -> tuple[list[dict], dict, float]:
+    """(records, bits per row, seconds) of an earlier run in out_dir with the same model,
+    depths and answer length whose rows are the first of `names` (its prompts are the same: a key depends on
     the seed and the length only; rows added since have no answers for its prompts);
     nothing when there is none."""
     path = os.path.join(out_dir, "passkey.json") if out_dir else None
@@ -238,6 +240,7 @@ def resumed(out_dir: str | None, model_title: str, depths: list[float], names: l
     with open(path) as f:
         earlier = json.load(f)
     if (earlier["meta"]["model"] != model_title or earlier["meta"]["depths"] != depths
+            or earlier["meta"].get("answer_tokens", ANSWER_TOKENS) != answer_tokens
             or [row["name"] for row in earlier["rows"]] != names[:len(earlier["rows"])]):
         return [], {}, 0.0
     records = [r for r in earlier["records"] if r["length"] in lengths]
@@ -290,12 +293,16 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="the 5 quick rows of tools.eval")
     p.add_argument("--out", default="build-eval", help="output folder (default build-eval)")
     p.add_argument("--threads", type=int, default=1, help="qjlkv worker threads per cache")
+    p.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS,
+                   help=f"greedy tokens of each answer (default {ANSWER_TOKENS}: a space and 5 digits "
+                        "split one by one; a tokenizer that answers ' a 12345' needs 7)")
     a = p.parse_args(argv)
     configs = headline_configurations(a.quick)
     if a.only:
         configs = [c for c in configs if any(o in c.name for o in a.only)]
     configs = [c for c in configs if not any(w in c.name for w in a.without)]
-    paths = write(run(a.model, a.lengths, a.depths, configs, a.threads, out_dir=a.out), a.out)
+    paths = write(run(a.model, a.lengths, a.depths, configs, a.threads, out_dir=a.out,
+                      answer_tokens=a.answer_tokens), a.out)
     with open(paths["table"]) as f:
         sys.stdout.write(f.read())
     print(f"\nwrote {paths['table']}, {paths['json']}")
