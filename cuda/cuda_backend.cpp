@@ -57,8 +57,8 @@ struct SeqState {
   uint32_t rollback_floor = 0;  // qjlkv.h, "Sequence operations"
   uint8_t *sink = nullptr;      // sinks: keys [S][Hkv][d], then values, in the input dtype
   // Blocks [0, freed_blocks) left the layer's window and went back to the pool: their host table
-  // entries are 0; the device table's are stale (the attention never reads blocks before a
-  // query's window).
+  // entries are 0, the device table's stale or 0; the kernels start at freed_blocks and never
+  // read them.
   uint32_t freed_blocks = 0;
   std::vector<uint64_t> table;  // host copy of the block table: slot addresses
   DeviceBuffer table_dev;       // the block table the kernels read
@@ -774,8 +774,11 @@ void CudaCache::run_attention(uint32_t layer_index, const uint32_t *seqs, uint32
   const KernelShape &k = layer.shape;
   // scores() returns raw logits of every position: no variant, no window.
   const uint32_t window = scores_host ? 0 : attention(layer_index).window;
+  // The first block read: none before the first query's window, and never a freed one (scores
+  // read every stored block).
   const auto first_block = [&](const SeqState &seq) {
-    return blocks_before(window_start(seq.length - queries_per_seq, window), seq.sinks, k.B, seq.blocks);
+    return std::max(seq.freed_blocks,
+                    blocks_before(window_start(seq.length - queries_per_seq, window), seq.sinks, k.B, seq.blocks));
   };
   uint32_t max_units = 0;
   for (uint32_t i = 0; i < n_seqs; ++i) {
@@ -868,7 +871,7 @@ void CudaCache::scores(uint32_t layer, uint32_t seq, const void *query, float *o
   if (flags_host_[0] != ~0ull) fail_data("query", query, flags_host_[0], FLT_MAX);
   run_attention(layer, &seq, 1, 1, query, 1.0f, nullptr, out);
   check_cuda(cudaStreamSynchronize(stream_), "scores");
-  // Positions the window freed have no score (the kernel read their table's stale entries).
+  // Positions the window freed have no score (the kernel did not read them).
   const uint64_t freed = uint64_t(state.freed_blocks) * cfg.block_tokens;
   for (uint32_t h = 0; h < cfg.num_q_heads; ++h)
     std::fill_n(out + size_t(h) * state.length + state.sinks, freed, -INFINITY);
@@ -1321,15 +1324,13 @@ class CudaImport final : public PortableImport {
     if (layer.sinks) seq.sink = layer.sinks->take();
     seq.table.assign(counts.freed_blocks, 0);  // within the reserved capacity
     for (uint32_t b = 0; b < stored; ++b) seq.table.push_back(reinterpret_cast<uint64_t>(layer.blocks->take()));
-    // Blocks zeroed (padding included, as the quantizer leaves them), then the table, whose freed
-    // entries name a stored block as an append's stale ones do (never read: before every window).
+    // Blocks zeroed (padding included, as the quantizer leaves them), then the table (its freed
+    // entries 0: the kernels never read them).
     for (uint32_t b = seq.freed_blocks; b < seq.blocks; ++b)
       check_cuda(cudaMemsetAsync(reinterpret_cast<void *>(seq.table[b]), 0, size_t(k.head_stride) * k.Hkv,
                                  cache_.stream_),
                  "cudaMemsetAsync");
-    std::vector<uint64_t> device_table(seq.table);
-    if (stored > 0) std::fill_n(device_table.begin(), seq.freed_blocks, seq.table[seq.freed_blocks]);
-    upload(seq.table_dev.data, device_table.data(), device_table.size() * sizeof(uint64_t));
+    upload(seq.table_dev.data, seq.table.data(), seq.table.size() * sizeof(uint64_t));
   }
   void write_block(uint32_t block, uint32_t head, const uint8_t *bytes) override {
     DeviceGuard guard(cache_.device_);

@@ -108,8 +108,8 @@ struct AttendSeq {
   const uint8_t *ott;  // OTT-traced layers: the committed outlier state ([Hkv] heads), else null
   const uint8_t *sink_k, *sink_v;  // the sinks ([sinks][Hkv][d] each), positions [0, sinks)
   uint32_t length, blocks, sinks;  // blocks start at position `sinks`; the tail follows them
-  // Sliding windows: blocks [0, first_block) end before the first query's window and are not read
-  // (blocks_before in window.hpp; 0 without a window).
+  // Sliding windows: blocks [0, first_block) end before the first query's window, or were freed
+  // by it, and are not read (blocks_before in window.hpp; 0 without a window).
   uint32_t first_block;
 };
 
