@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from tools.eval.caches import ExactCache
-from tools.eval.model import grouped_attention
+from tools.eval.model import causal_mask, grouped_attention
 
 
 def exact_cache(model):
@@ -71,18 +71,23 @@ def test_rope_on_adjacent_pairs_equals_hf_half_split_rope_on_unpermuted_weights(
     assert not np.allclose((q * k).sum(-1), theirs, atol=1e-2)
 
 
-def test_grouped_attention_against_a_loop():
+@pytest.mark.parametrize("n, window", [(3, None), (1, None), (1, 4)])
+def test_grouped_attention_against_a_loop(n, window):
+    """Several queries (the batched path) and one (the decode path, reading K/V as strided
+    views of a larger reserved store, as the caches hold them), with and without a window."""
     rng = np.random.default_rng(1)
-    n, t, hq, hkv, d = 3, 7, 6, 2, 8
+    t, hq, hkv, d = 7, 6, 2, 8
     q = rng.standard_normal((n, hq, d)).astype(np.float32)
-    k, v = rng.standard_normal((2, t, hkv, d)).astype(np.float32)
-    mask = np.where(np.arange(t)[None] <= np.arange(t - n, t)[:, None], 0, -np.inf).astype(np.float32)
+    k, v = rng.standard_normal((2, t + 5, hkv, d)).astype(np.float32)[:, :t]
+    mask = causal_mask(np.arange(t - n, t), 0, t, window)
     out = grouped_attention(q, k, v, mask)
     for i in range(n):
         for h in range(hq):
             kv = h // (hq // hkv)
             visible = t - n + i + 1
-            s = k[:visible, kv] @ q[i, h] / np.sqrt(d)
+            first = 0 if window is None else max(0, visible - window)
+            s = np.full(visible, -np.inf)
+            s[first:] = k[first:visible, kv] @ q[i, h] / np.sqrt(d)
             p = np.exp(s - s.max())
             p /= p.sum()
             np.testing.assert_allclose(out[i, h], p @ v[:visible, kv], rtol=1e-5, atol=1e-6)
