@@ -46,7 +46,7 @@ endforeach()
 # Libs.private in link order: the CUDA runtime, then the C++ runtime, then threads.
 set(_qjlkv_libs_private "")
 if(QJLKV_HAVE_CUDA)
-  # The objects reach the libraries through $<BUILD_INTERFACE:qjlkv_objects>, which the
+  # The CUDA objects reach the libraries through $<BUILD_INTERFACE:qjlkv_cuda_objects>, which the
   # export drops; restate the static library's CUDA runtime so that it is exported as
   # $<LINK_ONLY:CUDA::cudart_static> (the shared library carries it inside).
   target_link_libraries(qjlkv_static PRIVATE CUDA::cudart_static)
