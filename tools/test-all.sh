@@ -98,6 +98,37 @@ device_tests() {
   return $rc
 }
 
+# One suite may run beside the others: started by start_beside, reported (its log printed whole)
+# and counted by join_beside.
+beside_pid=""
+start_beside() {  # start_beside NAME COMMAND...
+  beside_name=$1
+  shift
+  beside_log=$BUILD/$beside_name-suite.log
+  echo
+  echo "==================== $beside_name: started beside the next suites ($beside_log) ===================="
+  beside_start=$SECONDS
+  "$@" >"$beside_log" 2>&1 &
+  beside_pid=$!
+}
+join_beside() {
+  [ -n "$beside_pid" ] || return 0
+  local rc=0
+  wait "$beside_pid" || rc=$?
+  beside_pid=""
+  echo
+  echo "==================== $beside_name (ran beside the suites above) ===================="
+  cat "$beside_log"
+  if [ $rc -eq 0 ]; then
+    passed=$((passed + 1))
+    echo "---- $beside_name: ok ($((SECONDS - beside_start)) s, beside other suites)"
+  else
+    failed=$((failed + 1))
+    failed_names+=("$beside_name")
+    echo "---- $beside_name: FAILED ($((SECONDS - beside_start)) s, beside other suites)"
+  fi
+}
+
 cpp_tests() {
   ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" --timeout 900
 }
@@ -114,8 +145,9 @@ if want python && [ -x bindings/python/run_tests.sh ]; then
 fi
 if want rust && [ -x bindings/rust/run_tests.sh ]; then run_suite rust bindings/rust/run_tests.sh "$BUILD"; fi
 # The evaluation installs the wheel the python suite built from this checkout and tested, rather
-# than compiling the same package again (about 90 s).
-if want eval && [ -x tests/eval/run.sh ]; then run_suite eval env QJLKV_WHEEL="$wheel" tests/eval/run.sh; fi
+# than compiling the same package again (about 90 s). Its tests run numpy on one core, so they
+# run beside the sanitizers and fuzzing, which share no file with them: about 5 minutes less.
+if want eval && [ -x tests/eval/run.sh ]; then start_beside eval env QJLKV_WHEEL="$wheel" tests/eval/run.sh; fi
 # valgrind runs the main build's demo; the sanitizer builds are their own.
 want sanitize && run_suite sanitize env QJLKV_VALGRIND_BUILD="$BUILD" tools/sanitize.sh
 # The Python extension under TSan (one cache hammered from several threads); needs the python
@@ -124,6 +156,7 @@ if want sanitize && want python && [ -x bindings/python/sanitize.sh ]; then
   run_suite python-tsan bindings/python/sanitize.sh tsan "$BUILD"
 fi
 want fuzz && run_suite fuzz tools/fuzz.sh "${QJLKV_FUZZ_SECONDS:-30}"
+join_beside
 
 echo
 [ $failed -gt 0 ] && echo "failed suites: ${failed_names[*]}"

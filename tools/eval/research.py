@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .caches import ExactCache, shape_windows
+from .models import MODELS
 from .prototype import dequantized, fp16
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "format-candidates")
@@ -254,11 +255,15 @@ class Format:
     value_residual: int = -1         # >= 0: values (per-token codecs) leave the exact tail
                                      # once this many newer tokens follow, not with the keys'
                                      # block (keys and values then have separate boundaries)
+    key_layers: tuple[int, ...] | None = None   # only these layers' keys coded, the others
+                                                # exact: which layers carry a key format's loss
 
     def codecs(self, layer: int, num_layers: int) -> tuple[Codec, Codec]:
         first, last = self.boundary_layers
         if layer < first or layer >= num_layers - last:
             return self.boundary_key or self.key, self.boundary_value or self.value
+        if self.key_layers is not None and layer not in self.key_layers:
+            return EXACT, self.value
         return self.key, self.value
 
     def label(self) -> str:
@@ -270,6 +275,8 @@ class Format:
             parts.append(f"O{self.outlier_tokens}{'' if self.outlier_rule == 'range' else 's'}")
         if self.center_keys:
             parts.append("centered")
+        if self.key_layers is not None:
+            parts.append("K layers " + ",".join(map(str, self.key_layers)))
         if any(self.boundary_layers):
             k, v = self.codecs(0 if self.boundary_layers[0] else 10 ** 9, 10 ** 9 + 1)
             parts.append(f"edge {self.boundary_layers[0]}+{self.boundary_layers[1]}: "
@@ -609,6 +616,29 @@ def candidate_sets() -> dict[str, list[ResearchConfig]]:
         C("Q2r K mix2.25, V lm2, V tail 16", Format(mixed(2.25), lm(2), sinks=16, value_residual=16),
           "2-bit tier, separate value tail"),
     ]
+    # Where q2's keys lose on Gemma 3 270M (normed keys, d = 256, one kv head): keys only
+    # (16-bit values), by layer kind (its global layers are 5, 11 and 17) and by the width
+    # rule's floor (0-bit channels or not), next to q3's key codes.
+    gemma_global = (5, 11, 17)
+    gemma_local = tuple(l for l in range(18) if l not in gemma_global)
+    sets["gemma-keys"] = [
+        C("Gk1 K mix2.125 (q2's keys)", Format(mixed(2.125), EXACT, sinks=16), "q2 keys"),
+        C("Gk2 K mix2.125 at least 1 bit", Format(mixed(2.125, 1, 4), EXACT, sinks=16), "q2 keys"),
+        C("Gk3 K mix2.125 global layers only",
+          Format(mixed(2.125), EXACT, sinks=16, key_layers=gemma_global), "q2 keys by layer"),
+        C("Gk4 K mix2.125 local layers only",
+          Format(mixed(2.125), EXACT, sinks=16, key_layers=gemma_local), "q2 keys by layer"),
+        C("Gk5 K ch3 B64 (q3's keys)", Format(channel(3), EXACT, block=64, residual=16, sinks=16),
+          "q3 keys"),
+        # second round: other key codes near q2's key bits
+        C("Gk6 K centered rot-lm2", Format(lm(2), EXACT, sinks=16, center_keys=True), "other keys"),
+        C("Gk7 K rot-lm2", Format(lm(2), EXACT, sinks=16), "other keys"),
+        C("Gk8 K mix2.5", Format(mixed(2.5), EXACT, sinks=16), "more key bits"),
+        C("Gk9 K mix2.125 B64", Format(mixed(2.125), EXACT, block=64, residual=16, sinks=16),
+          "smaller blocks"),
+        C("Gk10 K ch2 midrise", Format(Codec("channel", 2, midrise=True), EXACT, sinks=16),
+          "what the widths buy"),
+    ]
     return sets
 
 
@@ -617,7 +647,6 @@ def run(set_name: str, prefix: int, decode: int, only: str | None, model_name: s
         out_dir: str) -> list[dict]:
     from .evaluate import DEFAULT_TEXT, evaluate, load_text_tokens
     from .model import load_model
-    from .models import MODELS
 
     started = time.time()
     configs = candidate_sets()[set_name]
@@ -666,7 +695,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m tools.eval.research", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--set", default="screen", choices=sorted(candidate_sets()))
-    p.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "qwen2.5-1.5b"])
+    p.add_argument("--model", default="smollm2-135m", choices=list(MODELS))
     p.add_argument("--prefix", type=int, default=2048)
     p.add_argument("--decode", type=int, default=512)
     p.add_argument("--only", help="comma-separated substrings of the candidate names to run")
