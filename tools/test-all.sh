@@ -23,21 +23,25 @@ failed=0
 failed_names=()
 
 want() { [[ " $SUITES " == *" $1 "* ]]; }
+# count_suite NAME STATUS SECONDS [NOTE]: counts a finished suite and prints its closing line.
+count_suite() {
+  if [ "$2" -eq 0 ]; then
+    passed=$((passed + 1))
+    echo "---- $1: ok ($3 s${4:+, $4})"
+  else
+    failed=$((failed + 1))
+    failed_names+=("$1")
+    echo "---- $1: FAILED ($3 s${4:+, $4})"
+  fi
+  return "$2"
+}
 run_suite() {  # run_suite NAME COMMAND...: fails as the suite does
-  local name=$1
+  local name=$1 start=$SECONDS rc=0
   shift
   echo
   echo "==================== $name ===================="
-  local start=$SECONDS
-  if "$@"; then
-    passed=$((passed + 1))
-    echo "---- $name: ok ($((SECONDS - start)) s)"
-  else
-    failed=$((failed + 1))
-    failed_names+=("$name")
-    echo "---- $name: FAILED ($((SECONDS - start)) s)"
-    return 1
-  fi
+  "$@" || rc=$?
+  count_suite "$name" "$rc" $((SECONDS - start))
 }
 
 apt_install() {  # installs the Debian packages that are missing
@@ -119,14 +123,7 @@ join_beside() {
   echo
   echo "==================== $beside_name (ran beside the suites above) ===================="
   cat "$beside_log"
-  if [ $rc -eq 0 ]; then
-    passed=$((passed + 1))
-    echo "---- $beside_name: ok ($((SECONDS - beside_start)) s, beside other suites)"
-  else
-    failed=$((failed + 1))
-    failed_names+=("$beside_name")
-    echo "---- $beside_name: FAILED ($((SECONDS - beside_start)) s, beside other suites)"
-  fi
+  count_suite "$beside_name" "$rc" $((SECONDS - beside_start)) "beside other suites"
 }
 
 cpp_tests() {
