@@ -160,21 +160,10 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Softmax attention with GQA (query head h uses kv head h // group) without repeating
-    K/V. q: [n, Hq, d]; k, v: [T, Hkv, d]; mask: [n, T] additive (0 or -inf).
-    Contiguous 3-D stacks, so that numpy's matmul reaches BLAS. The softmax runs in place on
-    the score matrix (the largest array of a long prefill: each pass over it costs as much
-    as the matmuls), and the mask is added only from its first nonzero column: adding the
-    zeros before it would not change a score."""
-    n, num_q, d = q.shape
-    num_kv = k.shape[1]
-    group = num_q // num_kv
-    if n == 1:
-        return _one_query_attention(q, k, v, mask)
-    qg = np.ascontiguousarray(q.reshape(n, num_kv, group, d).transpose(1, 2, 0, 3))
-    keys_t = np.ascontiguousarray(k.transpose(1, 2, 0))                    # [Hkv, d, T]
-    scores = (qg.reshape(num_kv, group * n, d) @ keys_t).reshape(num_kv, group, n, -1)
+def _softmax_in_place(scores: np.ndarray, mask: np.ndarray, d: int) -> None:
+    """Scaled, masked softmax over the last axis of scores [..., n, T], in place; mask [n, T]
+    additive (0 or -inf), added only from its first nonzero column: adding the zeros before it
+    would not change a score."""
     scores *= np.float32(1.0 / np.sqrt(d))
     masked_columns = np.flatnonzero(mask.any(axis=0))
     if len(masked_columns):
@@ -183,30 +172,33 @@ def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndar
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
-    out = scores.reshape(num_kv, group * n, -1) @ np.ascontiguousarray(v.transpose(1, 0, 2))  # [Hkv, g*n, d]
-    return out.reshape(num_kv, group, n, d).transpose(2, 0, 1, 3).reshape(n, num_q, d)
 
 
-def _one_query_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """grouped_attention of one query (a decode step). Each kv head's keys and values are read
-    in place, as strided [T, d] views that BLAS takes with their row stride: the contiguous
-    copies of the batched path would cost a decode step at 16k tokens eight times the matmuls."""
-    _, num_q, d = q.shape
+def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Softmax attention with GQA (query head h uses kv head h // group) without repeating
+    K/V. q: [n, Hq, d]; k, v: [T, Hkv, d]; mask: [n, T] additive (0 or -inf).
+    Contiguous 3-D stacks, so that numpy's matmul reaches BLAS; the softmax runs in place on
+    the score matrix (the largest array of a long prefill: each pass over it costs as much
+    as the matmuls). One query (a decode step) reads each kv head's keys and values in place
+    instead, as strided [T, d] views that BLAS takes with their row stride: the contiguous
+    copies would cost a decode step at 16k tokens eight times the matmuls."""
+    n, num_q, d = q.shape
     num_kv = k.shape[1]
     group = num_q // num_kv
-    out = np.empty((1, num_q, d), np.float32)
-    has_mask = mask.any()
-    for h in range(num_kv):
-        heads = slice(h * group, (h + 1) * group)
-        scores = q[0, heads] @ k[:, h, :].T                                    # [group, T]
-        scores *= np.float32(1.0 / np.sqrt(d))
-        if has_mask:
-            scores += mask
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        out[0, heads] = scores @ v[:, h, :]
-    return out
+    if n == 1:
+        out = np.empty((1, num_q, d), np.float32)
+        for h in range(num_kv):
+            heads = slice(h * group, (h + 1) * group)
+            scores = q[0, heads] @ k[:, h, :].T                                # [group, T]
+            _softmax_in_place(scores, mask, d)
+            out[0, heads] = scores @ v[:, h, :]
+        return out
+    qg = np.ascontiguousarray(q.reshape(n, num_kv, group, d).transpose(1, 2, 0, 3))
+    keys_t = np.ascontiguousarray(k.transpose(1, 2, 0))                    # [Hkv, d, T]
+    scores = (qg.reshape(num_kv, group * n, d) @ keys_t).reshape(num_kv, group, n, -1)
+    _softmax_in_place(scores, mask, d)
+    out = scores.reshape(num_kv, group * n, -1) @ np.ascontiguousarray(v.transpose(1, 0, 2))  # [Hkv, g*n, d]
+    return out.reshape(num_kv, group, n, d).transpose(2, 0, 1, 3).reshape(n, num_q, d)
 
 
 class LlamaModel:
