@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from tools.eval.caches import ExactCache
-from tools.eval.model import causal_mask, grouped_attention
+from tools.eval.model import SOFTMAX_PARALLEL_SIZE, causal_mask, grouped_attention
 
 
 def exact_cache(model):
@@ -91,6 +91,23 @@ def test_grouped_attention_against_a_loop(n, window):
             p = np.exp(s - s.max())
             p /= p.sum()
             np.testing.assert_allclose(out[i, h], p @ v[:visible, kv], rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_attention_of_a_long_chunk_matches_a_short_one():
+    """A score matrix large enough for the row-parallel softmax and the reused scores buffer
+    (a long prefill's chunk) against the same rows attended a few at a time."""
+    rng = np.random.default_rng(3)
+    n, t, hq, hkv, d = 256, 4096, 4, 2, 16
+    q = rng.standard_normal((n, hq, d)).astype(np.float32)
+    k, v = rng.standard_normal((2, t, hkv, d)).astype(np.float32)
+    assert n * hq * t >= SOFTMAX_PARALLEL_SIZE
+    positions = np.arange(t - n, t)
+    buffer = np.full(n * hq * t + 5, np.nan, np.float32)
+    out = grouped_attention(q, k, v, causal_mask(positions, 0, t), buffer)
+    for lo in range(0, n, 64):
+        rows = slice(lo, lo + 64)
+        part = grouped_attention(q[rows], k, v, causal_mask(positions[rows], 0, t))
+        np.testing.assert_allclose(out[rows], part, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("prompt, answer", [

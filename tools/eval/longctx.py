@@ -41,7 +41,7 @@ from dataclasses import replace
 import numpy as np
 
 from .evaluate import DATA_DIR, BITS_LENGTH, bits_at_length, decode_through, headline_configurations
-from .model import LlamaModel, load_model, single_threaded_blas
+from .model import LlamaModel, blas_threads, load_model
 from .models import MODELS
 from .passkey import (CHATML_TURNS, SYSTEM_TURN, TURNS, answer_key, answer_through,
                       haystack_paragraphs, make_prompts, prompt_kv, spread_order)
@@ -141,13 +141,14 @@ class Store:
         return found
 
 
-def cached_prefill(path: str, model: LlamaModel, tokens: list[int], progress: bool):
-    """Per-layer (keys, values) float32 of the exact prefill of `tokens`, kept in `path`
-    (.npz) for resumed runs."""
+def cached_prefill(path: str, model: LlamaModel, tokens: list[int], progress: bool,
+                   threads: int = 1):
+    """Per-layer (keys, values) float32 of the exact prefill of `tokens` on `threads` BLAS
+    threads, kept in `path` (.npz) for resumed runs."""
     if os.path.exists(path):
         with np.load(path) as z:
             return [(z["k"][i], z["v"][i]) for i in range(len(z["k"]))]
-    with single_threaded_blas():
+    with blas_threads(threads):
         kv = model.forward(tokens, all_logits=False, progress=progress)[1]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     np.savez(path + ".tmp.npz", k=np.stack([k for k, _ in kv]), v=np.stack([v for _, v in kv]))
@@ -157,7 +158,7 @@ def cached_prefill(path: str, model: LlamaModel, tokens: list[int], progress: bo
 
 # ---- tasks ----------------------------------------------------------------------------------
 def run_kl(model: LlamaModel, model_name: str, length: int, positions: int, configs: list,
-           store: Store, work: str, progress: bool) -> int:
+           store: Store, work: str, progress: bool, threads: int = 1) -> int:
     pending = [c for c in configs if store.get("kl", slug(c.name)) is None]
     if not pending:
         return 0
@@ -168,7 +169,7 @@ def run_kl(model: LlamaModel, model_name: str, length: int, positions: int, conf
     prefix = length - positions
     started = time.time()
     kv = cached_prefill(os.path.join(work, f"{model_name}-kl-{prefix}.npz"), model,
-                        tokens[:prefix], progress)
+                        tokens[:prefix], progress, threads)
     prefill_seconds = time.time() - started
     if store.get("kl", "reference") is None:
         store.put("kl", "reference", {"name": EXACT_ROW, "prefix": prefix, "positions": positions,
@@ -233,7 +234,7 @@ def record(item: dict, names: list[str], answers: list[str], key: int, other_key
 
 
 def run_passkey(model: LlamaModel, model_name: str, length: int, depths: int, configs: list,
-                store: Store, work: str, progress: bool) -> int:
+                store: Store, work: str, progress: bool, threads: int = 1) -> int:
     haystack = length - QUESTION_RESERVE
     levels = [round(float(d), 4) for d in np.linspace(0.05, 0.95, depths)]
     todo = [d for d in levels if needs(store.get("passkey", f"depth-{d:.4f}"), configs)]
@@ -242,7 +243,7 @@ def run_passkey(model: LlamaModel, model_name: str, length: int, depths: int, co
     head, prompts = make_prompts(model, haystack, levels, text=long_text())
     started = time.time()
     head_kv = cached_prefill(os.path.join(work, f"{model_name}-passkey-{haystack}.npz"), model,
-                             head, progress)
+                             head, progress, threads)
     head_seconds = time.time() - started
     done = 0
     for prompt in spread_order([p for p in prompts if p.depth in todo]):
@@ -252,7 +253,7 @@ def run_passkey(model: LlamaModel, model_name: str, length: int, depths: int, co
             "length": haystack, "depth": prompt.depth, "key": prompt.key,
             "prompt_tokens": prompt.prefix_tokens + len(prompt.rest) + len(prompt.question),
             "head_prefill_seconds": head_seconds, "answers": {}, "correct": {}}
-        answer(model, prompt_kv(model, head_kv, prompt), prompt.question, configs, item,
+        answer(model, prompt_kv(model, head_kv, prompt, threads), prompt.question, configs, item,
                prompt.key, (), started, store, "passkey", name,
                f"pass key depth {prompt.depth:.0%}" if progress else None)
         done += 1
@@ -300,7 +301,7 @@ def multikey_prompt(model: LlamaModel, length: int, keys: int, trial: int):
 
 
 def run_multikey(model: LlamaModel, model_name: str, length: int, trials: int, keys: int,
-                 configs: list, store: Store, work: str, progress: bool) -> int:
+                 configs: list, store: Store, work: str, progress: bool, threads: int = 1) -> int:
     haystack = length - QUESTION_RESERVE - keys * 32
     done = 0
     for trial in range(trials):
@@ -310,7 +311,7 @@ def run_multikey(model: LlamaModel, model_name: str, length: int, trials: int, k
         prompt, questions = multikey_prompt(model, haystack, keys, trial)
         started = time.time()
         kv = cached_prefill(os.path.join(work, f"{model_name}-multikey-{haystack}-{keys}-{trial}.npz"),
-                            model, prompt, progress)
+                            model, prompt, progress, threads)
         prefill_seconds = time.time() - started
         all_keys = [q[1] for q in questions]
         for name, (door, number, depth, question) in zip(names, questions):
@@ -425,6 +426,9 @@ def main(argv=None) -> int:
                    help="research candidates by name (tools/eval/research.py), e.g. its q2 rows")
     p.add_argument("--out", help="results folder (default tools/eval/results/long-context/MODEL-LENGTH)")
     p.add_argument("--work", default=WORK, help="where prefill K/V are kept for resuming")
+    p.add_argument("--prefill-threads", type=int, default=1,
+                   help="BLAS threads of the exact prefills (default 1: two lose on a busy machine; "
+                        "alone, 2 of 2 cores are faster)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     out = a.out or os.path.join(RESULTS, f"{a.model}-{a.length}")
@@ -436,13 +440,14 @@ def main(argv=None) -> int:
     for task in a.tasks:
         started = time.time()
         if task == "kl":
-            items = run_kl(model, a.model, a.length, a.positions, configs, store, a.work, not a.quiet)
+            items = run_kl(model, a.model, a.length, a.positions, configs, store, a.work, not a.quiet,
+                           a.prefill_threads)
         elif task == "passkey":
             items = run_passkey(model, a.model, a.length, a.depths, configs, store, a.work,
-                                not a.quiet)
+                                not a.quiet, a.prefill_threads)
         else:
             items = run_multikey(model, a.model, a.length, a.trials, a.keys, configs, store,
-                                 a.work, not a.quiet)
+                                 a.work, not a.quiet, a.prefill_threads)
         if items:
             log_run(out, task, time.time() - started, items, command)
         summary = summarize(store, meta)

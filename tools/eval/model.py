@@ -43,6 +43,8 @@ Gemma 3 (`gemma3`, as llama.cpp's converter writes it and Hugging Face's Gemma3 
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +61,9 @@ GEMMA3_SLIDING_WINDOW_PATTERN = 6
 # Rows of queries per attention/FFN call in forward(): bounds the score matrix and the FFN
 # activations of a long prompt (4k tokens of a 1.5B model: ~0.3 GB instead of ~3 GB).
 FORWARD_CHUNK = 1024
+# below these a score matrix's softmax runs on one thread (pool start-up would dominate)
+SOFTMAX_PARALLEL_SIZE = 1 << 22
+SOFTMAX_MIN_ROWS = 64
 
 
 @dataclass
@@ -118,12 +123,17 @@ class QuantizedRows:
         return np.asarray(quants.dequantize(self.data[rows], self.tensor_type), dtype=np.float32)
 
 
+def blas_threads(count: int):
+    """A context in which BLAS runs `count` threads."""
+    from threadpoolctl import threadpool_limits
+    return threadpool_limits(limits=count, user_api="blas")
+
+
 def single_threaded_blas():
     """Decode matmuls have a handful of rows and alternate with single-threaded cache
     calls: one BLAS thread is faster there, and far faster on a busy machine, where
     OpenBLAS's spinning threads stall (measured 2 threads 7x slower under load)."""
-    from threadpoolctl import threadpool_limits
-    return threadpool_limits(limits=1, user_api="blas")
+    return blas_threads(1)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -131,7 +141,11 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    """In place on one temporary: a prefill chunk's FFN activations are tens of megabytes."""
+    out = np.negative(x)
+    np.exp(out, out=out)
+    out += 1.0
+    return np.divide(x, out, out=out)
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -160,10 +174,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def _softmax_in_place(scores: np.ndarray, mask: np.ndarray, d: int) -> None:
-    """Scaled, masked softmax over the last axis of scores [..., n, T], in place; mask [n, T]
-    additive (0 or -inf), added only from its first nonzero column: adding the zeros before it
-    would not change a score."""
+def _exp_scores_rows(scores: np.ndarray, mask: np.ndarray, d: int, sums: np.ndarray) -> None:
     scores *= np.float32(1.0 / np.sqrt(d))
     masked_columns = np.flatnonzero(mask.any(axis=0))
     if len(masked_columns):
@@ -171,15 +182,40 @@ def _softmax_in_place(scores: np.ndarray, mask: np.ndarray, d: int) -> None:
         scores[..., first:] += mask[:, first:]
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    np.sum(scores, axis=-1, keepdims=True, out=sums)
 
 
-def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def _exp_scores_in_place(scores: np.ndarray, mask: np.ndarray, d: int) -> np.ndarray:
+    """The unnormalized softmax of scores [..., n, T] over the last axis, in place (scaled,
+    masked, shifted by the row maximum, exponentiated); returns the row sums [..., n, 1], by
+    which the caller divides the smaller attention output instead of the score matrix. mask
+    [n, T] additive (0 or -inf), added only from its first nonzero column: adding the zeros
+    before it would not change a score. A long prefill's score matrix is split into blocks
+    of query rows, one per core: numpy's elementwise passes are single-threaded and, at 16k
+    keys, cost as much as the matmuls; each row's arithmetic is the same either way."""
+    n = scores.shape[-2]
+    sums = np.empty(scores.shape[:-1] + (1,), np.float32)
+    workers = min(os.cpu_count() or 1, n // SOFTMAX_MIN_ROWS)
+    if workers < 2 or scores.size < SOFTMAX_PARALLEL_SIZE:
+        _exp_scores_rows(scores, mask, d, sums)
+        return sums
+    bounds = np.linspace(0, n, workers + 1).astype(int)
+    blocks = [(scores[..., lo:hi, :], mask[lo:hi], d, sums[..., lo:hi, :])
+              for lo, hi in zip(bounds[:-1], bounds[1:])]
+    with ThreadPoolExecutor(workers) as pool:  # ufuncs release the GIL
+        list(pool.map(lambda block: _exp_scores_rows(*block), blocks))
+    return sums
+
+
+def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray,
+                      scores_buffer: np.ndarray | None = None) -> np.ndarray:
     """Softmax attention with GQA (query head h uses kv head h // group) without repeating
     K/V. q: [n, Hq, d]; k, v: [T, Hkv, d]; mask: [n, T] additive (0 or -inf).
+    scores_buffer: float32, at least n * Hq * T numbers, reused for the score matrix (a long
+    prefill's chunks would otherwise each fault in hundreds of fresh megabytes).
     Contiguous 3-D stacks, so that numpy's matmul reaches BLAS; the softmax runs in place on
     the score matrix (the largest array of a long prefill: each pass over it costs as much
-    as the matmuls). One query (a decode step) reads each kv head's keys and values in place
+    as the matmuls), and its normalization divides the output rather than the scores. One query (a decode step) reads each kv head's keys and values in place
     instead, as strided [T, d] views that BLAS takes with their row stride: the contiguous
     copies would cost a decode step at 16k tokens eight times the matmuls."""
     n, num_q, d = q.shape
@@ -190,14 +226,18 @@ def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndar
         for h in range(num_kv):
             heads = slice(h * group, (h + 1) * group)
             scores = q[0, heads] @ k[:, h, :].T                                # [group, T]
-            _softmax_in_place(scores, mask, d)
-            out[0, heads] = scores @ v[:, h, :]
+            sums = _exp_scores_in_place(scores, mask, d)
+            out[0, heads] = scores @ v[:, h, :] / sums
         return out
     qg = np.ascontiguousarray(q.reshape(n, num_kv, group, d).transpose(1, 2, 0, 3))
     keys_t = np.ascontiguousarray(k.transpose(1, 2, 0))                    # [Hkv, d, T]
-    scores = (qg.reshape(num_kv, group * n, d) @ keys_t).reshape(num_kv, group, n, -1)
-    _softmax_in_place(scores, mask, d)
+    shape = (num_kv, group * n, k.shape[0])
+    scores = None if scores_buffer is None else scores_buffer[:np.prod(shape)].reshape(shape)
+    scores = np.matmul(qg.reshape(num_kv, group * n, d), keys_t, out=scores)
+    scores = scores.reshape(num_kv, group, n, -1)
+    sums = _exp_scores_in_place(scores, mask, d).reshape(num_kv, group * n, 1)
     out = scores.reshape(num_kv, group * n, -1) @ np.ascontiguousarray(v.transpose(1, 0, 2))  # [Hkv, g*n, d]
+    out /= sums
     return out.reshape(num_kv, group, n, d).transpose(2, 0, 1, 3).reshape(n, num_q, d)
 
 
@@ -396,6 +436,8 @@ class LlamaModel:
         positions = np.arange(start_pos, start_pos + n)
         x = self.embed(tokens)
         kv = []
+        scores_buffer = np.empty(min(n, FORWARD_CHUNK) * self.shape.num_q_heads * (start_pos + n),
+                                 np.float32)
         for index, layer in enumerate(tqdm(self.layers, desc=f"forward of {n} tokens", unit="layer",
                                            disable=not progress, leave=False)):
             q, k, v = self._qkv(layer, x, positions)
@@ -410,7 +452,8 @@ class LlamaModel:
                 # a windowed layer's first query sees nothing before its window
                 first = 0 if layer.window is None else max(0, start_pos + lo - layer.window + 1)
                 mask = causal_mask(positions[lo:hi], first, visible, layer.window)
-                attn[lo:hi] = grouped_attention(q[lo:hi], k[first:visible], v[first:visible], mask)
+                attn[lo:hi] = grouped_attention(q[lo:hi], k[first:visible], v[first:visible], mask,
+                                                scores_buffer)
             x = np.concatenate([self._finish_layer(layer, x[lo:lo + FORWARD_CHUNK],
                                                    attn[lo:lo + FORWARD_CHUNK])
                                 for lo in range(0, n, FORWARD_CHUNK)])

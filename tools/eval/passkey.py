@@ -35,7 +35,7 @@ import numpy as np
 from .caches import ExactCache
 from .evaluate import (DEFAULT_TEXT, BITS_LENGTH, CacheConfig, bits_at_length,
                        headline_configurations, runnable_configurations)
-from .model import LlamaModel, load_model, single_threaded_blas
+from .model import LlamaModel, blas_threads, load_model, single_threaded_blas
 from .models import DEFAULT_MODEL, MODELS
 
 # Qwen2.5's default system turn (its chat template adds it when there is none); SmolLM2's
@@ -138,11 +138,12 @@ def run_prompt(model: LlamaModel, head_kv, prompt: Prompt, configs: list[CacheCo
                           num_threads, answer_tokens=answer_tokens)
 
 
-def prompt_kv(model: LlamaModel, head_kv, prompt: Prompt) -> list:
+def prompt_kv(model: LlamaModel, head_kv, prompt: Prompt, threads: int = 1) -> list:
     """Per-layer (keys, values) of the prompt up to its question: the shared head's K/V
-    before the needle, then the needle and the haystack after it prefilled exactly."""
+    before the needle, then the needle and the haystack after it prefilled exactly, on
+    `threads` BLAS threads (on a shared machine one beats two: model.py)."""
     past = [(k[:prompt.prefix_tokens], v[:prompt.prefix_tokens]) for k, v in head_kv]
-    with single_threaded_blas():  # on the shared machine one thread beats two (model.py)
+    with blas_threads(threads):
         _, rest_kv = model.forward(prompt.rest, start_pos=prompt.prefix_tokens, past=past,
                                    all_logits=False)
     return [(np.concatenate([p[0], r[0]]), np.concatenate([p[1], r[1]]))
