@@ -5,8 +5,10 @@ import os
 
 import pytest
 
-from tools.eval.longctx import (EXACT_ROW, Store, long_text, multikey_prompt, row_configs,
-                                run_kl, run_multikey, run_passkey, slug, summarize)
+import numpy as np
+
+from tools.eval.longctx import (EXACT_ROW, Store, cached_prefill, long_text, multikey_prompt,
+                                row_configs, run_kl, run_multikey, run_passkey, slug, summarize)
 
 LENGTH, POSITIONS = 320, 12
 
@@ -62,6 +64,21 @@ def test_a_second_run_skips_finished_items_and_a_new_row_runs_alone(model, measu
     assert "| llama.cpp q8_0 | — | — |" in text and "Q2d K mix2.5, V ternary" in text
     with open(os.path.join(store.out, "summary.json")) as f:
         assert json.load(f)["passkey"][EXACT_ROW].endswith("/2")
+
+
+def test_a_kept_prefill_loads_as_computed_and_once(model, measured):
+    """A resumed run reads the work folder's K/V: the same numbers as the prefill, every layer
+    a view of one loaded array (a 16k-token Qwen prefill read once per layer would need 26 GB)."""
+    _, work, _, _ = measured
+    prefix = LENGTH - POSITIONS
+    tokens = model.tokenizer.encode(long_text())[:prefix]
+    kept = cached_prefill(os.path.join(work, f"smollm2-135m-kl-{prefix}.npz"), model, tokens, False)
+    computed = model.forward(tokens, all_logits=False)[1]
+    assert len(kept) == len(computed) == model.shape.num_layers
+    for (k, v), (k_ref, v_ref) in zip(kept, computed):
+        np.testing.assert_allclose(k, k_ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(v, v_ref, rtol=1e-5, atol=1e-5)
+    assert len({id(k.base) for k, _ in kept}) == 1 and len({id(v.base) for _, v in kept}) == 1
 
 
 def test_multikey_haystack_holds_every_key_once(model):

@@ -147,7 +147,8 @@ def cached_prefill(path: str, model: LlamaModel, tokens: list[int], progress: bo
     threads, kept in `path` (.npz) for resumed runs."""
     if os.path.exists(path):
         with np.load(path) as z:
-            return [(z["k"][i], z["v"][i]) for i in range(len(z["k"]))]
+            keys, values = z["k"], z["v"]  # each z[...] reads the whole array again
+        return list(zip(keys, values))
     with blas_threads(threads):
         kv = model.forward(tokens, all_logits=False, progress=progress)[1]
     os.makedirs(os.path.dirname(path), exist_ok=True)
