@@ -380,8 +380,8 @@ def summarize(store: Store, meta: dict) -> str:
         cells += [score(pk, name), score(mk, name) + (f" ({wrong})" if wrong else "")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if runs:
-        lines += ["", "Wall time per task (all invocations, summed; 2-core shared machine, "
-                  "under nice):", ""]
+        lines += ["", "Wall time per task (all invocations, summed; a 2-core machine, alone or "
+                  "shared with other work):", ""]
         for task in TASKS:
             spent = [r for r in runs if r["task"] == task]
             if spent:
