@@ -215,9 +215,10 @@ def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndar
     prefill's chunks would otherwise each fault in hundreds of fresh megabytes).
     Contiguous 3-D stacks, so that numpy's matmul reaches BLAS; the softmax runs in place on
     the score matrix (the largest array of a long prefill: each pass over it costs as much
-    as the matmuls), and its normalization divides the output rather than the scores. One query (a decode step) reads each kv head's keys and values in place
-    instead, as strided [T, d] views that BLAS takes with their row stride: the contiguous
-    copies would cost a decode step at 16k tokens eight times the matmuls."""
+    as the matmuls), and its normalization divides the output rather than the scores. One
+    query (a decode step) reads each kv head's keys and values in place instead, as strided
+    [T, d] views that BLAS takes with their row stride: the contiguous copies would cost a
+    decode step at 16k tokens eight times the matmuls."""
     n, num_q, d = q.shape
     num_kv = k.shape[1]
     group = num_q // num_kv
